@@ -1,0 +1,191 @@
+"""Model configuration: one frozen dataclass for the whole Llama family, built once from a HF
+config.json dict (transformers 4.x `rope_theta`/`rope_scaling` or 5.x `rope_parameters`).
+
+GGUF metadata is first turned into the same HF dict (weights/gguf.py), so there is one parser.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ModelLoadError
+
+# model_type -> the switches that differ between family members (defaults; config keys win)
+# model_type -> how its attention biases and q/k norm are set (as in transformers' modeling files):
+# "cfg" means the config's attention_bias decides, True/False are fixed by the family.
+FAMILY = {
+    "llama": dict(qkv_bias="cfg", o_bias="cfg", mlp_bias="cfg", qk_norm=False, sliding=False),
+    "mistral": dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, sliding=True),
+    "qwen2": dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False, sliding=False),
+    "qwen3": dict(qkv_bias="cfg", o_bias="cfg", mlp_bias=False, qk_norm=True, sliding=False),
+}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    kind: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    @staticmethod
+    def from_hf(cfg: dict) -> "RopeConfig":
+        params = dict(cfg.get("rope_parameters") or {})
+        params.update(cfg.get("rope_scaling") or {})
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        kind = params.get("rope_type", params.get("type", "default")) or "default"
+        if kind not in ("default", "linear", "llama3"):
+            raise ModelLoadError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+        return RopeConfig(
+            theta=theta,
+            kind=kind,
+            factor=float(params.get("factor", 1.0)),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+        )
+
+    def to_hf(self) -> dict:
+        if self.kind == "default":
+            return {"rope_theta": self.theta}
+        scaling = {"rope_type": self.kind, "factor": self.factor}
+        if self.kind == "llama3":
+            scaling.update(low_freq_factor=self.low_freq_factor, high_freq_factor=self.high_freq_factor,
+                           original_max_position_embeddings=self.original_max_position)
+        return {"rope_theta": self.theta, "rope_scaling": scaling}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position: int
+    rope: RopeConfig
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(f"num_attention_heads {self.num_heads} is not a multiple of "
+                                 f"num_key_value_heads {self.num_kv_heads}")
+
+    @property
+    def default_eagle_layers(self) -> tuple[int, int, int]:
+        """Layers whose *input* residual stream EAGLE-3 taps: 2, N//2, N-3 (see reference/eagle3.md)."""
+        n = self.num_layers
+        return (2, n // 2, n - 3)
+
+    def num_params(self) -> int:
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        layer = attn + 3 * h * i + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        return self.num_layers * layer + emb + h
+
+    @staticmethod
+    def from_hf(cfg: dict) -> "ModelConfig":
+        mt = cfg.get("model_type")
+        if mt not in FAMILY:
+            archs = cfg.get("architectures") or []
+            raise ModelLoadError(f"unsupported model_type {mt!r} {archs} (supported: {', '.join(FAMILY)})")
+        try:
+            h, nh = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+            eos = cfg.get("eos_token_id")
+            eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+            fam = FAMILY[mt]
+            sw = cfg.get("sliding_window") if fam["sliding"] else None
+            if cfg.get("use_sliding_window") and not fam["sliding"]:
+                raise ModelLoadError(f"{mt}: use_sliding_window (per-layer windows) is not supported")
+
+            def switch(key: str, cfg_key: str) -> bool:
+                return bool(cfg.get(cfg_key, False)) if fam[key] == "cfg" else fam[key]
+            return ModelConfig(
+                model_type=mt,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=h,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=nh,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or nh),
+                head_dim=int(cfg.get("head_dim") or h // nh),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                max_position=int(cfg.get("max_position_embeddings", 4096)),
+                rope=RopeConfig.from_hf(cfg),
+                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                qkv_bias=switch("qkv_bias", "attention_bias"),
+                o_bias=switch("o_bias", "attention_bias"),
+                mlp_bias=switch("mlp_bias", "mlp_bias"),
+                qk_norm=fam["qk_norm"],
+                sliding_window=int(sw) if sw else None,
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=eos,
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"config.json lacks {e.args[0]!r}") from None
+
+    @staticmethod
+    def from_file(path: str | Path) -> "ModelConfig":
+        try:
+            return ModelConfig.from_hf(json.loads(Path(path).read_text()))
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+
+    def to_hf(self) -> dict:
+        """A HF config.json dict that `from_hf` reads back to an equal config."""
+        d = dict(
+            architectures=[{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.model_type]],
+            model_type=self.model_type, vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position, tie_word_embeddings=self.tie_embeddings,
+            attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias,
+            sliding_window=self.sliding_window,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+        )
+        d.update(self.rope.to_hf())
+        return d
+
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int):
+    """Inverse frequencies (head_dim/2,) including linear and llama3 scaling, in float32."""
+    import torch
+
+    # float32 throughout, the way transformers computes it, so logits match to the last bit we can
+    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.kind == "linear":
+        inv = inv / rope.factor
+    elif rope.kind == "llama3":
+        low_wavelen = rope.original_max_position / rope.low_freq_factor
+        high_wavelen = rope.original_max_position / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv.float()

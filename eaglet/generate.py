@@ -1,0 +1,145 @@
+"""Generation for a batch of prompts: prefill, then plain decoding one token per step, streaming
+each token (and its text) as it is produced. Stops per sequence on EOS, stop strings or the
+token budget. Speculative decoding plugs into the same loop (spec/) by producing several tokens
+per step; everything about stopping and streaming stays here.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import InvalidInput
+from .kvcache import KVCache
+from .models.attention import AttnMeta
+from .models.llama import CausalLM
+from .sampling import SamplingParams, sample
+from .tokenizer import TextStream, Tokenizer
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise InvalidInput(f"max_new_tokens must be a positive integer, got {self.max_new_tokens}")
+
+
+@dataclass
+class TokenEvent:
+    seq: int  # index of the prompt in the batch
+    token: int
+    text: str  # text that became final with this token ('' when held back)
+    finish_reason: str | None = None  # 'stop' | 'length' on the sequence's last event
+
+
+@dataclass
+class Completion:
+    prompt_tokens: int
+    tokens: list[int]
+    text: str
+    finish_reason: str
+
+
+class PlainDecoder:
+    """One target forward per token. Holds the batch's KV cache for one generate call."""
+
+    def __init__(self, model: CausalLM, batch: int, max_len: int, sampling: SamplingParams):
+        p = next(model.parameters())
+        self.model, self.sampling = model, sampling
+        self.cache = KVCache.for_model(model.config, batch, max_len, p.dtype, p.device)
+        self.gen = sampling.generator(p.device)
+        self.host_lens = [0] * batch  # mirrors cache.lens on the host: no sync needed for kv_len
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, n_new: list[int]) -> torch.Tensor:
+        """Run new tokens (B, T) and commit n_new[b] of them; returns hidden (B, T, H)."""
+        meta = AttnMeta.build(self.cache.lens, positions, max(self.host_lens) + ids.shape[1],
+                              sliding_window=self.model.config.sliding_window)
+        hidden, _ = self.model(ids, positions, self.cache, meta)
+        self.cache.advance(torch.tensor(n_new, device=ids.device))
+        self.host_lens = [a + b for a, b in zip(self.host_lens, n_new)]
+        return hidden
+
+    def prefill(self, prompts: list[list[int]]) -> list[list[int]]:
+        """Run the prompts; return the first generated token of each."""
+        dev = self.cache.lens.device
+        t = max(map(len, prompts))
+        ids = torch.tensor([p + [0] * (t - len(p)) for p in prompts], device=dev)  # right-padded (B, T)
+        positions = torch.arange(t, device=dev).expand(len(prompts), t)
+        hidden = self.forward(ids, positions, [len(p) for p in prompts])
+        last = torch.tensor([len(p) - 1 for p in prompts], device=dev)
+        h = hidden[torch.arange(len(prompts), device=dev), last]  # (B, H)
+        self.last = sample(self.model.logits(h).float(), self.sampling, self.gen)  # (B,)
+        return [[t] for t in self.last.tolist()]  # sync: tokens must reach the host to stream and stop
+
+    def step(self) -> list[list[int]]:
+        """Feed each sequence's last token; return the next token of each."""
+        positions = self.cache.lens[:, None].clone()  # (B, 1)
+        hidden = self.forward(self.last[:, None], positions, [1] * len(self.host_lens))
+        self.last = sample(self.model.logits(hidden[:, -1]).float(), self.sampling, self.gen)  # (B,)
+        return [[t] for t in self.last.tolist()]  # sync: tokens must reach the host to stream and stop
+
+
+class Generator:
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer | None):
+        self.model, self.tokenizer = model, tokenizer
+        self.context = model.config.max_position
+
+    def check_prompts(self, prompts: list[list[int]]) -> None:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise InvalidInput("empty prompt")
+        for p in prompts:
+            if len(p) >= self.context:
+                raise InvalidInput(f"prompt is {len(p)} tokens but the model's context is {self.context} "
+                                   "(at least one token must remain to generate)")
+
+    @torch.inference_mode()
+    def stream(self, prompts: list[list[int]], gen: GenerationConfig) -> Iterator[TokenEvent]:
+        """Yield one TokenEvent per generated token, in the order produced."""
+        self.check_prompts(prompts)
+        budget = [min(gen.max_new_tokens, self.context - len(p)) for p in prompts]
+        max_len = max(len(p) + b for p, b in zip(prompts, budget))
+        dec = PlainDecoder(self.model, len(prompts), max_len, gen.sampling)
+        streams = [TextStream(self.tokenizer, gen.stop) if self.tokenizer else None for _ in prompts]
+        counts = [0] * len(prompts)
+        done = [False] * len(prompts)
+        eos = frozenset() if gen.ignore_eos or not self.tokenizer else self.tokenizer.eos_ids
+        eos = eos | (frozenset() if gen.ignore_eos else frozenset(self.model.config.eos_token_ids))
+
+        new = dec.prefill(prompts)
+        while True:
+            for i, toks in enumerate(new):
+                for tok in toks:
+                    if done[i]:
+                        break
+                    counts[i] += 1
+                    text = streams[i].push(tok) if streams[i] else ""
+                    reason = ("stop" if tok in eos or (streams[i] and streams[i].stopped)
+                              else "length" if counts[i] >= budget[i] else None)
+                    if reason:
+                        done[i] = True
+                        if streams[i]:
+                            text += streams[i].flush()
+                    yield TokenEvent(i, tok, text, reason)
+            if all(done):
+                return
+            new = dec.step()
+
+    def generate(self, prompts: list[list[int]], gen: GenerationConfig,
+                 on_event: Callable[[TokenEvent], None] | None = None) -> list[Completion]:
+        tokens: list[list[int]] = [[] for _ in prompts]
+        texts = [""] * len(prompts)
+        reasons = [""] * len(prompts)
+        for ev in self.stream(prompts, gen):
+            tokens[ev.seq].append(ev.token)
+            texts[ev.seq] += ev.text
+            if ev.finish_reason:
+                reasons[ev.seq] = ev.finish_reason
+            if on_event:
+                on_event(ev)
+        return [Completion(len(p), t, x, r) for p, t, x, r in zip(prompts, tokens, texts, reasons)]

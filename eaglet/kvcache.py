@@ -1,0 +1,71 @@
+"""Preallocated KV cache for a batch of sequences, with the operations speculation needs.
+
+Layout: one tensor for K and one for V, each (layers, batch, kv_heads, max_len, head_dim), so a
+layer's view is directly what attention reads. Each sequence b has a committed length `lens[b]`.
+A forward writes its T new tokens into slots lens[b] .. lens[b]+T-1 (see AttnMeta) without
+committing them; the caller then commits all of them (`advance`), only an accepted subset
+(`keep`, the accepted path of a tree), or rolls back (`truncate`).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lens = torch.zeros(batch, dtype=torch.long, device=device)  # committed tokens per sequence
+        self.max_len = max_len
+
+    @staticmethod
+    def for_model(config, batch: int, max_len: int, dtype: torch.dtype, device) -> "KVCache":
+        return KVCache(config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim, dtype, device)
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new keys/values. slots: (B, T) cache indices; k, v: (B, Hkv, T, D)."""
+        b = torch.arange(slots.shape[0], device=slots.device)[:, None].expand_as(slots)  # (B, T)
+        self.k[layer][b, :, slots] = k.transpose(1, 2)  # indexed view is (B, T, Hkv, D)
+        self.v[layer][b, :, slots] = v.transpose(1, 2)
+
+    def advance(self, n: torch.Tensor | int) -> None:
+        """Commit the first n just-written tokens of every sequence (n: int or (B,))."""
+        self.lens += n
+
+    def keep(self, index: torch.Tensor, count: torch.Tensor) -> None:
+        """Commit, for each sequence b, the just-written tokens at block offsets index[b, :count[b]]
+        (in that order), moving them to slots lens[b], lens[b]+1, ...; the rest are dropped.
+
+        index: (B, M) offsets into the block written by the last forward, count: (B,) <= M.
+        Entries of `index` past `count` are ignored.
+        """
+        bsz, m = index.shape
+        ar = torch.arange(m, device=index.device)[None, :]  # (1, M)
+        src_off = torch.where(ar < count[:, None], index, ar)  # unused entries copy onto themselves
+        src = self.lens[:, None] + src_off  # (B, M)
+        dst = self.lens[:, None] + ar
+        b = torch.arange(bsz, device=index.device)[:, None].expand_as(src)
+        for t in (self.k, self.v):
+            moved = t[:, b, :, src]  # (B, M, L, Hkv, D): gathered before any write
+            t[:, b, :, dst] = moved
+        self.lens += count
+
+    def truncate(self, lens: torch.Tensor) -> None:
+        """Roll every sequence back to `lens` tokens (B,); later writes overwrite the rest."""
+        self.lens.copy_(torch.minimum(self.lens, lens.to(self.lens)))
+
+    def reset(self, rows: torch.Tensor | None = None) -> None:
+        """Empty all sequences, or only the given batch rows."""
+        if rows is None:
+            self.lens.zero_()
+        else:
+            self.lens[rows] = 0

@@ -1,0 +1,174 @@
+"""The Llama family in native PyTorch: Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2.
+
+One implementation; ModelConfig's switches pick qkv bias (Qwen2), q/k RMSNorm (Qwen3), tied
+embeddings (SmolLM2), llama3 rope scaling and a sliding window (Mistral). Module names are the HF
+checkpoint names, so `state_dict()` keys are exactly what a HF safetensors file holds.
+
+`forward(input_ids, positions, cache, meta)` returns the final (normed) hidden states and,
+optionally, the residual stream entering chosen layers (EAGLE-3 taps); `logits(hidden)` is apart
+so speculative verify can project only the rows it needs. Cost formulas live at the bottom.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig, rope_inv_freq
+from ..kvcache import KVCache
+from .attention import AttnMeta
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """RoPE from positions. `freq_factors` are llama.cpp's per-frequency divisors (GGUF
+    `rope_freqs`), ones otherwise; scaling from the config is already in `inv_freq`."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(config.rope, config.head_dim), persistent=False)
+        self.register_buffer("freq_factors", torch.ones(config.head_dim // 2))
+
+    def reset_buffers(self, config: ModelConfig) -> None:
+        self.inv_freq = rope_inv_freq(config.rope, config.head_dim).to(self.inv_freq.device)
+        self.freq_factors.fill_(1.0)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv = self.inv_freq / self.freq_factors.float()
+        freqs = positions[..., None].float() * inv  # (B, T, D/2)
+        emb = torch.cat([freqs, freqs], -1)  # (B, T, D)
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # (B, 1, T, D)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.layer, self.nh, self.nkv, self.d = layer, config.num_heads, config.num_kv_heads, d
+        self.q_proj = nn.Linear(h, self.nh * d, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(h, self.nkv * d, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(h, self.nkv * d, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.nh * d, h, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+
+    def forward(self, x, cos, sin, cache: KVCache, meta: AttnMeta) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.nh, self.d)
+        k = self.k_proj(x).view(b, t, self.nkv, self.d)
+        v = self.v_proj(x).view(b, t, self.nkv, self.d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        cache.write(self.layer, meta.slots, k, v)
+        s = meta.mask.shape[-1]
+        keys = cache.k[self.layer, :b, :, :s]  # (B, Hkv, S, D)
+        vals = cache.v[self.layer, :b, :, :s]
+        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=meta.mask,
+                                           enable_gqa=self.nh != self.nkv)  # (B, H, T, D)
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, self.nh * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = Rotary(config)
+
+
+class CausalLM(nn.Module):
+    """A Llama-family target model. State-dict keys are HF's (`model.layers.0.self_attn.q_proj.weight`)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttnMeta,
+                capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids, positions: (B, T). Writes K/V of the new tokens into `cache` at meta.slots
+        (the caller commits them). Returns hidden (B, T, H) after the final norm, and when `capture`
+        names layers, the residual stream entering each, concatenated: (B, T, len(capture) * H)."""
+        x = self.model.embed_tokens(input_ids)  # (B, T, H)
+        cos, sin = self.model.rotary(positions, x.dtype)
+        taps = []
+        for i, layer in enumerate(self.model.layers):
+            if i in capture:
+                taps.append(x)
+            x = layer(x, cos, sin, cache, meta)
+        aux = torch.cat(taps, -1) if capture else None
+        return self.model.norm(x), aux
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # (..., V)
+
+    def post_materialize(self) -> None:
+        """After building on the meta device and `to_empty`: re-tie weights, recompute buffers."""
+        self.tie_weights()
+        self.model.rotary.reset_buffers(self.config)
+
+    # ---- cost model inputs (used by the planner and the roofline in bench) ----
+    def weight_bytes(self) -> int:
+        seen, total = set(), 0
+        for p in self.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+        return total
+
+    def decode_flops(self, tokens: int = 1) -> int:
+        """Matmul FLOPs for `tokens` new tokens, attention over the cache excluded."""
+        return 2 * tokens * self.config.num_params()

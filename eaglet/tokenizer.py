@@ -1,0 +1,81 @@
+"""Tokenizer and chat template from the model itself (tokenizer.json / tokenizer_config.json, as
+saved from a HF repo or converted from GGUF metadata), through transformers; plus TextStream, the
+incremental detokenizer that streams text and applies stop strings."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import InvalidInput, ModelLoadError
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer, eos_ids: set[int]):
+        self.hf = hf_tokenizer
+        self.eos_ids = frozenset(eos_ids)
+
+    @staticmethod
+    def from_dir(path: Path, config) -> "Tokenizer | None":
+        """The tokenizer saved in a model directory, or None when the directory has none."""
+        if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+            return None
+        from transformers import AutoTokenizer
+
+        try:
+            hf = AutoTokenizer.from_pretrained(str(path))
+        except Exception as e:  # transformers raises many types for broken tokenizer files
+            raise ModelLoadError(f"{path}: cannot load the tokenizer ({e})") from None
+        eos = set(config.eos_token_ids)
+        if hf.eos_token_id is not None:
+            eos.add(hf.eos_token_id)
+        return Tokenizer(hf, eos)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf(text).input_ids)
+
+    def apply_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of `messages` rendered with the model's chat template, ready for the reply."""
+        if not getattr(self.hf, "chat_template", None):
+            raise InvalidInput("this model has no chat template; pass a plain prompt without --chat")
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.hf(text, add_special_tokens=False).input_ids)
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special)
+
+
+class TextStream:
+    """Turns a growing list of token ids into text deltas. Holds back an incomplete UTF-8 character
+    and any tail that could begin a stop string; stops at the first stop string (not included)."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()):
+        self.tok, self.stop = tokenizer, tuple(s for s in stop if s)
+        self.ids: list[int] = []
+        self.text = ""  # everything emitted so far
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        """Add one token; return the text that became final."""
+        self.ids.append(token)
+        full = self.tok.decode(self.ids)
+        if full.endswith("\ufffd"):  # a multi-byte character split across tokens
+            return ""
+        for s in self.stop:
+            at = full.find(s, max(0, len(self.text) - len(s)))
+            if at >= 0:
+                self.stopped = True
+                return self._emit(full[:at])
+        hold = max((k for s in self.stop for k in range(1, len(s)) if full.endswith(s[:k])), default=0)
+        return self._emit(full[: len(full) - hold])
+
+    def flush(self) -> str:
+        """At the end of generation: release any held-back text."""
+        return "" if self.stopped else self._emit(self.tok.decode(self.ids))
+
+    def _emit(self, upto: str) -> str:
+        delta = upto[len(self.text):] if upto.startswith(self.text) else ""
+        self.text += delta
+        return delta

@@ -1,0 +1,123 @@
+"""Build a model from a path: a HF directory or a GGUF file (converted once, then cached).
+
+The model is built on the meta device, materialised on the target device and dtype, and filled
+from a stream of (name, tensor) pairs: a name the model does not have, a missing parameter or a
+shape mismatch is a ModelLoadError naming the tensor.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig
+from ..default_model import default_model_path
+from ..errors import ModelLoadError
+from ..models.llama import CausalLM
+from ..tokenizer import Tokenizer
+from . import safetensors_dir
+from .gguf_cache import converted_dir
+from .gguf_file import is_gguf
+from .names import IGNORED
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+OPTIONAL = {"model.rotary.freq_factors"}  # buffers with a correct default when absent
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    tokenizer: Tokenizer | None
+    config: ModelConfig
+    path: Path  # what the user named
+    weights_dir: Path  # the HF directory the weights came from (the cache entry for GGUF)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    return DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ModelLoadError(f"unknown device {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda was asked for but no CUDA GPU is available")
+    return dev
+
+
+def load_state(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor]], source: str = "") -> None:
+    """Copy (name, tensor) pairs into `model`, casting to each parameter's dtype."""
+    targets = model.state_dict(keep_vars=True)  # tied weights appear under both names
+    aliases = {n: {m for m, q in targets.items() if q is p} for n, p in targets.items()}
+    missing = set(targets) - OPTIONAL
+    prefix = f"{source}: " if source else ""
+    for name, tensor in pairs:
+        if IGNORED.search(name):
+            continue
+        if name not in targets:
+            raise ModelLoadError(f"{prefix}unexpected tensor {name!r} (the model has no such parameter)")
+        dst = targets[name]
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ModelLoadError(f"{prefix}tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(tensor)
+        missing -= aliases[name]
+    if missing:
+        raise ModelLoadError(f"{prefix}missing tensor {sorted(missing)[0]!r}"
+                             + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+
+
+def build_model(config: ModelConfig, pairs, device: torch.device, dtype: torch.dtype, source: str = "") -> CausalLM:
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model = model.to_empty(device=device).to(dtype)
+    model.post_materialize()
+    load_state(model, pairs, source)
+    return model.eval().requires_grad_(False)
+
+
+def load_model(path: str | Path | None = None, dtype: str | torch.dtype | None = None,
+               device: str | torch.device | None = None, tokenizer: bool = True) -> LoadedModel:
+    """Load a Llama-family model from a HF directory or a GGUF file (None: the embedded default)."""
+    path = Path(path) if path is not None else default_model_path()
+    if not path.exists():
+        raise ModelLoadError(f"model path {str(path)!r} does not exist")
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    if is_gguf(path):
+        weights_dir = converted_dir(path)
+    elif path.is_dir():
+        weights_dir = path
+    else:
+        raise ModelLoadError(f"{path}: neither a HF model directory nor a GGUF file")
+    hf = safetensors_dir.read_config(weights_dir)
+    config = ModelConfig.from_hf(hf)
+    model = build_model(config, safetensors_dir.iter_tensors(weights_dir), dev, dt, source=str(path))
+    tok = Tokenizer.from_dir(weights_dir, config) if tokenizer else None
+    return LoadedModel(model=model, tokenizer=tok, config=config, path=path, weights_dir=weights_dir)
+
+
+def save_hf_dir(model: CausalLM, out: Path) -> None:
+    """Write `model` as a HF directory (config.json + model.safetensors) that load_model reads."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(model.config.to_hf(), indent=1))
