@@ -189,3 +189,53 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int):
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = torch.where(medium, smoothed, scaled)
     return inv.float()
+
+
+SPEC_METHODS = ("eagle3", "ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculation settings, named like SGLang's flags. topk == 1 is a chain of `steps` drafts;
+    topk > 1 is the EAGLE-2 dynamic tree: depth `steps`, `topk` children per expanded node, the
+    best `draft_tokens - 1` nodes (plus the root) verified."""
+
+    method: str = "eagle3"
+    draft: str | None = None  # drafter checkpoint (eagle3) or model (draft); None = bundled default
+    steps: int = 5
+    topk: int = 1
+    draft_tokens: int | None = None  # verify budget including the root; None = steps + 1 for a chain
+    ngram_max: int = 4  # longest suffix the n-gram drafter matches
+    ngram_min: int = 1
+
+    def __post_init__(self):
+        from .errors import InvalidInput
+
+        if self.method not in SPEC_METHODS:
+            raise InvalidInput(f"--spec must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
+        for name in ("steps", "topk"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise InvalidInput(f"--spec-{name} must be a positive integer, got {v}")
+        if self.steps > 32:
+            raise InvalidInput(f"--spec-steps {self.steps} is beyond any useful depth (at most 32)")
+        if self.draft_tokens is None:
+            if self.topk > 1:
+                raise InvalidInput("a tree (--spec-topk > 1) needs --spec-draft-tokens (the verify budget)")
+            object.__setattr__(self, "draft_tokens", self.steps + 1)
+        n, most = self.draft_tokens, 1 + self.topk + (self.steps - 1) * self.topk ** 2
+        if not isinstance(n, int) or n < self.steps + 1:
+            raise InvalidInput(f"--spec-draft-tokens {n} is smaller than the tree needs: {self.steps} steps "
+                               f"need at least {self.steps + 1} tokens (root included)")
+        if self.topk == 1 and n != self.steps + 1:
+            raise InvalidInput(f"a chain of {self.steps} steps verifies exactly {self.steps + 1} tokens, "
+                               f"not --spec-draft-tokens {n}")
+        if n > most:
+            raise InvalidInput(f"--spec-draft-tokens {n} exceeds the {most} nodes a tree of depth "
+                               f"{self.steps} and top-k {self.topk} can draft")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise InvalidInput(f"n-gram sizes must satisfy 1 <= min <= max, got {self.ngram_min}, {self.ngram_max}")
+
+    @property
+    def is_chain(self) -> bool:
+        return self.topk == 1

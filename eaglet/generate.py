@@ -54,15 +54,13 @@ class PlainDecoder:
         self.model, self.sampling = model, sampling
         self.cache = KVCache.for_model(model.config, batch, max_len, p.dtype, p.device)
         self.gen = sampling.generator(p.device)
-        self.host_lens = [0] * batch  # mirrors cache.lens on the host: no sync needed for kv_len
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, n_new: list[int]) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, n_new: list[int] | int) -> torch.Tensor:
         """Run new tokens (B, T) and commit n_new[b] of them; returns hidden (B, T, H)."""
-        meta = AttnMeta.build(self.cache.lens, positions, max(self.host_lens) + ids.shape[1],
+        meta = AttnMeta.build(self.cache.lens, positions, self.cache.kv_len(ids.shape[1]),
                               sliding_window=self.model.config.sliding_window)
         hidden, _ = self.model(ids, positions, self.cache, meta)
-        self.cache.advance(torch.tensor(n_new, device=ids.device))
-        self.host_lens = [a + b for a, b in zip(self.host_lens, n_new)]
+        self.cache.advance(n_new)
         return hidden
 
     def prefill(self, prompts: list[list[int]]) -> list[list[int]]:
@@ -80,7 +78,7 @@ class PlainDecoder:
     def step(self) -> list[list[int]]:
         """Feed each sequence's last token; return the next token of each."""
         positions = self.cache.lens[:, None].clone()  # (B, 1)
-        hidden = self.forward(self.last[:, None], positions, [1] * len(self.host_lens))
+        hidden = self.forward(self.last[:, None], positions, 1)
         self.last = sample(self.model.logits(hidden[:, -1]).float(), self.sampling, self.gen)  # (B,)
         return [[t] for t in self.last.tolist()]  # sync: tokens must reach the host to stream and stop
 
@@ -103,7 +101,9 @@ class Generator:
         """Yield one TokenEvent per generated token, in the order produced."""
         self.check_prompts(prompts)
         budget = [min(gen.max_new_tokens, self.context - len(p)) for p in prompts]
-        max_len = max(len(p) + b for p, b in zip(prompts, budget))
+        # a finished row keeps stepping (and writing K/V) until the whole batch is done, so every
+        # row needs room for the longest budget, not just its own
+        max_len = max(map(len, prompts)) + max(budget)
         dec = PlainDecoder(self.model, len(prompts), max_len, gen.sampling)
         streams = [TextStream(self.tokenizer, gen.stop) if self.tokenizer else None for _ in prompts]
         counts = [0] * len(prompts)

@@ -18,6 +18,7 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lens = torch.zeros(batch, dtype=torch.long, device=device)  # committed tokens per sequence
+        self.host_lens = [0] * batch  # the same on the host, so kv_len needs no sync
         self.max_len = max_len
 
     @staticmethod
@@ -37,16 +38,26 @@ class KVCache:
         self.k[layer][b, :, slots] = k.transpose(1, 2)  # indexed view is (B, T, Hkv, D)
         self.v[layer][b, :, slots] = v.transpose(1, 2)
 
-    def advance(self, n: torch.Tensor | int) -> None:
-        """Commit the first n just-written tokens of every sequence (n: int or (B,))."""
-        self.lens += n
+    def kv_len(self, new: int) -> int:
+        """Cache slots a forward of `new` more tokens (pending ones included) must attend over."""
+        return max(self.host_lens) + new
 
-    def keep(self, index: torch.Tensor, count: torch.Tensor) -> None:
+    @staticmethod
+    def _host(n) -> list[int]:
+        return n.tolist() if isinstance(n, torch.Tensor) else list(n)  # sync: only when given a tensor
+
+    def advance(self, n: list[int] | int | torch.Tensor) -> None:
+        """Commit the first n[b] just-written tokens of each sequence (host ints preferred)."""
+        n = [n] * self.batch if isinstance(n, int) else self._host(n)
+        self.lens += torch.tensor(n, device=self.lens.device)
+        self.host_lens = [a + b for a, b in zip(self.host_lens, n)]
+
+    def keep(self, index: torch.Tensor, count: torch.Tensor, host_count: list[int] | None = None) -> None:
         """Commit, for each sequence b, the just-written tokens at block offsets index[b, :count[b]]
         (in that order), moving them to slots lens[b], lens[b]+1, ...; the rest are dropped.
 
         index: (B, M) offsets into the block written by the last forward, count: (B,) <= M.
-        Entries of `index` past `count` are ignored.
+        Entries of `index` past `count` are ignored. host_count: `count` on the host.
         """
         bsz, m = index.shape
         ar = torch.arange(m, device=index.device)[None, :]  # (1, M)
@@ -58,14 +69,15 @@ class KVCache:
             moved = t[:, b, :, src]  # (B, M, L, Hkv, D): gathered before any write
             t[:, b, :, dst] = moved
         self.lens += count
+        host_count = self._host(count) if host_count is None else host_count
+        self.host_lens = [a + c for a, c in zip(self.host_lens, host_count)]
 
-    def truncate(self, lens: torch.Tensor) -> None:
-        """Roll every sequence back to `lens` tokens (B,); later writes overwrite the rest."""
-        self.lens.copy_(torch.minimum(self.lens, lens.to(self.lens)))
+    def truncate(self, lens: list[int] | torch.Tensor) -> None:
+        """Roll sequences back to `lens` tokens (host ints, never longer than now); later writes
+        overwrite the rest."""
+        self.host_lens = [min(a, b) for a, b in zip(self.host_lens, self._host(lens))]
+        self.lens.copy_(torch.tensor(self.host_lens, device=self.lens.device))
 
-    def reset(self, rows: torch.Tensor | None = None) -> None:
-        """Empty all sequences, or only the given batch rows."""
-        if rows is None:
-            self.lens.zero_()
-        else:
-            self.lens[rows] = 0
+    def reset(self) -> None:
+        """Empty every sequence."""
+        self.truncate([0] * self.batch)

@@ -52,7 +52,7 @@ def target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.top_p < 1.0:
         sorted_logits, order = logits.sort(-1, descending=True)
         sorted_probs = sorted_logits.softmax(-1)
-        drop = sorted_probs.cumsum(-1) - sorted_probs > p.top_p  # mass before this token already enough
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p  # mass before this token already enough
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
     return logits.softmax(-1)
 

@@ -1,7 +1,11 @@
 """Per-forward attention metadata: where new tokens go in the cache and which slots each sees.
 
-Built once per forward (not per layer) from the cache lengths and, for tree verification, a tree
-mask over the new tokens. Everything is a tensor op, so the same code runs inside a CUDA graph.
+Built once per forward (not per layer) from the cache lengths and, for trees, a mask over the
+uncommitted block. Everything is a tensor op, so the same code runs inside a CUDA graph.
+
+The uncommitted block of sequence b starts at slot lens[b]. A forward may follow `pending` tokens
+already written there by earlier forwards (a drafter's previous tree levels); its T new tokens go
+to slots lens[b] + pending + t and see the committed prefix plus whatever `tree_mask` allows.
 """
 from __future__ import annotations
 
@@ -16,24 +20,27 @@ class AttnMeta:
     mask: torch.Tensor  # (B, 1, T, S) bool: new token t may attend to cache slot s
 
     @staticmethod
-    def build(lens: torch.Tensor, positions: torch.Tensor, kv_len: int,
-              tree_mask: torch.Tensor | None = None, sliding_window: int | None = None) -> "AttnMeta":
+    def build(lens: torch.Tensor, positions: torch.Tensor, kv_len: int, tree_mask: torch.Tensor | None = None,
+              pending: int = 0, sliding_window: int | None = None) -> "AttnMeta":
         """lens: (B,) committed cache lengths; positions: (B, T) rope positions of the new tokens;
-        kv_len: how many cache slots to attend over (>= max(lens) + T);
-        tree_mask: (B, T, T) bool, token t sees new token u (itself and its ancestors); causal if None.
+        kv_len: how many cache slots to attend over (>= max(lens) + pending + T);
+        tree_mask: (B, T, pending + T) bool, new token t sees block entry u (its ancestors and itself
+        in a tree); None means causal over the new tokens and every pending entry visible.
         """
         bsz, t = positions.shape
+        u = pending + t
         dev = positions.device
         ar_t = torch.arange(t, device=dev)
-        slots = lens[:, None] + ar_t  # (B, T)
-        s = torch.arange(kv_len, device=dev)
-        rel = s[None, :] - lens[:, None]  # (B, S) offset of slot s inside the new block
-        in_block = (rel >= 0) & (rel < t)
+        slots = lens[:, None] + pending + ar_t  # (B, T)
         if tree_mask is None:
-            tree_mask = (ar_t[:, None] >= ar_t[None, :]).expand(bsz, t, t)
-        seen_new = tree_mask.gather(2, rel.clamp(0, t - 1)[:, None, :].expand(bsz, t, kv_len))  # (B, T, S)
-        mask = (rel < 0)[:, None, :] | (in_block[:, None, :] & seen_new)
-        if sliding_window is not None:
-            key_pos = torch.where(in_block, positions.gather(1, rel.clamp(0, t - 1)), s[None, :])  # (B, S)
+            tree_mask = (ar_t[:, None] + pending >= torch.arange(u, device=dev)[None, :]).expand(bsz, t, u)
+        s = torch.arange(kv_len, device=dev)
+        rel = s[None, :] - lens[:, None]  # (B, S) offset of slot s inside the uncommitted block
+        in_block = (rel >= 0) & (rel < u)
+        seen = tree_mask.gather(2, rel.clamp(0, u - 1)[:, None, :].expand(bsz, t, kv_len))  # (B, T, S)
+        mask = (rel < 0)[:, None, :] | (in_block[:, None, :] & seen)
+        if sliding_window is not None:  # trees are not combined with windows: block keys use their slot
+            key_pos = torch.where((rel >= pending) & in_block,
+                                  positions.gather(1, (rel - pending).clamp(0, t - 1)), s[None, :])  # (B, S)
             mask &= (positions[:, :, None] - key_pos[:, None, :]) < sliding_window
         return AttnMeta(slots=slots, mask=mask[:, None])

@@ -45,10 +45,14 @@ class Rotary(nn.Module):
         self.freq_factors.fill_(1.0)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        inv = self.inv_freq / self.freq_factors.float()
-        freqs = positions[..., None].float() * inv  # (B, T, D/2)
-        emb = torch.cat([freqs, freqs], -1)  # (B, T, D)
-        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # (B, 1, T, D)
+        return rope_cos_sin(positions, self.inv_freq / self.freq_factors.float(), dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """positions (B, T) -> cos, sin (B, 1, T, D) in HF's rotate-half layout."""
+    freqs = positions[..., None].float() * inv_freq  # (B, T, D/2)
+    emb = torch.cat([freqs, freqs], -1)  # (B, T, D)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -57,13 +61,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, layer: int, in_features: int | None = None):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         self.layer, self.nh, self.nkv, self.d = layer, config.num_heads, config.num_kv_heads, d
-        self.q_proj = nn.Linear(h, self.nh * d, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(h, self.nkv * d, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(h, self.nkv * d, bias=config.qkv_bias)
+        fin = in_features or h  # EAGLE-3's midlayer reads [embedding; hidden], 2H wide
+        self.q_proj = nn.Linear(fin, self.nh * d, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(fin, self.nkv * d, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(fin, self.nkv * d, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.nh * d, h, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)

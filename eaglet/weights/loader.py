@@ -58,11 +58,13 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def load_state(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor]], source: str = "") -> None:
-    """Copy (name, tensor) pairs into `model`, casting to each parameter's dtype."""
+def load_state(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor]], source: str = "",
+               optional: set[str] = OPTIONAL) -> None:
+    """Copy (name, tensor) pairs into `model`, casting to each parameter's dtype. Every state-dict
+    entry not in `optional` must arrive; a name the model lacks or a wrong shape is an error."""
     targets = model.state_dict(keep_vars=True)  # tied weights appear under both names
     aliases = {n: {m for m, q in targets.items() if q is p} for n, p in targets.items()}
-    missing = set(targets) - OPTIONAL
+    missing = set(targets) - optional
     prefix = f"{source}: " if source else ""
     for name, tensor in pairs:
         if IGNORED.search(name):

@@ -1,0 +1,1 @@
+"""Measurement: environment records, benchmarks (and later the cost model and planner)."""

@@ -1,0 +1,95 @@
+"""JSON records of measurements, complete enough to reproduce or explain any figure: the
+environment (versions, GPU, driver, git SHA, NCCL_*/CUDA_* variables), the command and flags,
+model file hashes, and the results."""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+ENV_PREFIXES = ("NCCL_", "CUDA_", "TORCH_", "PYTORCH_", "EAGLET_", "OMP_", "MKL_", "TOKENIZERS_")
+
+
+def git_state() -> dict:
+    root = Path(__file__).resolve().parents[2]
+    def git(*a):
+        try:
+            return subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True, timeout=5).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    return {"sha": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def path_fingerprint(path: str | Path | None) -> dict | None:
+    """sha256 of a model file; for a directory, of its config.json and its weight files' names and sizes."""
+    if path is None:
+        return None
+    p = Path(path)
+    h = hashlib.sha256()
+    if p.is_file():
+        from ..weights.gguf_cache import file_sha256
+        return {"path": str(p), "sha256": file_sha256(p), "bytes": p.stat().st_size}
+    for f in sorted(p.iterdir()):
+        if f.name == "config.json":
+            h.update(f.read_bytes())
+        elif f.suffix in (".safetensors", ".bin"):
+            h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return {"path": str(p), "sha256-config-and-sizes": h.hexdigest()}
+
+
+def environment() -> dict:
+    import torch
+
+    env = {
+        "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "git": git_state(),
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
+        "argv": sys.argv,
+    }
+    for dist in ("transformers", "triton", "gguf", "safetensors", "tokenizers", "numpy"):
+        try:
+            env[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            env[dist] = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env["gpu"] = {"name": props.name, "count": torch.cuda.device_count(),
+                      "memory_gb": round(props.total_memory / 2**30, 1), "cuda": torch.version.cuda,
+                      "capability": f"{props.major}.{props.minor}"}
+        try:
+            env["gpu"]["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=10).stdout.strip().splitlines()[0]
+        except (OSError, subprocess.SubprocessError, IndexError):
+            env["gpu"]["driver"] = None
+    else:
+        env["gpu"] = None
+        env["cpu"] = platform.processor() or platform.machine()
+    return env
+
+
+def write_record(kind: str, flags: dict, results: dict, out_dir: str | Path, models: dict | None = None) -> Path:
+    """Write {kind, flags, environment, models, results} as JSON; returns the file path."""
+    rec = {"kind": kind, "flags": flags, "environment": environment(),
+           "models": {k: path_fingerprint(v) for k, v in (models or {}).items()}, "results": results}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = "gpu" if rec["environment"]["gpu"] else "cpu"
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = out / f"{kind}-{dev}-{stamp}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(rec, indent=1, default=str))
+    tmp.replace(path)
+    return path

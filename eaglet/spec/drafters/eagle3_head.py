@@ -1,0 +1,93 @@
+"""The EAGLE-3 draft head (see shared reference/eagle3.md): `fc` fuses the target's residual
+stream entering three layers (low, mid, high); one decoder layer ("midlayer") attends over
+[input_layernorm(embed(token)); hidden_norm(h)]; `norm` then `lm_head` over the draft vocabulary,
+mapped to target ids by the `d2t` offsets. Module names are the SGLang/SpecForge checkpoint names.
+
+The token embedding is the target's (frozen) unless a checkpoint brings its own; it is passed in
+as embeddings so the head's state dict never holds a copy of it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ...config import ModelConfig, rope_inv_freq
+from ...kvcache import KVCache
+from ...models.attention import AttnMeta
+from ...models.llama import MLP, Attention, RMSNorm, rope_cos_sin
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    layer: ModelConfig  # the midlayer's shape; vocab_size is the target's vocabulary
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layers: tuple[int, ...]  # target layers whose *input* residual stream is tapped
+    norm_before_residual: bool = False  # vLLM speculators option: residual = hidden_norm(h)
+
+    @staticmethod
+    def for_target(target: ModelConfig, draft_vocab_size: int | None = None,
+                   intermediate_size: int | None = None) -> "Eagle3Config":
+        """A head shaped like one layer of `target`, tapping the default layers 2, N//2, N-3."""
+        layer = target.replace(num_layers=1, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
+                               sliding_window=None, tie_embeddings=False, model_type="llama",
+                               intermediate_size=intermediate_size or target.intermediate_size)
+        return Eagle3Config(layer=layer, draft_vocab_size=draft_vocab_size or target.vocab_size,
+                            target_hidden_size=target.hidden_size, aux_layers=target.default_eagle_layers)
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        c = cfg.layer
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c, layer=0, in_features=2 * c.hidden_size)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+        self.norm_before_residual = cfg.norm_before_residual
+
+    def forward(self, emb, h, cos, sin, cache: KVCache, meta: AttnMeta) -> torch.Tensor:
+        hn = self.hidden_norm(h)
+        x = torch.cat([self.input_layernorm(emb), hn], -1)  # (B, T, 2H): embedding first
+        h = (hn if self.norm_before_residual else h) + self.self_attn(x, cos, sin, cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        c = cfg.layer
+        self.cfg = cfg
+        self.fc = nn.Linear(len(cfg.aux_layers) * cfg.target_hidden_size, c.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(cfg)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
+        self.register_buffer("inv_freq", rope_inv_freq(c.rope, c.head_dim), persistent=False)
+
+    def post_materialize(self) -> None:
+        self.inv_freq = rope_inv_freq(self.cfg.layer.rope, self.cfg.layer.head_dim).to(self.fc.weight.device)
+
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                meta: AttnMeta) -> torch.Tensor:
+        """emb (B, T, H) token embeddings; hidden (B, T, H) already fused (`fc(taps)`) or the head's
+        own previous output. Returns the midlayer output (B, T, H) before the final norm."""
+        cos, sin = rope_cos_sin(positions, self.inv_freq, emb.dtype)
+        return self.midlayer(emb, hidden, cos, sin, cache, meta)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h))  # (..., Vd)
+
+    def draft_to_target(self) -> torch.Tensor:
+        """(Vd,) target id of each draft id."""
+        return torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def set_vocab(self, draft_ids: torch.Tensor) -> None:
+        """Use the given sorted target ids (Vd,) as the draft vocabulary (fills d2t and t2d)."""
+        self.d2t.copy_(draft_ids.to(self.d2t) - torch.arange(len(draft_ids), device=self.d2t.device))
+        self.t2d.zero_()
+        self.t2d[draft_ids.to(self.t2d.device)] = True

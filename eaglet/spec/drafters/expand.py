@@ -1,0 +1,110 @@
+"""Drafting with a neural drafter (EAGLE-3 head or a draft model): a chain of `steps`, or the
+EAGLE-2 dynamic tree. Subclasses provide `catch_up` (absorb what was committed, return the root's
+logits and state) and `draft_step` (feed a level of nodes, return their children's logits).
+
+Tree expansion, level by level: each of the `topk` frontier nodes proposes its `topk` best
+children; every child becomes a candidate scored by cumulative log-probability; the best `topk`
+children form the next frontier. After `steps` levels the best `draft_tokens - 1` candidates are
+kept (tree.select_tree). Nodes fed to the drafter sit in its cache's uncommitted block, each
+attending to the committed prefix and its own ancestors.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...config import SpecConfig
+from ...sampling import SamplingParams, sample_probs, target_probs
+from ..tree import DraftProposal, chain, select_tree
+
+
+class NeuralDrafter:
+    def __init__(self, spec: SpecConfig, sampling: SamplingParams, vocab_size: int, generator=None):
+        self.spec, self.sampling, self.vocab_size, self.gen = spec, sampling, vocab_size, generator
+
+    # ---- provided by subclasses ----
+    def catch_up(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed what was committed since the last round; (root logits (B, Vd), root state or None)."""
+        raise NotImplementedError
+
+    def draft_step(self, ids: torch.Tensor, state: torch.Tensor | None, depth: int, mask: torch.Tensor,
+                   pending: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed nodes ids (B, K) (drafter vocabulary) of the given depth with their parents' states;
+        mask (B, K, pending + K) over the uncommitted block. Returns (logits (B, K, Vd), states)."""
+        raise NotImplementedError
+
+    def to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Drafter-vocabulary ids -> target ids (identity unless a draft vocabulary is used)."""
+        return ids
+
+    def q_to_target(self, q: torch.Tensor) -> torch.Tensor:
+        return q
+
+    # ---- drafting ----
+    def propose(self, roots: torch.Tensor) -> DraftProposal:
+        logits, state = self.catch_up()
+        if self.spec.is_chain:
+            return self._chain(roots, logits, state)
+        return self._tree(roots, logits, state)
+
+    def _pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One child per node: argmax, or a sample from q when sampling (q returned in target vocab)."""
+        if self.sampling.greedy:
+            return logits.argmax(-1), None
+        q = target_probs(logits, self.sampling)
+        return sample_probs(q, self.gen), self.q_to_target(q)
+
+    def _chain(self, roots, logits, state) -> DraftProposal:
+        b, dev = roots.shape[0], roots.device
+        ids, q = self._pick(logits)  # (B,)
+        picked, qs = [ids], [q]
+        mask = torch.ones(b, 1, 1, dtype=torch.bool, device=dev)
+        for d in range(1, self.spec.steps):
+            logits, state = self.draft_step(ids[:, None], None if state is None else state[:, None], d, mask,
+                                            pending=d - 1)
+            logits, state = logits[:, 0], None if state is None else state[:, 0]  # (B, Vd), (B, H)
+            ids, q = self._pick(logits)
+            picked.append(ids)
+            qs.append(q)
+            mask = torch.ones(b, 1, d + 1, dtype=torch.bool, device=dev)
+        tokens = torch.cat([roots[:, None], self.to_target(torch.stack(picked, 1))], 1)  # (B, steps+1)
+        qt = None
+        if not self.sampling.greedy:
+            qt = torch.stack(qs + [torch.zeros_like(qs[0])], 1)  # (B, steps+1, V); the leaf has no children
+        return chain(tokens, q=qt)
+
+    def _tree(self, roots, logits, state) -> DraftProposal:
+        k, steps = self.spec.topk, self.spec.steps
+        b, dev = roots.shape[0], roots.device
+        logp = logits.float().log_softmax(-1)  # (B, Vd)
+        score, ids = logp.topk(k, -1)  # (B, K)
+        c_tok, c_par, c_score, c_depth = [ids], [torch.full_like(ids, -1)], [score], [torch.ones_like(ids)]
+        front_cand = torch.arange(k, device=dev).expand(b, k)  # candidate index of each frontier node
+        front_par_fed = torch.full((b, k), -1, device=dev, dtype=torch.long)  # parent's offset in the block
+        front_state = None if state is None else state[:, None].expand(b, k, *state.shape[1:])
+        anc = torch.zeros(b, 0, 0, dtype=torch.bool, device=dev)  # ancestors among fed nodes
+        n_cand = k
+        for d in range(1, steps):
+            p = anc.shape[1]  # nodes already in the drafter's uncommitted block
+            rows = anc.gather(1, front_par_fed.clamp(min=0)[..., None].expand(b, k, p)) if p else anc.new_zeros(b, k, 0)
+            rows = rows & (front_par_fed >= 0)[..., None]
+            mask = torch.cat([rows, torch.eye(k, dtype=torch.bool, device=dev).expand(b, k, k)], 2)  # (B, K, P+K)
+            logits, out_state = self.draft_step(ids, front_state, d, mask, pending=p)
+            anc = torch.cat([torch.cat([anc, anc.new_zeros(b, p, k)], 2), mask], 1)  # (B, P+K, P+K)
+            child_score, child_ids = logits.float().log_softmax(-1).topk(k, -1)  # (B, K, K)
+            child_score = child_score + score[..., None]
+            c_tok.append(child_ids.flatten(1))
+            c_par.append(front_cand[..., None].expand(b, k, k).flatten(1))
+            c_score.append(child_score.flatten(1))
+            c_depth.append(torch.full_like(child_ids.flatten(1), d + 1))
+            score, best = child_score.flatten(1).topk(k, -1)  # next frontier: (B, K)
+            parent_slot = best // k  # which frontier node each comes from
+            ids = child_ids.flatten(1).gather(1, best)
+            front_cand = n_cand + best
+            front_par_fed = p + parent_slot
+            if out_state is not None:
+                front_state = out_state.gather(1, parent_slot.view(b, k, *[1] * (out_state.dim() - 2)).expand(
+                    b, k, *out_state.shape[2:]))
+            n_cand += k * k
+        cat = lambda xs: torch.cat(xs, 1)  # noqa: E731
+        return select_tree(roots, self.to_target(cat(c_tok)), cat(c_par), cat(c_score), cat(c_depth),
+                           self.spec.draft_tokens, max_depth=steps)

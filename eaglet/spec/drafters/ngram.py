@@ -1,0 +1,85 @@
+"""N-gram / prompt-lookup drafter: no model. Finds the longest recent suffix of the sequence so far
+(prompt and output, `ngram_max` down to `ngram_min` tokens) that occurred before, and proposes the
+tokens that followed it. A chain takes the most recent match; a tree merges the continuations of
+up to `topk` matches (most recent first) into a trie, cut to the verify budget in breadth order.
+Proposals are deterministic (q one-hot), so sampled acceptance stays lossless."""
+from __future__ import annotations
+
+import torch
+
+from ...config import SpecConfig
+from ..tree import DraftProposal
+
+
+def find_continuations(hist: list[int], spec: SpecConfig, want: int) -> list[list[int]]:
+    """Up to `want` continuations (each up to spec.steps tokens), from the longest matching suffix."""
+    n_hist = len(hist)
+    for n in range(min(spec.ngram_max, n_hist - 1), spec.ngram_min - 1, -1):
+        suffix = hist[n_hist - n:]
+        found, firsts = [], set()
+        for i in range(n_hist - n - 1, -1, -1):  # most recent occurrence first, never the suffix itself
+            if hist[i:i + n] == suffix:
+                cont = hist[i + n: i + n + spec.steps]
+                if cont and (spec.is_chain or cont[0] not in firsts or len(found) < want):
+                    firsts.add(cont[0])
+                    found.append(cont)
+                    if len(found) == want:
+                        return found
+        if found:
+            return found
+    return []
+
+
+def build_trie(conts: list[list[int]], budget: int) -> tuple[list[int], list[int]]:
+    """Merge continuations into a trie below the root (node 0); return (tokens, parents) of at most
+    `budget` nodes, parents before children (breadth-first)."""
+    children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    tokens, parents, depth = [0], [-1], [0]
+    for cont in conts:
+        node = 0
+        for tok in cont:
+            if (node, tok) not in children:
+                children[(node, tok)] = len(tokens)
+                tokens.append(tok)
+                parents.append(node)
+                depth.append(depth[node] + 1)
+            node = children[(node, tok)]
+    order = sorted(range(1, len(tokens)), key=lambda i: (depth[i], i))[: budget - 1]
+    new = {0: 0, **{old: j + 1 for j, old in enumerate(order)}}
+    keep = set(order)
+    kept = [i for i in order if parents[i] == 0 or parents[i] in keep]
+    return [tokens[i] for i in kept], [new[parents[i]] for i in kept]
+
+
+class NgramDrafter:
+    taps = ()
+
+    def __init__(self, spec: SpecConfig):
+        self.spec = spec
+        self.hist: list[list[int]] = []
+
+    def start(self, prompts, taps, first) -> None:
+        self.hist = [list(p) + [t] for p, t in zip(prompts, first.tolist())]  # sync: once per request
+
+    def commit(self, prop, res, taps, emitted) -> None:
+        for h, e in zip(self.hist, emitted):
+            h.extend(e)
+
+    def propose(self, roots: torch.Tensor) -> DraftProposal:
+        n = self.spec.draft_tokens
+        b = len(self.hist)
+        tokens = torch.zeros(b, n, dtype=torch.long)
+        parents = torch.zeros(b, n, dtype=torch.long)
+        valid = torch.zeros(b, n, dtype=torch.bool)
+        parents[:, 0] = -1
+        valid[:, 0] = True
+        for i, hist in enumerate(self.hist):
+            conts = find_continuations(hist, self.spec, 1 if self.spec.is_chain else self.spec.topk)
+            toks, pars = build_trie(conts, n)
+            tokens[i, 1:1 + len(toks)] = torch.tensor(toks, dtype=torch.long)
+            parents[i, 1:1 + len(pars)] = torch.tensor(pars, dtype=torch.long)
+            valid[i, 1:1 + len(toks)] = True
+        dev = roots.device
+        tokens = tokens.to(dev)
+        tokens[:, 0] = roots
+        return DraftProposal.from_parents(tokens, parents.to(dev), valid.to(dev), max_depth=self.spec.steps)

@@ -1,0 +1,76 @@
+"""Draft trees as tensors: the proposal contract, ancestor masks, and the EAGLE-2 selection of the
+best nodes by cumulative log-probability. Pure tensor functions; nothing here runs a model.
+
+Node 0 of every proposal is the root: the last emitted token, not yet in the target's cache.
+Nodes are ordered parents before children, so a node's index is always larger than its parent's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftProposal:
+    tokens: torch.Tensor  # (B, N) target-vocabulary ids; column 0 is the root
+    parents: torch.Tensor  # (B, N) index of each node's parent; -1 for the root
+    depth: torch.Tensor  # (B, N) 0 for the root
+    mask: torch.Tensor  # (B, N, N) bool: node i attends to node j (j is i or an ancestor of i)
+    valid: torch.Tensor  # (B, N) bool: False for padding nodes (never accepted)
+    q: torch.Tensor | None = None  # (B, N, V) drafter's distribution over each node's children,
+    #                                 when the draft was sampled from it (chains); None = deterministic
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    @staticmethod
+    def from_parents(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor | None = None,
+                     q: torch.Tensor | None = None, max_depth: int | None = None) -> "DraftProposal":
+        mask, depth = ancestor_mask(parents, max_depth)
+        if valid is None:
+            valid = torch.ones_like(tokens, dtype=torch.bool)
+        return DraftProposal(tokens, parents, depth, mask, valid, q)
+
+
+def ancestor_mask(parents: torch.Tensor, max_depth: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """parents (B, N) -> (mask (B, N, N) self-or-ancestor, depth (B, N)). No host sync."""
+    b, n = parents.shape
+    mask = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n).clone()
+    depth = torch.zeros_like(parents)
+    cur = parents
+    for _ in range(n - 1 if max_depth is None else max_depth):
+        live = cur >= 0  # (B, N)
+        mask |= torch.nn.functional.one_hot(cur.clamp(min=0), n).bool() & live[..., None]
+        depth = depth + live
+        cur = torch.where(live, parents.gather(1, cur.clamp(min=0)), cur)
+    return mask, depth
+
+
+def chain(tokens: torch.Tensor, q: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> DraftProposal:
+    """A chain root -> d1 -> ... -> dk from tokens (B, k+1) (column 0 = root)."""
+    b, n = tokens.shape
+    parents = (torch.arange(n, device=tokens.device) - 1).expand(b, n)
+    return DraftProposal.from_parents(tokens, parents, valid, q, max_depth=n - 1)
+
+
+def select_tree(roots: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: torch.Tensor,
+                cand_scores: torch.Tensor, cand_depth: torch.Tensor, num_nodes: int, max_depth: int) -> DraftProposal:
+    """Keep the best `num_nodes - 1` candidates by cumulative log-probability (EAGLE-2).
+
+    cand_* are (B, C), generated level by level so a parent's index is below its children's;
+    cand_parents indexes candidates, -1 meaning the root. A child's score never exceeds its
+    parent's, and ties are broken toward shallower nodes, so the kept set is a connected tree.
+    """
+    b, c = cand_tokens.shape
+    keep = num_nodes - 1
+    score = cand_scores - 1e-6 * cand_depth  # tie-break: parents before children
+    idx = score.topk(keep, dim=-1).indices.sort(-1).values  # (B, K) candidate ids, parent order
+    new_pos = torch.full((b, c), -1, dtype=torch.long, device=cand_tokens.device)
+    new_pos.scatter_(1, idx, torch.arange(1, keep + 1, device=idx.device).expand(b, keep))
+    par = cand_parents.gather(1, idx)  # (B, K) candidate ids of parents, -1 root
+    par_new = torch.where(par >= 0, new_pos.gather(1, par.clamp(min=0)), torch.zeros_like(par))
+    tokens = torch.cat([roots[:, None], cand_tokens.gather(1, idx)], 1)  # (B, N)
+    parents = torch.cat([torch.full_like(roots[:, None], -1), par_new], 1)
+    return DraftProposal.from_parents(tokens, parents, max_depth=max_depth)

@@ -1,0 +1,94 @@
+"""Acceptance: which drafted nodes the target agrees with, and the bonus token. Pure functions of
+the proposal and the target's outputs; imports nothing from the engine.
+
+- greedy: the longest root-to-leaf path whose every token is the target's argmax at its parent,
+  then the target's argmax after the last accepted node (the bonus).
+- sampling (lossless): at each accepted node, try its children in order. A child x drafted from q
+  is accepted with probability min(1, p(x)/q(x)); on rejection p <- normalize(max(p - q, 0)) and
+  the next sibling is tried. Deterministic drafts (trees, n-gram) have q = one-hot(x), which makes
+  this "accept with p(x), else zero p(x) and renormalize". When no child is accepted the bonus is
+  drawn from what remains of p (Leviathan et al. 2023; SpecInfer for trees).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..sampling import sample_probs
+from .tree import DraftProposal
+
+
+@dataclass
+class VerifyResult:
+    path: torch.Tensor  # (B, D+1) accepted node indices, root first; entries past `count` are 0
+    count: torch.Tensor  # (B,) accepted nodes including the root = tokens emitted this step
+    tokens: torch.Tensor  # (B, D+1) emitted tokens: accepted drafts, then the bonus; padding past count
+    bonus: torch.Tensor  # (B,) the last emitted token, the next root
+
+
+def _finish(prop: DraftProposal, path: list[torch.Tensor], count: torch.Tensor, bonus: torch.Tensor) -> VerifyResult:
+    path_t = torch.stack(path, 1)  # (B, D+1)
+    drafted = prop.tokens.gather(1, path_t)  # (B, D+1): root, then accepted drafts
+    emitted = torch.cat([drafted[:, 1:], drafted[:, :1]], 1)  # shift left: drafts after the root
+    ar = torch.arange(path_t.shape[1], device=path_t.device)[None]
+    emitted = torch.where(ar == (count - 1)[:, None], bonus[:, None], emitted)
+    return VerifyResult(path=path_t, count=count, tokens=emitted, bonus=bonus)
+
+
+def greedy_verify(prop: DraftProposal, target_argmax: torch.Tensor, max_depth: int) -> VerifyResult:
+    """target_argmax (B, N): the target's argmax next token at every node."""
+    b = prop.tokens.shape[0]
+    dev = prop.tokens.device
+    cur = torch.zeros(b, dtype=torch.long, device=dev)
+    alive = torch.ones(b, dtype=torch.bool, device=dev)
+    count = torch.ones(b, dtype=torch.long, device=dev)
+    path = [cur]
+    for _ in range(max_depth):
+        want = target_argmax.gather(1, cur[:, None])  # (B, 1)
+        match = (prop.parents == cur[:, None]) & (prop.tokens == want) & prop.valid  # (B, N)
+        ok = match.any(1) & alive
+        nxt = match.to(torch.uint8).argmax(1)  # first matching child
+        cur = torch.where(ok, nxt, cur)
+        path.append(torch.where(ok, nxt, torch.zeros_like(nxt)))
+        count += ok
+        alive = ok
+    return _finish(prop, path, count, target_argmax.gather(1, cur[:, None])[:, 0])
+
+
+def sample_verify(prop: DraftProposal, p: torch.Tensor, max_depth: int, max_children: int,
+                  generator: torch.Generator | None = None) -> VerifyResult:
+    """p (B, N, V): the target's (temperature/top-k/top-p adjusted) distribution at every node."""
+    b, n, v = p.shape
+    dev = p.device
+    rows = torch.arange(b, device=dev)
+    cur = torch.zeros(b, dtype=torch.long, device=dev)
+    alive = torch.ones(b, dtype=torch.bool, device=dev)
+    count = torch.ones(b, dtype=torch.long, device=dev)
+    residual = p[:, 0].clone()  # (B, V) what is left of p at the current node
+    path = [cur]
+    for _ in range(max_depth):
+        children = (prop.parents == cur[:, None]) & prop.valid & alive[:, None]  # (B, N)
+        rank = children.cumsum(1) - 1
+        moved = torch.zeros(b, dtype=torch.bool, device=dev)
+        for r in range(max_children):
+            sel = children & (rank == r)
+            has = sel.any(1) & ~moved
+            child = sel.to(torch.uint8).argmax(1)  # (B,)
+            x = prop.tokens[rows, child]  # (B,)
+            q = prop.q[rows, cur] if prop.q is not None else torch.nn.functional.one_hot(x, v).to(p.dtype)  # (B, V)
+            px, qx = residual[rows, x], q[rows, x]
+            u = torch.rand(b, device=dev, generator=generator)
+            accept = has & (u * qx < px)  # u < min(1, p/q) without dividing by zero
+            reject = has & ~accept
+            left = (residual - q).clamp(min=0)
+            total = left.sum(-1, keepdim=True)
+            left = torch.where(total > 0, left / total.clamp(min=1e-30), residual)
+            residual = torch.where(reject[:, None], left, residual)
+            moved |= accept
+            cur = torch.where(accept, child, cur)
+        path.append(torch.where(moved, cur, torch.zeros_like(cur)))
+        count += moved
+        residual = torch.where(moved[:, None], p[rows, cur], residual)  # fresh p at the new node
+        alive = moved
+    return _finish(prop, path, count, sample_probs(residual, generator))

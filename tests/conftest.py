@@ -1,0 +1,88 @@
+"""Shared fixtures: tiny random models of each Llama-family member, built with transformers (the
+reference) and saved as HF directories that eaglet loads through its real loader."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            rms_norm_eps=1e-5)
+
+# family member -> (transformers config class name, overrides)
+FAMILIES = {
+    "llama2": ("LlamaConfig", dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True)),
+    "llama3": ("LlamaConfig", dict(rope_theta=500000.0)),
+    "llama3.1": ("LlamaConfig", dict(rope_theta=500000.0, max_position_embeddings=256, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=32))),
+    "mistral": ("MistralConfig", dict(sliding_window=8)),
+    "qwen2": ("Qwen2Config", dict(rope_theta=1000000.0)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32)),
+    "smollm2": ("LlamaConfig", dict(tie_word_embeddings=True, num_key_value_heads=1, rope_theta=100000.0)),
+}
+
+
+def hf_model(family: str, seed: int = 0, **overrides):
+    """A transformers model of `family` with random weights (biases and norms too), float32, eval."""
+    import transformers
+
+    cls_name, extra = FAMILIES[family]
+    cfg = getattr(transformers, cls_name)(**{**BASE, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.08 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """family -> (HF directory with config.json + model.safetensors, the transformers model)."""
+    out = {}
+    for fam in FAMILIES:
+        d = tmp_path_factory.mktemp(fam.replace(".", "_"))
+        m = hf_model(fam)
+        m.save_pretrained(d, safe_serialization=True)
+        out[fam] = (d, m)
+    return out
+
+
+# A tiny BPE tokenizer trained in-process (offline, ~10 ms): exactly 128 tokens, matching the tiny
+# models' vocab_size, with <unk>=0, <s>=1, </s>=2 (LlamaConfig's default bos/eos ids).
+TOKENIZER_CORPUS = ["the quick brown fox jumps over the lazy dog",
+                    "a stitch in time saves nine, said the old tailor",
+                    "pack my box with five dozen liquor jugs!",
+                    "how vexingly quick daft zebras jump; the end.",
+                    "sphinx of black quartz, judge my vow? yes: 0123456789"]
+
+
+def make_tiny_tokenizer():
+    """A transformers.PreTrainedTokenizerFast over a 128-token Metaspace BPE."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=128, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    tok.train_from_iterator(TOKENIZER_CORPUS * 20, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    assert len(hf) == 128 and hf.eos_token_id == 2
+    return hf
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    """The tiny HF tokenizer (see make_tiny_tokenizer); wrap it with eaglet.tokenizer.Tokenizer."""
+    return make_tiny_tokenizer()

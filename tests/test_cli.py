@@ -1,0 +1,157 @@
+"""The CLI's bad-input contract: one line on stderr starting `eaglet: error:`, no traceback, exit
+status 1. Plus the happy path of `generate` on a tiny model directory with a tokenizer, and --help."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from eaglet.cli import main
+
+CONTEXT = 32
+MISSING = "model.layers.1.mlp.up_proj.weight"
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_error_line(rc: int, err: str, *must_contain: str) -> None:
+    assert rc == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("eaglet: error: ")
+    assert "Traceback" not in err
+    for s in must_contain:
+        assert s in lines[0]
+
+
+def copy_tiny(tiny_dirs, dst):
+    src = tiny_dirs["llama3"][0]
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """GGUF conversions go to a per-test cache, never the user's."""
+    monkeypatch.setenv("EAGLET_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_dirs, tmp_path_factory):
+    """The tiny llama3 directory with a tokenizer and a 32-token context."""
+    from .conftest import make_tiny_tokenizer
+
+    d = copy_tiny(tiny_dirs, tmp_path_factory.mktemp("cli") / "tiny")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["max_position_embeddings"] = CONTEXT
+    (d / "config.json").write_text(json.dumps(cfg))
+    make_tiny_tokenizer().save_pretrained(str(d))
+    return d
+
+
+def gen_args(model, *extra: str) -> list[str]:
+    return ["generate", "the quick brown", "--model", str(model), "--device", "cpu", "--max-new-tokens", "8", *extra]
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+def test_missing_model_path(capsys, tmp_path):
+    rc, out, err = run_cli(capsys, *gen_args(tmp_path / "nope"))
+    assert_one_error_line(rc, err, "nope", "does not exist")
+
+
+def test_gguf_of_unsupported_architecture(capsys, tmp_path):
+    import gguf
+
+    path = tmp_path / "gemma.gguf"
+    w = gguf.GGUFWriter(str(path), arch="gemma3")  # writes general.architecture = "gemma3"
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    rc, out, err = run_cli(capsys, *gen_args(path))
+    assert_one_error_line(rc, err, "gemma3", "not supported")
+
+
+def test_missing_tensor_is_named(capsys, tiny_dirs, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    d = copy_tiny(tiny_dirs, tmp_path / "broken")
+    state = load_file(str(d / "model.safetensors"))
+    del state[MISSING]
+    save_file(state, str(d / "model.safetensors"))
+    rc, out, err = run_cli(capsys, *gen_args(d))
+    assert_one_error_line(rc, err, "missing tensor", MISSING)
+
+
+def test_prompt_longer_than_context(capsys, model_dir):
+    prompt = " ".join(["the quick brown fox"] * 20)  # well over 32 tokens
+    rc, out, err = run_cli(capsys, "generate", prompt, "--model", str(model_dir), "--device", "cpu")
+    assert_one_error_line(rc, err, "context is 32")
+    assert out == ""
+
+
+@pytest.mark.parametrize("flags, word", [(["--temperature", "-1"], "temperature"), (["--top-p", "0"], "top_p"),
+                                         (["--top-p", "1.5"], "top_p"), (["--top-k", "-2"], "top_k"),
+                                         (["--max-new-tokens", "0"], "max_new_tokens")])
+def test_invalid_sampling_parameter(capsys, model_dir, flags, word):
+    rc, out, err = run_cli(capsys, *gen_args(model_dir, *flags))
+    assert_one_error_line(rc, err, word)
+    assert out == ""
+
+
+def test_directory_without_tokenizer(capsys, tiny_dirs):
+    rc, out, err = run_cli(capsys, *gen_args(tiny_dirs["llama3"][0]))
+    assert_one_error_line(rc, err, "no tokenizer")
+
+
+def test_subprocess_has_no_traceback(tmp_path):
+    """End to end through `python -m eaglet`: the process itself exits 1 with the one line."""
+    proc = subprocess.run([sys.executable, "-m", "eaglet", *gen_args(tmp_path / "nope")],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "EAGLET_CACHE": str(tmp_path / "cache")})
+    assert_one_error_line(proc.returncode, proc.stderr, "does not exist")
+    assert proc.stdout == ""
+
+
+def test_bad_flag_is_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "hi", "--max-new-tokens", "many"])
+    assert e.value.code == 2
+    assert "invalid int value" in capsys.readouterr().err
+
+
+# ---- happy path ---------------------------------------------------------------------------------
+
+def test_generate_prints_text_and_stats(capsys, model_dir):
+    rc, out, err = run_cli(capsys, *gen_args(model_dir))
+    assert rc == 0
+    assert out.endswith("\n") and out.strip()
+    [stats] = err.strip().splitlines()
+    assert stats.startswith("[eaglet] prompt tokens ") and "tok/s" in stats
+
+
+def test_generate_stop_string(capsys, model_dir):
+    rc, free, _ = run_cli(capsys, *gen_args(model_dir))
+    stop = free.strip()[3:6]
+    rc, out, err = run_cli(capsys, *gen_args(model_dir, "--stop", stop))
+    assert rc == 0
+    assert out == free[: free.find(stop)] + "\n"
+
+
+@pytest.mark.parametrize("argv, text", [(["--help"], "usage: eaglet"),
+                                        (["generate", "--help"], "--temperature")])
+def test_help_exits_zero(capsys, argv, text):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0
+    assert text in capsys.readouterr().out

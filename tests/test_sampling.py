@@ -1,0 +1,144 @@
+"""Sampling: parameter validation, the target distribution (temperature, top-k, top-p) and the
+exponential-race sampler, which must draw from exactly that distribution."""
+import math
+
+import pytest
+import torch
+
+from eaglet.errors import InvalidInput
+from eaglet.sampling import SamplingParams, sample, sample_probs, target_probs
+
+# probabilities that are exact in float32, so top-p boundaries are exact too
+EXACT = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625])
+
+
+def rand_logits(*shape: int, seed: int = 0) -> torch.Tensor:
+    return 3 * torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def shuffled_exact() -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits whose softmax is EXACT, in a shuffled vocab order; and that order."""
+    order = torch.tensor([3, 0, 4, 1, 2])  # token order[i] has probability EXACT[i]
+    logits = torch.empty(5)
+    logits[order] = EXACT.log()
+    return logits, order
+
+
+# ---- validation ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=-1.0), dict(temperature=-1e-6), dict(temperature=float("nan")),
+    dict(top_p=0.0), dict(top_p=-0.5), dict(top_p=1.5), dict(top_p=float("nan")),
+    dict(top_k=-1), dict(top_k=2.5),
+])
+def test_invalid_params_raise(kw):
+    with pytest.raises(InvalidInput):
+        SamplingParams(**kw)
+
+
+def test_boundary_params_are_valid():
+    p = SamplingParams(temperature=0, top_p=1.0, top_k=0)
+    assert p.greedy
+    assert not SamplingParams(temperature=1e-3, top_p=1e-3, top_k=1).greedy
+
+
+# ---- target_probs -------------------------------------------------------------------------------
+
+def test_greedy_is_one_hot_of_argmax():
+    logits = rand_logits(2, 3, 50)
+    probs = target_probs(logits, SamplingParams())
+    assert probs.dtype == torch.float32 and probs.shape == logits.shape
+    assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), 50).float())
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
+def test_temperature_is_scaled_softmax(temperature):
+    logits = rand_logits(4, 50)
+    probs = target_probs(logits, SamplingParams(temperature=temperature))
+    assert torch.allclose(probs, (logits / temperature).softmax(-1), atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [1, 3, 10])
+def test_top_k_keeps_exactly_k(k):
+    logits = rand_logits(4, 50, seed=1)  # distinct values: no ties at the k-th
+    probs = target_probs(logits, SamplingParams(temperature=0.8, top_k=k))
+    top = logits.topk(k, -1).indices
+    assert ((probs > 0).sum(-1) == k).all()
+    assert torch.equal(probs.gather(-1, top) > 0, torch.ones(4, k, dtype=torch.bool))
+    want = (logits.gather(-1, top) / 0.8).softmax(-1)  # renormalised over the kept tokens
+    assert torch.allclose(probs.gather(-1, top), want, atol=1e-6)
+
+
+def test_top_k_at_least_vocab_is_off():
+    logits = rand_logits(3, 20)
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_k=20))
+    assert torch.allclose(p, logits.softmax(-1), atol=1e-6)
+
+
+@pytest.mark.parametrize("top_p, n_kept", [(0.3, 1), (0.5, 1), (0.6, 2), (0.75, 2), (0.8, 3),
+                                           (0.875, 3), (0.9, 4), (1.0, 5)])
+def test_top_p_keeps_smallest_prefix_reaching_p(top_p, n_kept):
+    """Sorted probs .5 .25 .125 .0625 .0625: mass of the first n is .5 .75 .875 .9375 1, so e.g.
+    top_p=.75 keeps exactly two tokens (the pair already reaches .75)."""
+    logits, order = shuffled_exact()
+    probs = target_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    want = torch.zeros(5)
+    want[order[:n_kept]] = EXACT[:n_kept] / EXACT[:n_kept].sum()
+    assert torch.allclose(probs, want, atol=1e-6)
+
+
+def test_top_k_then_top_p():
+    logits, order = shuffled_exact()
+    # top-k=3 renormalises to .571 .286 .143; top-p=.8 then needs the first two (.857)
+    probs = target_probs(logits, SamplingParams(temperature=1.0, top_k=3, top_p=0.8))
+    want = torch.zeros(5)
+    want[order[:2]] = torch.tensor([2 / 3, 1 / 3])
+    assert torch.allclose(probs, want, atol=1e-6)
+
+
+# ---- sampling -----------------------------------------------------------------------------------
+
+N_DRAWS = 200_000
+
+
+def draw_counts(probs: torch.Tensor, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    toks = sample_probs(probs.expand(N_DRAWS, -1).contiguous(), g)
+    return torch.bincount(toks, minlength=probs.shape[-1]).double()
+
+
+def test_exponential_race_matches_distribution():
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25])
+    counts = draw_counts(probs, seed=0)
+    expected = N_DRAWS * probs.double()
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 18.47  # chi-square, 4 degrees of freedom, p = 0.001
+    tv = 0.5 * float((counts / N_DRAWS - probs.double()).abs().sum())
+    assert tv < 0.005
+
+
+def test_exponential_race_never_draws_zero_probability():
+    probs = torch.tensor([0.0, 0.7, 0.0, 0.3, 0.0])
+    counts = draw_counts(probs, seed=1)
+    assert counts[[0, 2, 4]].sum() == 0
+    assert math.isclose(counts[1] / N_DRAWS, 0.7, abs_tol=0.005)
+
+
+def test_seeded_sampling_is_repeatable():
+    probs = target_probs(rand_logits(64, 100), SamplingParams(temperature=1.0))
+    a = sample_probs(probs, SamplingParams(temperature=1.0, seed=7).generator("cpu"))
+    b = sample_probs(probs, SamplingParams(temperature=1.0, seed=7).generator("cpu"))
+    c = sample_probs(probs, SamplingParams(temperature=1.0, seed=8).generator("cpu"))
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    assert SamplingParams(temperature=1.0).generator("cpu") is None
+
+
+def test_sample_greedy_and_masked():
+    logits = rand_logits(8, 100, seed=2)
+    assert torch.equal(sample(logits, SamplingParams()), logits.argmax(-1))
+    top2 = logits.topk(2, -1).indices
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):  # with top_k=2 every draw is one of the two best tokens
+        tok = sample(logits, SamplingParams(temperature=5.0, top_k=2), g)
+        assert ((top2 == tok[:, None]).any(-1)).all()
