@@ -15,6 +15,9 @@ from .kvcache import KVCache
 from .models.attention import AttnMeta
 from .models.llama import CausalLM
 from .sampling import SamplingParams, sample
+from .spec.loop import SpecDecoder
+from .spec.metrics import SpecMetrics
+from .spec.speculator import Speculator
 from .tokenizer import TextStream, Tokenizer
 
 
@@ -44,6 +47,7 @@ class Completion:
     tokens: list[int]
     text: str
     finish_reason: str
+    spec: SpecMetrics | None = None  # speculation metrics of this sequence (None for plain decoding)
 
 
 class PlainDecoder:
@@ -75,8 +79,9 @@ class PlainDecoder:
         self.last = sample(self.model.logits(h).float(), self.sampling, self.gen)  # (B,)
         return [[t] for t in self.last.tolist()]  # sync: tokens must reach the host to stream and stop
 
-    def step(self) -> list[list[int]]:
-        """Feed each sequence's last token; return the next token of each."""
+    def step(self, limit: list[int]) -> list[list[int]]:
+        """Feed each sequence's last token; return the next token of each. (One token never
+        exceeds a row's budget; finished rows keep stepping, which max_len allows for.)"""
         positions = self.cache.lens[:, None].clone()  # (B, 1)
         hidden = self.forward(self.last[:, None], positions, 1)
         self.last = sample(self.model.logits(hidden[:, -1]).float(), self.sampling, self.gen)  # (B,)
@@ -84,9 +89,20 @@ class PlainDecoder:
 
 
 class Generator:
-    def __init__(self, model: CausalLM, tokenizer: Tokenizer | None):
-        self.model, self.tokenizer = model, tokenizer
+    """Plain or speculative generation (with a Speculator) for a batch of prompts."""
+
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer | None, speculator: Speculator | None = None):
+        self.model, self.tokenizer, self.speculator = model, tokenizer, speculator
         self.context = model.config.max_position
+        self.last_metrics: list[SpecMetrics] | None = None  # per sequence, of the last call
+
+    def decoder(self, batch: int, max_len: int, sampling: SamplingParams):
+        if self.speculator is None:
+            return PlainDecoder(self.model, batch, max_len, sampling)
+        dev = next(self.model.parameters()).device
+        gen = sampling.generator(dev)
+        drafter = self.speculator.make(self.model, batch, max_len, sampling, gen)
+        return SpecDecoder(self.model, drafter, self.speculator.spec, batch, max_len, sampling, gen)
 
     def check_prompts(self, prompts: list[list[int]]) -> None:
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -104,7 +120,8 @@ class Generator:
         # a finished row keeps stepping (and writing K/V) until the whole batch is done, so every
         # row needs room for the longest budget, not just its own
         max_len = max(map(len, prompts)) + max(budget)
-        dec = PlainDecoder(self.model, len(prompts), max_len, gen.sampling)
+        dec = self.decoder(len(prompts), max_len, gen.sampling)
+        self.last_metrics = getattr(dec, "metrics", None)
         streams = [TextStream(self.tokenizer, gen.stop) if self.tokenizer else None for _ in prompts]
         counts = [0] * len(prompts)
         done = [False] * len(prompts)
@@ -128,7 +145,7 @@ class Generator:
                     yield TokenEvent(i, tok, text, reason)
             if all(done):
                 return
-            new = dec.step()
+            new = dec.step([0 if d else b - c for d, b, c in zip(done, budget, counts)])
 
     def generate(self, prompts: list[list[int]], gen: GenerationConfig,
                  on_event: Callable[[TokenEvent], None] | None = None) -> list[Completion]:
@@ -142,4 +159,5 @@ class Generator:
                 reasons[ev.seq] = ev.finish_reason
             if on_event:
                 on_event(ev)
-        return [Completion(len(p), t, x, r) for p, t, x, r in zip(prompts, tokens, texts, reasons)]
+        metrics = self.last_metrics or [None] * len(prompts)
+        return [Completion(len(p), t, x, r, m) for p, t, x, r, m in zip(prompts, tokens, texts, reasons, metrics)]

@@ -26,6 +26,13 @@ class VerifyResult:
     tokens: torch.Tensor  # (B, D+1) emitted tokens: accepted drafts, then the bonus; padding past count
     bonus: torch.Tensor  # (B,) the last emitted token, the next root
 
+    def limit(self, most: torch.Tensor) -> "VerifyResult":
+        """Emit at most most[b] tokens per sequence (0 freezes a finished row): the accepted path is
+        cut, and the bonus becomes the last token kept. No sync."""
+        count = torch.minimum(self.count, most)
+        bonus = self.tokens.gather(1, (count - 1).clamp(min=0)[:, None])[:, 0]
+        return VerifyResult(self.path, count, self.tokens, bonus)
+
 
 def _finish(prop: DraftProposal, path: list[torch.Tensor], count: torch.Tensor, bonus: torch.Tensor) -> VerifyResult:
     path_t = torch.stack(path, 1)  # (B, D+1)
