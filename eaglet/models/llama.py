@@ -85,10 +85,7 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        cache.write(self.layer, meta.slots, k, v)
-        s = meta.mask.shape[-1]
-        keys = cache.k[self.layer, :b, :, :s]  # (B, Hkv, S, D)
-        vals = cache.v[self.layer, :b, :, :s]
+        keys, vals = cache.update(self.layer, meta.slots, k, v, meta.mask.shape[-1])  # (B, Hkv, S, D)
         o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=meta.mask,
                                            enable_gqa=self.nh != self.nkv)  # (B, H, T, D)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, self.nh * self.d))
@@ -149,12 +146,12 @@ class CausalLM(nn.Module):
         names layers, the residual stream entering each, concatenated: (B, T, len(capture) * H)."""
         x = self.model.embed_tokens(input_ids)  # (B, T, H)
         cos, sin = self.model.rotary(positions, x.dtype)
-        taps = []
+        taps = {}
         for i, layer in enumerate(self.model.layers):
             if i in capture:
-                taps.append(x)
+                taps[i] = x
             x = layer(x, cos, sin, cache, meta)
-        aux = torch.cat(taps, -1) if capture else None
+        aux = torch.cat([taps[i] for i in capture], -1) if capture else None  # in capture's order, repeats kept
         return self.model.norm(x), aux
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

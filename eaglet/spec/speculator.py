@@ -37,10 +37,10 @@ class Speculator:
         return Eagle3Drafter(self.head, target, self.spec, sampling, batch, room, self.head_embed, generator)
 
 
-def bundled_drafter(target_path: Path | None) -> Path | None:
-    """The drafter shipped for the embedded default model, if any."""
+def bundled_drafter() -> Path | None:
+    """The EAGLE-3 drafter shipped for the embedded default model, if it is there."""
     d = BUNDLED / "smollm2-135m-instruct-eagle3"
-    return d if target_path is None and (d / "config.json").exists() else None
+    return d if (d / "config.json").exists() else None
 
 
 def load_speculator(spec: SpecConfig, target: CausalLM, target_path: Path | None = None,
@@ -62,7 +62,7 @@ def load_speculator(spec: SpecConfig, target: CausalLM, target_path: Path | None
         return Speculator(spec, draft_model=dm, draft_path=spec.draft)
     from .drafters.eagle3_ckpt import load_eagle3
 
-    path = spec.draft or bundled_drafter(target_path)
+    path = spec.draft or (bundled_drafter() if target_path is None else None)
     if path is None:
         raise ModelLoadError("--spec eagle3 needs --draft PATH (an EAGLE-3 drafter directory) for this model")
     head, embed = load_eagle3(path, target.config, device, dtype)

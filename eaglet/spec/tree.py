@@ -61,12 +61,14 @@ def select_tree(roots: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: to
 
     cand_* are (B, C), generated level by level so a parent's index is below its children's;
     cand_parents indexes candidates, -1 meaning the root. A child's score never exceeds its
-    parent's, and ties are broken toward shallower nodes, so the kept set is a connected tree.
+    parent's, and ties are broken toward lower candidate ids (parents, shallower nodes) by a
+    stable sort, so the kept set is a connected tree. (An epsilon times depth is not enough: in
+    float32 it rounds away once |score| > ~16, and topk orders exact ties arbitrarily.)
     """
     b, c = cand_tokens.shape
     keep = num_nodes - 1
-    score = cand_scores - 1e-6 * cand_depth  # tie-break: parents before children
-    idx = score.topk(keep, dim=-1).indices.sort(-1).values  # (B, K) candidate ids, parent order
+    best = cand_scores.sort(dim=-1, descending=True, stable=True).indices[:, :keep]  # ties: lower id first
+    idx = best.sort(-1).values  # (B, K) candidate ids, parent order
     new_pos = torch.full((b, c), -1, dtype=torch.long, device=cand_tokens.device)
     new_pos.scatter_(1, idx, torch.arange(1, keep + 1, device=idx.device).expand(b, keep))
     par = cand_parents.gather(1, idx)  # (B, K) candidate ids of parents, -1 root

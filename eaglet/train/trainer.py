@@ -1,0 +1,225 @@
+"""`eaglet train-draft`: EAGLE-3 training against a frozen target whose taps and logits are
+computed online, batch by batch (no feature cache on disk).
+
+The batch plan (which rows form step i, every epoch reshuffled) is a pure function of the seed,
+so a checkpoint needs only the step number besides weights, optimizer, scheduler and RNG states
+to resume exactly. Checkpoints are written to a temporary file and renamed: a crash never leaves
+a half-written `latest.pt`. Data parallel: under torchrun each rank takes every world-th batch
+and gradients are averaged over ranks with an all-reduce before each optimizer step.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import InvalidInput
+from ..kvcache import AppendKV
+from ..models.attention import AttnMeta
+from ..spec.drafters.eagle3_ckpt import load_eagle3, save_eagle3
+from ..spec.drafters.eagle3_head import Eagle3Config, Eagle3Head
+from .regen import read_shards
+from .ttt import ttt_loss
+from .vocab import coverage, draft_vocab
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    data: str
+    out: str
+    epochs: float = 1.0
+    lr: float = 1e-4
+    warmup: float = 0.015  # fraction of steps
+    grad_clip: float = 0.5
+    batch_tokens: int = 8192  # padded tokens per batch (per rank)
+    max_len: int = 1024
+    ttt_steps: int = 7
+    decay: float = 0.8
+    draft_vocab: int = 16384
+    intermediate_size: int | None = None
+    init_from: str | None = None
+    seed: int = 0
+    save_every: int = 200
+    max_steps: int | None = None  # stop early (after this many steps) — for tests and smoke runs
+
+    def __post_init__(self):
+        if self.lr <= 0 or self.epochs <= 0 or self.batch_tokens < 1 or self.ttt_steps < 1:
+            raise InvalidInput("lr, epochs, batch-tokens and ttt-steps must be positive")
+
+
+def batch_plan(lengths: list[int], cfg: TrainConfig) -> list[list[int]]:
+    """Batches of row indices for all epochs: shuffled per epoch, bucketed by length, at most
+    cfg.batch_tokens padded tokens each. Deterministic in cfg.seed."""
+    plan: list[list[int]] = []
+    epochs = math.ceil(cfg.epochs)
+    for e in range(epochs):
+        rng = random.Random(cfg.seed * 1000 + e)
+        idx = list(range(len(lengths)))
+        rng.shuffle(idx)
+        batches = []
+        for c in range(0, len(idx), 256):  # sort within windows: similar lengths, still shuffled
+            window = sorted(idx[c:c + 256], key=lambda i: lengths[i])
+            cur: list[int] = []
+            for i in window:
+                if cur and (len(cur) + 1) * max(lengths[j] for j in cur + [i]) > cfg.batch_tokens:
+                    batches.append(cur)
+                    cur = []
+                cur.append(i)
+            if cur:
+                batches.append(cur)
+        rng.shuffle(batches)
+        if e == epochs - 1 and cfg.epochs < epochs:  # a fractional last epoch
+            batches = batches[: int(len(batches) * (cfg.epochs - e))]
+        plan.extend(batches)
+    return plan
+
+
+def lr_lambda(total: int, warmup: float):
+    w = max(1, int(total * warmup))
+
+    def f(step: int) -> float:
+        if step < w:
+            return (step + 1) / w
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - w) / max(1, total - w))))
+    return f
+
+
+def collate(rows: list[dict], idx: list[int], max_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    seqs = [rows[i]["input_ids"][:max_len] for i in idx]
+    t = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), t, dtype=torch.long)
+    mask = torch.zeros(len(seqs), t, dtype=torch.bool)
+    for r, (i, s) in enumerate(zip(idx, seqs)):
+        ids[r, :len(s)] = torch.tensor(s)
+        mask[r, rows[i]["prompt_len"]:len(s)] = True
+    return ids.to(device), mask.to(device)
+
+
+def rng_state() -> dict:
+    st = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: dict) -> None:
+    random.setstate(st["python"])
+    torch.set_rng_state(st["torch"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def save_checkpoint(path: Path, **state) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # atomic: the previous latest.pt stays whole until this instant
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, target, progress: bool = True, log=print):
+        self.cfg, self.target, self.progress, self.log = cfg, target, progress, log
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        p = next(target.parameters())
+        self.device = p.device
+        rows = read_shards(cfg.data)
+        if not rows:
+            raise InvalidInput(f"{cfg.data}: no shard-*.jsonl training data (run `eaglet data` first)")
+        self.rows = rows
+        self.plan = batch_plan([min(len(r["input_ids"]), cfg.max_len) for r in rows], cfg)
+        self.total = len(self.plan) // self.world
+        if cfg.max_steps:
+            self.total = min(self.total, cfg.max_steps)
+        self.head = self.build_head()
+        self.opt = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.total, cfg.warmup))
+        self.step = 0
+        self.history: list[dict] = []
+        self.ckpt = Path(cfg.out) / "checkpoints" / "latest.pt"
+        if self.ckpt.exists():
+            self.resume()
+
+    def build_head(self) -> Eagle3Head:
+        tcfg = self.target.config
+        if self.cfg.init_from:  # fine-tune an existing drafter (e.g. one trained for an older target)
+            head, _ = load_eagle3(self.cfg.init_from, tcfg, self.device, torch.float32)
+            head.requires_grad_(True).train()
+            self.log(f"initialised from {self.cfg.init_from} (draft vocabulary kept)")
+            return head
+        torch.manual_seed(self.cfg.seed)
+        hcfg = Eagle3Config.for_target(tcfg, self.cfg.draft_vocab, self.cfg.intermediate_size)
+        head = Eagle3Head(hcfg).to(self.device)
+        ids = draft_vocab(self.rows, tcfg.vocab_size, self.cfg.draft_vocab)
+        head.set_vocab(ids.to(self.device))
+        self.log(f"draft vocabulary {len(ids)} ids covers {coverage(self.rows, ids, tcfg.vocab_size):.2%} "
+                 "of assistant tokens")
+        return head.train()
+
+    def resume(self) -> None:
+        st = torch.load(self.ckpt, map_location="cpu", weights_only=False)  # RNG states must stay on the CPU
+        self.head.load_state_dict(st["head"])
+        self.opt.load_state_dict(st["optimizer"])
+        self.sched.load_state_dict(st["scheduler"])
+        self.step, self.history = st["step"], st["history"]
+        set_rng_state(st["rng"])
+        self.log(f"resumed from {self.ckpt} at step {self.step}")
+
+    def checkpoint(self) -> None:
+        if self.rank == 0:
+            self.ckpt.parent.mkdir(parents=True, exist_ok=True)
+            save_checkpoint(self.ckpt, head=self.head.state_dict(), optimizer=self.opt.state_dict(),
+                            scheduler=self.sched.state_dict(), step=self.step, history=self.history,
+                            rng=rng_state(), config=asdict(self.cfg))
+
+    def train(self) -> dict:
+        from tqdm import tqdm
+
+        cuda = self.device.type == "cuda"
+        embed = self.target.model.embed_tokens.weight
+        bar = tqdm(total=self.total, initial=self.step, desc="train-draft", disable=not self.progress or self.rank)
+        t0, tokens = time.perf_counter(), 0
+        while self.step < self.total:
+            ids, mask = collate(self.rows, self.plan[self.step * self.world + self.rank], self.cfg.max_len, self.device)
+            with torch.no_grad():  # the frozen target: taps and logits, online
+                pos = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
+                zeros = torch.zeros(ids.shape[0], dtype=torch.long, device=self.device)
+                hidden, taps = self.target(ids, pos, AppendKV(self.target.config.num_layers),
+                                           AttnMeta.build(zeros, pos, ids.shape[1]), capture=self.head.cfg.aux_layers)
+                logits = self.target.logits(hidden)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+                out = ttt_loss(self.head, embed, taps, logits, ids, mask, self.cfg.ttt_steps, self.cfg.decay)
+            self.opt.zero_grad(set_to_none=True)
+            out.loss.backward()
+            if self.world > 1:  # data parallel: average gradients over ranks
+                for p in self.head.parameters():
+                    torch.distributed.all_reduce(p.grad)
+                    p.grad /= self.world
+            torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.grad_clip)
+            self.opt.step()
+            self.sched.step()
+            self.step += 1
+            tokens += int(mask.sum())
+            self.history.append({"step": self.step, "loss": float(out.loss), "acc": out.step_acc,
+                                 "lr": self.sched.get_last_lr()[0]})
+            bar.set_postfix(loss=f"{float(out.loss):.3f}", acc0=f"{out.step_acc[0]:.2f}",
+                            acc_last=f"{out.step_acc[-1]:.2f}")
+            bar.update(1)
+            if self.step % self.cfg.save_every == 0 or self.step == self.total:
+                self.checkpoint()
+        bar.close()
+        if cuda:
+            torch.cuda.synchronize()
+        secs = time.perf_counter() - t0
+        export = None
+        if self.rank == 0:
+            export = save_eagle3(self.head, Path(self.cfg.out) / "drafter", torch.bfloat16 if cuda else torch.float32)
+            (Path(self.cfg.out) / "history.json").write_text(json.dumps(self.history))
+        return {"steps": self.step, "seconds_this_run": secs, "assistant_tokens_this_run": tokens * self.world,
+                "tokens_per_s": tokens * self.world / max(secs, 1e-9), "export": str(export),
+                "final_loss": self.history[-1]["loss"] if self.history else None}

@@ -1,0 +1,248 @@
+"""Speculative sampling is lossless: with any drafter (draft model, EAGLE-3 head; chain or tree) the
+tokens it emits are distributed exactly as the target's own sampling. Checked end to end on a target
+with an 8-token vocabulary: the empirical joint distribution of the first tokens after a fixed prompt
+(100k samples) against the exact one, enumerated with the target; a deliberately wrong acceptance
+rule must fail the same check. Also: seeded runs repeat, and verify on hand-made tensors."""
+import itertools
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+import eaglet.spec.loop
+from eaglet.config import SpecConfig
+from eaglet.generate import GenerationConfig, Generator
+from eaglet.kvcache import KVCache
+from eaglet.models.attention import AttnMeta
+from eaglet.sampling import SamplingParams, sample_probs, target_probs
+from eaglet.spec.drafters.eagle3_head import Eagle3Config, Eagle3Head
+from eaglet.spec.speculator import Speculator
+from eaglet.spec.tree import DraftProposal, chain
+from eaglet.spec.verify import VerifyResult, greedy_verify, sample_verify
+from eaglet.weights import load_model
+
+from .conftest import hf_model
+
+V, PROMPT, NEW = 8, [1, 5], 3  # vocabulary, fixed prompt, tokens sampled after it: K = 8**3 outcomes
+CALLS, BATCH = 5, 20_000  # 100k samples per case, 20k identical prompts per generate call
+DELTA = 1e-6  # chance that a correct engine fails the bound (see tv_bound)
+T1 = SamplingParams(temperature=1.0)
+TRUNC = SamplingParams(temperature=0.8, top_k=5, top_p=0.9)
+# With NEW = 3 the first token comes from the prefill and the next two from speculation: with two
+# draft steps the second draft's acceptance decides the third token (the bonus after it is cut by
+# the token limit); with one step the bonus after a fully accepted chain is emitted too.
+CASES = {
+    "chain-draft": (SpecConfig("draft", steps=2), T1),
+    "chain-draft-1step-topk-topp": (SpecConfig("draft", steps=1), TRUNC),
+    "chain-eagle3": (SpecConfig("eagle3", steps=2), T1),
+    "tree-draft-topk-topp": (SpecConfig("draft", steps=2, topk=3, draft_tokens=6), TRUNC),
+    "tree-eagle3": (SpecConfig("eagle3", steps=2, topk=3, draft_tokens=6), T1),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Ops on 20k rows of width 16 are too small to gain from threads (and lose a lot to a busy CPU)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny(path, seed: int, layers: int):
+    m = hf_model("llama3", seed, vocab_size=V, hidden_size=16, intermediate_size=16, num_hidden_layers=layers,
+                 num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=32)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(4)  # peaked distributions, so that a wrong rule moves visible mass
+    m.save_pretrained(path, safe_serialization=True)
+    return load_model(path, dtype="float32", device="cpu", tokenizer=False).model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(target, drafter kwargs for Speculator by method): a different random model as the draft
+    model (so q != p), and a random EAGLE-3 head (taps layers 2, 1, 0 of the 3-layer target)."""
+    target = tiny(tmp_path_factory.mktemp("target"), 0, 3)
+    draft = tiny(tmp_path_factory.mktemp("draft"), 1, 1)
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config.for_target(target.config)).eval()
+    return target, {"draft": dict(draft_model=draft), "eagle3": dict(head=head)}
+
+
+@torch.inference_mode()
+def exact_joint(model, sp: SamplingParams) -> torch.Tensor:
+    """P(x1..xn | PROMPT) = prod_i p(x_i | PROMPT, x_<i), for every outcome (a base-V number):
+    one forward over all V**(n-1) continuations, whose rows are the outcomes' first n-1 digits."""
+    seqs = torch.tensor([PROMPT + list(c) for c in itertools.product(range(V), repeat=NEW - 1)])
+    b, t = seqs.shape
+    cache = KVCache.for_model(model.config, b, t, torch.float32, "cpu")
+    pos = torch.arange(t).expand(b, t)
+    hidden, _ = model(seqs, pos, cache, AttnMeta.build(cache.lens, pos, t))
+    p = target_probs(model.logits(hidden[:, len(PROMPT) - 1:]), sp)  # (V**(n-1), n, V)
+    code = torch.arange(V ** NEW)
+    joint = torch.ones(V ** NEW)
+    for i in range(NEW):
+        joint *= p[code // V, i, code // V ** (NEW - 1 - i) % V]
+    return joint
+
+
+def sample_joint(target, speculator, sp: SamplingParams, calls: int = CALLS) -> tuple[torch.Tensor, int]:
+    """(the empirical joint distribution of the NEW tokens, the sample count)."""
+    gen = Generator(target, None, speculator)
+    counts = torch.zeros(V ** NEW)
+    for i in range(calls):
+        cfg = GenerationConfig(max_new_tokens=NEW, sampling=replace(sp, seed=1000 + i), ignore_eos=True)
+        toks = torch.tensor([c.tokens for c in gen.generate([PROMPT] * BATCH, cfg)])
+        counts += torch.bincount(toks @ V ** torch.arange(NEW - 1, -1, -1), minlength=V ** NEW)
+    return counts / counts.sum(), calls * BATCH
+
+
+def tv(a: torch.Tensor, b: torch.Tensor) -> float:
+    return 0.5 * (a - b).abs().sum().item()
+
+
+def tv_bound(p: torch.Tensor, n: int) -> float:
+    """For n independent samples from p, the empirical p^ has
+        E[TV] = 1/2 sum_i E|p^_i - p_i| <= 1/2 sum_i sqrt(p_i (1 - p_i) / n)   (Jensen: E|X| <= sqrt(E X^2))
+                                        <= 1/2 sqrt(K / n)                     (Cauchy-Schwarz, K outcomes),
+    and one sample moves TV by at most 1/n, so by McDiarmid P(TV >= E[TV] + t) <= exp(-2 n t^2); with
+    t = sqrt(ln(1/DELTA) / (2n)) a correct engine fails with probability < DELTA. For K = 512 and
+    n = 100k that is at most 0.036 + 0.008 (0.017-0.025 here: p is peaked). The safety factor is the
+    slack of the two inequalities (E[TV] is ~0.8 of the first bound). Seeds are fixed: repeatable."""
+    return 0.5 * (p * (1 - p) / n).sqrt().sum().item() + math.sqrt(math.log(1 / DELTA) / (2 * n))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_speculative_sampling_is_lossless(models, monkeypatch, name):
+    target, drafters = models
+    spec, sp = CASES[name]
+    counts = torch.zeros(spec.steps + 2)  # verify results by accepted nodes (root included), before the limit
+
+    def spy(*args, **kw):
+        res = sample_verify(*args, **kw)
+        counts.add_(torch.bincount(res.count, minlength=spec.steps + 2))
+        return res
+    monkeypatch.setattr(eaglet.spec.loop, "sample_verify", spy)
+    exact = exact_joint(target, sp)
+    got, n = sample_joint(target, Speculator(spec, **drafters[spec.method]), sp)
+    assert tv(got, exact) < tv_bound(exact, n)
+    # and speculation was exercised: rejections at the first draft, acceptances at every depth
+    # (the random EAGLE-3 head's trees reach depth 2 in ~0.7% of the steps, ~1000 times here)
+    share = counts / counts.sum()
+    assert share[1] > 0.05 and (share[2:] > 0.003).all(), share.tolist()
+
+
+# ---- deliberately wrong acceptance rules, which the same check must catch ---------------------
+
+def always_accept(prop, p, *args, **kw):
+    """Wrong: accept every draft p allows (q = 0 turns u * q(x) < p(x) into p(x) > 0)."""
+    return sample_verify(replace(prop, q=torch.zeros_like(p)), p, *args, **kw)
+
+
+def bonus_from_p(prop, p, max_depth, max_children, generator=None):
+    """Wrong: when the children of the last accepted node were all rejected, draw the bonus from p
+    itself instead of the residual max(p - q, 0)."""
+    res = sample_verify(prop, p, max_depth, max_children, generator)
+    rows = torch.arange(len(res.count))
+    last = res.path[rows, res.count - 1]
+    rejected = ((prop.parents == last[:, None]) & prop.valid).any(1)
+    bonus = torch.where(rejected, sample_probs(p[rows, last], generator), res.bonus)
+    return VerifyResult(res.path, res.count, res.tokens.scatter(1, (res.count - 1)[:, None], bonus[:, None]), bonus)
+
+
+@pytest.mark.parametrize("rule,name", [(always_accept, "tree-eagle3"), (bonus_from_p, "chain-draft"),
+                                       (bonus_from_p, "tree-draft-topk-topp")])
+def test_wrong_acceptance_rule_fails_the_check(models, monkeypatch, rule, name):
+    """A fifth of the samples already puts the wrong rule's TV far above its (larger) bound."""
+    target, drafters = models
+    spec, sp = CASES[name]
+    monkeypatch.setattr(eaglet.spec.loop, "sample_verify", rule)
+    exact = exact_joint(target, sp)
+    got, n = sample_joint(target, Speculator(spec, **drafters[spec.method]), sp, calls=1)
+    assert tv(got, exact) > 2 * tv_bound(exact, n)
+
+
+def test_seeded_speculation_repeats(models):
+    target, drafters = models
+    for name in ("chain-draft", "tree-eagle3"):
+        spec, sp = CASES[name]
+        gen = Generator(target, None, Speculator(spec, **drafters[spec.method]))
+
+        def run(seed):
+            cfg = GenerationConfig(max_new_tokens=12, sampling=replace(sp, seed=seed), ignore_eos=True)
+            return [c.tokens for c in gen.generate([PROMPT] * 16, cfg)]
+        first = run(7)
+        assert run(7) == first, name
+        assert run(8) != first, name
+        assert len(set(map(tuple, first))) > 1, name  # rows draw independently
+
+
+# ---- verify on hand-made tensors -------------------------------------------------------------------
+
+PARENTS = [-1, 0, 0, 1, 2, 2]  # root; 1, 2 under it; 3 under 1; 4, 5 under 2
+TOKENS = [9, 3, 4, 5, 6, 7]
+
+
+def hand_tree(rows: int, valid=None) -> DraftProposal:
+    return DraftProposal.from_parents(torch.tensor([TOKENS] * rows), torch.tensor([PARENTS] * rows), valid)
+
+
+def test_greedy_verify_hand_tree():
+    valid = torch.ones(3, 6, dtype=torch.bool)
+    valid[2, 2] = False  # row 2: the matching child is padding
+    argmax = torch.tensor([[4, 0, 7, 0, 0, 1],  # root -> 2 (token 4) -> 5 (token 7), bonus 1
+                           [3, 2, 0, 0, 0, 0],  # root -> 1 (token 3); node 1 has no child 2: bonus 2
+                           [4, 0, 7, 0, 0, 1]])  # node 2 invalid: nothing accepted, bonus 4
+    res = greedy_verify(hand_tree(3, valid), argmax, max_depth=2)
+    assert res.count.tolist() == [3, 2, 1]
+    assert res.path.tolist() == [[0, 2, 5], [0, 1, 0], [0, 0, 0]]
+    assert [res.tokens[b, :c].tolist() for b, c in enumerate(res.count)] == [[4, 7, 1], [3, 2], [4]]
+    assert res.bonus.tolist() == [1, 2, 4]
+
+
+def assert_same(a: VerifyResult, b: VerifyResult) -> None:
+    assert torch.equal(a.count, b.count) and torch.equal(a.bonus, b.bonus)
+    for r, c in enumerate(a.count.tolist()):
+        assert a.path[r, :c].tolist() == b.path[r, :c].tolist()
+        assert a.tokens[r, :c].tolist() == b.tokens[r, :c].tolist()
+
+
+@pytest.mark.parametrize("sampled_q", [False, True])
+def test_sample_verify_with_one_hot_p_is_greedy(sampled_q):
+    """A one-hot target accepts exactly the argmax draft, whatever q is, and its bonus is the argmax."""
+    g = torch.Generator().manual_seed(1)
+    b = 512
+    argmax = torch.randint(0, V, (b, 6), generator=g)
+    if sampled_q:  # chains drafted from q
+        prop = chain(torch.randint(0, 3, (b, 4), generator=g), q=torch.rand(b, 4, V, generator=g).softmax(-1))
+        argmax, depth = argmax[:, :4] % 3, 3
+    else:  # a tree of deterministic drafts
+        prop = DraftProposal.from_parents(torch.randint(3, 8, (b, 6), generator=g), torch.tensor([PARENTS] * b))
+        argmax, depth = argmax % 5 + 3, 2
+    ref = greedy_verify(prop, argmax, depth)
+    assert 0 < (ref.count > 1).sum() < b  # some rows accept, some do not
+    res = sample_verify(prop, torch.nn.functional.one_hot(argmax, V).float(), depth, 3, g)
+    assert_same(res, ref)
+
+
+@pytest.mark.parametrize("kind", ["sampled-draft", "three-siblings"])
+def test_sample_verify_first_token_follows_p(kind):
+    """One node, 200k rows: the first emitted token must follow p, whatever was drafted. A sampled
+    draft x ~ q is kept with min(1, p/q); deterministic siblings are tried in turn (SpecInfer)."""
+    g = torch.Generator().manual_seed(2)
+    b = 200_000
+    if kind == "sampled-draft":
+        p0, q0 = torch.tensor([0.5, 0.3, 0.2, 0.0]), torch.tensor([0.1, 0.2, 0.3, 0.4])
+        x = sample_probs(q0.expand(b, 4), g)
+        prop = chain(torch.stack([torch.zeros_like(x), x], 1), q=torch.stack([q0, torch.zeros(4)]).expand(b, 2, 4))
+        accept = p0.minimum(q0).sum()  # P(accept) = sum min(p, q) = 0.5
+    else:  # the root's children are tokens 2, 0, 1, in that order
+        p0 = torch.tensor([0.1, 0.2, 0.3, 0.4])
+        prop = DraftProposal.from_parents(torch.tensor([[0, 2, 0, 1]] * b), torch.tensor([[-1, 0, 0, 0]] * b))
+        accept = p0[[2, 0, 1]].sum()  # some child is kept unless the target's draw is token 3
+    p = p0.expand(b, prop.num_nodes, 4)
+    res = sample_verify(prop, p, 1, 3, g)
+    first = torch.bincount(res.tokens[:, 0], minlength=4) / b
+    assert tv(first, p0) < tv_bound(p0, b)
+    assert abs((res.count == 2).float().mean() - accept) < 0.01
