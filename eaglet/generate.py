@@ -91,8 +91,10 @@ class PlainDecoder:
 class Generator:
     """Plain or speculative generation (with a Speculator) for a batch of prompts."""
 
-    def __init__(self, model: CausalLM, tokenizer: Tokenizer | None, speculator: Speculator | None = None):
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer | None, speculator: Speculator | None = None,
+                 trace: list | None = None):
         self.model, self.tokenizer, self.speculator = model, tokenizer, speculator
+        self.trace = trace  # handed to SpecDecoder: the profiler records draft trees there
         self.context = model.config.max_position
         self.last_metrics: list[SpecMetrics] | None = None  # per sequence, of the last call
 
@@ -102,7 +104,7 @@ class Generator:
         dev = next(self.model.parameters()).device
         gen = sampling.generator(dev)
         drafter = self.speculator.make(self.model, batch, max_len, sampling, gen)
-        return SpecDecoder(self.model, drafter, self.speculator.spec, batch, max_len, sampling, gen)
+        return SpecDecoder(self.model, drafter, self.speculator.spec, batch, max_len, sampling, gen, self.trace)
 
     def check_prompts(self, prompts: list[list[int]]) -> None:
         if not prompts or any(len(p) == 0 for p in prompts):

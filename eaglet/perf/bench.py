@@ -3,35 +3,19 @@ same number of new tokens (greedy, EOS ignored so every run makes exactly that m
 median tok/s over repeats, warm-up excluded, and the ratio; writes a JSON record."""
 from __future__ import annotations
 
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
-
-from ..errors import InvalidInput
 
 DEFAULT_PROMPTS = ["What is the capital of France?", "Write a short poem about autumn leaves.",
                    "Explain in two sentences why the sky is blue."]
 
 
-def load_prompts(path: str | None, n: int) -> list[str]:
-    if not path:
-        return DEFAULT_PROMPTS[:n]
-    out = []
-    for i, line in enumerate(Path(path).read_text().splitlines()):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            raise InvalidInput(f"{path}:{i + 1}: not a JSON line") from None
-        text = row.get("prompt") or (row.get("turns") or [None])[0]
-        if not isinstance(text, str):
-            raise InvalidInput(f"{path}:{i + 1}: no 'prompt' or 'turns' field")
-        out.append(text)
-    return out[:n]
+def bench_prompts(name_or_path: str | None, n: int) -> list[str]:
+    from ..datasets import load_prompts
+
+    return (load_prompts(name_or_path) if name_or_path else DEFAULT_PROMPTS)[:n]
 
 
 def sync(device: torch.device) -> None:
@@ -60,7 +44,7 @@ def run_bench(args) -> dict:
     model, tok = loaded.model, loaded.tokenizer
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    prompts = [tok.apply_chat([{"role": "user", "content": p}]) for p in load_prompts(args.prompts, args.num_prompts)]
+    prompts = [tok.apply_chat([{"role": "user", "content": p}]) for p in bench_prompts(args.prompts, args.num_prompts)]
     n_new = args.max_new_tokens
     systems = {}
 

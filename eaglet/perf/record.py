@@ -17,13 +17,21 @@ ENV_PREFIXES = ("NCCL_", "CUDA_", "TORCH_", "PYTORCH_", "EAGLET_", "OMP_", "MKL_
 
 
 def git_state() -> dict:
+    """The checkout's commit. Where the code runs from a copy without .git (the GPU machine), the
+    caller passes it in EAGLET_GIT_SHA."""
     root = Path(__file__).resolve().parents[2]
+
     def git(*a):
         try:
-            return subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True, timeout=5).stdout.strip()
+            r = subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True, timeout=5)
         except (OSError, subprocess.SubprocessError):
-            return ""
-    return {"sha": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    sha = git("rev-parse", "HEAD")
+    if sha is None:
+        return {"sha": os.environ.get("EAGLET_GIT_SHA"), "dirty": None, "note": "no .git; sha from EAGLET_GIT_SHA"}
+    return {"sha": sha, "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
 def path_fingerprint(path: str | Path | None) -> dict | None:

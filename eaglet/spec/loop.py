@@ -19,13 +19,14 @@ from .verify import greedy_verify, sample_verify
 
 class SpecDecoder:
     def __init__(self, model: CausalLM, drafter: Drafter, spec: SpecConfig, batch: int, max_len: int,
-                 sampling: SamplingParams, generator: torch.Generator | None = None):
+                 sampling: SamplingParams, generator: torch.Generator | None = None, trace: list | None = None):
         p = next(model.parameters())
         self.model, self.drafter, self.spec, self.sampling = model, drafter, spec, sampling
         self.cache = KVCache.for_model(model.config, batch, max_len + spec.draft_tokens, p.dtype, p.device)
         self.gen = generator
         self.metrics = [SpecMetrics() for _ in range(batch)]
         self.roots: torch.Tensor | None = None
+        self.trace = trace  # the profiler's: per step (scores, depths, accepted path, count, limit)
 
     def prefill(self, prompts: list[list[int]]) -> list[list[int]]:
         dev = self.cache.lens.device
@@ -69,4 +70,6 @@ class SpecDecoder:
         for i, r in enumerate(packed):
             if limit[i] > 0:
                 self.metrics[i].record(accepted=r[0] - 1, draft_tokens=r[1], max_depth=r[2])
+        if self.trace is not None and prop.score is not None:
+            self.trace.append((prop.score.cpu(), prop.depth.cpu(), res.path.cpu(), counts, list(limit)))
         return emitted

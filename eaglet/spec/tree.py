@@ -20,6 +20,8 @@ class DraftProposal:
     valid: torch.Tensor  # (B, N) bool: False for padding nodes (never accepted)
     q: torch.Tensor | None = None  # (B, N, V) drafter's distribution over each node's children,
     #                                 when the draft was sampled from it (chains); None = deterministic
+    score: torch.Tensor | None = None  # (B, N) cumulative draft log-probability (trees; the profiler
+    #                                     predicts smaller budgets from it)
 
     @property
     def num_nodes(self) -> int:
@@ -75,4 +77,6 @@ def select_tree(roots: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: to
     par_new = torch.where(par >= 0, new_pos.gather(1, par.clamp(min=0)), torch.zeros_like(par))
     tokens = torch.cat([roots[:, None], cand_tokens.gather(1, idx)], 1)  # (B, N)
     parents = torch.cat([torch.full_like(roots[:, None], -1), par_new], 1)
-    return DraftProposal.from_parents(tokens, parents, max_depth=max_depth)
+    prop = DraftProposal.from_parents(tokens, parents, max_depth=max_depth)
+    prop.score = torch.cat([torch.zeros_like(cand_scores[:, :1]), cand_scores.gather(1, idx)], 1)
+    return prop

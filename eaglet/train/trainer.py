@@ -205,9 +205,9 @@ class Trainer:
             self.sched.step()
             self.step += 1
             tokens += int(mask.sum())
-            self.history.append({"step": self.step, "loss": float(out.loss), "acc": out.step_acc,
+            self.history.append({"step": self.step, "loss": float(out.loss.detach()), "acc": out.step_acc,
                                  "lr": self.sched.get_last_lr()[0]})
-            bar.set_postfix(loss=f"{float(out.loss):.3f}", acc0=f"{out.step_acc[0]:.2f}",
+            bar.set_postfix(loss=f"{float(out.loss.detach()):.3f}", acc0=f"{out.step_acc[0]:.2f}",
                             acc_last=f"{out.step_acc[-1]:.2f}")
             bar.update(1)
             if self.step % self.cfg.save_every == 0 or self.step == self.total:

@@ -1,0 +1,133 @@
+"""`eaglet profile`: everything the cost model needs, measured on this machine for this target and
+drafter: the plain decode step, one draft level (per top-k width), the verify-cost curve over token
+counts (per batch size), the per-step overhead, and acceptance: per draft position for chains, and
+for trees the accepted path against the ranked draft nodes, from which the accept length of any
+smaller tree (fewer levels, fewer verified nodes, same top-k) follows exactly."""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import torch
+
+from ..config import SpecConfig
+from ..generate import GenerationConfig, Generator
+from ..kvcache import KVCache
+from ..models.attention import AttnMeta
+from ..sampling import SamplingParams
+from ..spec.metrics import SpecMetrics
+from ..spec.speculator import Speculator
+
+VERIFY_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+BUDGETS = (4, 8, 12, 16, 24, 32, 48, 64)
+
+
+def timed(fn, device, repeats: int = 7) -> float:
+    """Median milliseconds of fn() over repeats, after one warm-up call."""
+    fn()
+    out = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(out)
+
+
+@torch.inference_mode()
+def measure_costs(model, speculator: Speculator, batch: int, context: int, topks: tuple[int, ...]) -> dict:
+    """decode_ms, verify_ms{tokens}, draft_ms{topk} at `context` committed tokens, `batch` rows."""
+    p = next(model.parameters())
+    dev = p.device
+    cfg = model.config
+    cache = KVCache.for_model(cfg, batch, context + max(VERIFY_TOKENS) + 8, p.dtype, dev)
+    ids = torch.randint(100, cfg.vocab_size - 1, (batch, context), generator=torch.Generator().manual_seed(0)).to(dev)
+    pos = torch.arange(context, device=dev).expand(batch, context)
+    taps_layers = getattr(speculator.head, "cfg", None)
+    capture = taps_layers.aux_layers if taps_layers else ()
+    _, taps = model(ids, pos, cache, AttnMeta.build(cache.lens, pos, context), capture=capture)
+    cache.advance(context)
+
+    def forward(n: int):
+        def run():
+            x = ids[:, :n]
+            ps = cache.lens[:, None] + torch.arange(n, device=dev)
+            h, _ = model(x, ps, cache, AttnMeta.build(cache.lens, ps, cache.kv_len(n)), capture=capture)
+            model.logits(h).argmax(-1)  # not committed: the same slots are overwritten each time
+        return run
+
+    # keys are strings, as they come back from the JSON record
+    out = {"batch": batch, "context": context, "decode_ms": timed(forward(1), dev),
+           "verify_ms": {str(n): timed(forward(n), dev) for n in VERIFY_TOKENS}, "draft_ms": {}}
+    if speculator.spec.method in ("eagle3", "draft"):
+        drafter = speculator.make(model, batch, context + 8, SamplingParams(), None)
+        drafter.start([ids[b].tolist() for b in range(batch)], taps, ids[:, -1])
+        _, state = drafter.catch_up()
+        for k in topks:
+            tok = torch.zeros(batch, k, dtype=torch.long, device=dev)
+            st = None if state is None else state[:, None].expand(batch, k, *state.shape[1:])
+            mask = torch.eye(k, dtype=torch.bool, device=dev).expand(batch, k, k)
+            out["draft_ms"][str(k)] = timed(lambda: drafter.draft_step(tok, st, 1, mask, pending=0), dev)
+    else:  # n-gram: drafting is host work, counted in the per-step overhead
+        out["draft_ms"] = {str(k): 0.0 for k in topks}
+    return out
+
+
+def tree_tau_table(trace: list, steps_grid: range, budgets: tuple[int, ...]) -> dict[str, float]:
+    """Accept length of every smaller tree (s levels, n verified nodes) from a measured tree's trace.
+
+    The smaller tree of the same top-k keeps the best n-1 candidates of depth <= s, which (as long
+    as the measured tree kept at least that many such nodes) are its own best n-1 nodes of depth
+    <= s; its accepted path is the measured path cut at the first node it lacks."""
+    sums = {(s, n): 0 for s in steps_grid for n in budgets}
+    rows = 0
+    for score, depth, path, counts, limits in trace:
+        max_count = depth.shape[1]
+        for b in range(score.shape[0]):
+            if limits[b] < max_count:  # the budget cut this step short: it would bias τ down
+                continue
+            rows += 1
+            sc, dp = score[b, 1:].tolist(), depth[b, 1:].tolist()
+            acc_nodes = [int(i) - 1 for i in path[b, 1:counts[b]].tolist()]
+            for s in steps_grid:
+                eligible = sorted((i for i in range(len(sc)) if dp[i] <= s), key=lambda i: (-sc[i], i))
+                for n in budgets:
+                    top = set(eligible[: n - 1])
+                    k = 0
+                    while k < len(acc_nodes) and acc_nodes[k] in top and dp[acc_nodes[k]] <= s:
+                        k += 1
+                    sums[(s, n)] += 1 + k
+    return {f"{s},{n}": v / rows for (s, n), v in sums.items()} if rows else {}
+
+
+def measure_acceptance(model, tok, base: Speculator, prompts: list[list[int]], max_new: int, batch: int,
+                       chain_steps: int, trees: list[tuple[int, int, int]]) -> dict:
+    """Chain: per-position acceptance of a `chain_steps` chain. Trees: τ table per top-k. Also the
+    measured wall time per speculation step (for the overhead estimate)."""
+    out = {"chain": {}, "trees": {}}
+    gen_cfg = GenerationConfig(max_new_tokens=max_new)
+
+    def run(spec: SpecConfig, trace=None):
+        g = Generator(model, tok, dataclasses.replace(base, spec=spec), trace=trace)
+        total, t0 = SpecMetrics(), time.perf_counter()
+        for i in range(0, len(prompts), batch):
+            for c in g.generate(prompts[i:i + batch], gen_cfg):
+                total.merge(c.spec)
+        return total, time.perf_counter() - t0
+
+    method, draft = base.spec.method, base.spec.draft
+    m, secs = run(SpecConfig(method, draft, steps=chain_steps))
+    out["chain"] = {"steps": chain_steps, "accept_per_pos": m.acceptance_rate_per_pos, "accept_length": m.accept_length,
+                    "drafts": m.drafts, "step_ms_measured": secs * 1e3 / max(1, m.drafts) * min(batch, len(prompts))}
+    for steps, topk, n in trees:
+        trace: list = []
+        m, secs = run(SpecConfig(method, draft, steps=steps, topk=topk, draft_tokens=n), trace)
+        table = tree_tau_table(trace, range(1, steps + 1), tuple(b for b in BUDGETS if b <= n))
+        out["trees"][str(topk)] = {"steps": steps, "draft_tokens": n, "accept_length": m.accept_length,
+                                   "tau": table, "drafts": m.drafts,
+                                   "step_ms_measured": secs * 1e3 / max(1, m.drafts) * min(batch, len(prompts))}
+    return out

