@@ -274,6 +274,10 @@ def cmd_train_draft(args) -> int:
     loaded = load_model(args.model, args.dtype, device, tokenizer=False)
     result = Trainer(cfg, loaded.model).train()
     print(json.dumps(result))
+    if int(os.environ.get("RANK", "0")) == 0:
+        from .perf.record import write_record
+
+        print(f"record: {write_record('train-draft', vars(args), result, args.out, models={'target': loaded.path})}")
     return 0
 
 

@@ -86,3 +86,13 @@ def make_tiny_tokenizer():
 def tiny_tokenizer():
     """The tiny HF tokenizer (see make_tiny_tokenizer); wrap it with eaglet.tokenizer.Tokenizer."""
     return make_tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Ops on tiny tensors gain nothing from threads and lose a lot to a busy CPU: one thread keeps
+    such modules fast and their timings comparable."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -238,7 +238,8 @@ def test_data_train_eval_commands(capsys, model_dir, source, tmp_path):
                                "--out", str(tmp_path / "train"), "--max-steps", "3", "--draft-vocab", "32",
                                "--ttt-steps", "2", "--batch-tokens", "256", "--lr", "1e-3", "--save-every", "2")
         assert rc == 0, err
-        result = json.loads(out.strip().splitlines()[-1])
+        result = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+        assert "record: " in out  # train-draft writes a JSON record with the environment
         assert result["steps"] == 3 and result["export"] == str(tmp_path / "train" / "drafter")
         assert json.loads((tmp_path / "train" / "drafter" / "config.json").read_text())["draft_vocab_size"] == 32
 

@@ -41,13 +41,7 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Ops on 20k rows of width 16 are too small to gain from threads (and lose a lot to a busy CPU)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small matmuls: one thread is as fast
 
 
 def tiny(path, seed: int, layers: int):

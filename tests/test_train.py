@@ -35,13 +35,7 @@ def target(tiny_dirs):
     return load_model(tiny_dirs["llama3"][0], dtype="float32", device="cpu", tokenizer=False).model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small matmuls: one thread is as fast, and keeps runs comparable."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small matmuls: one thread is as fast
 
 
 @pytest.fixture(scope="module")

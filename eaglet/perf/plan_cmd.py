@@ -68,36 +68,45 @@ def run_profile(args) -> int:
     return 0
 
 
-def measured_speedup(loaded, base, spec: SpecConfig, prompts, max_new: int, batch: int, plain_s: float | None):
-    """(speedup, plain seconds): wall time of plain over speculative generation, same prompts."""
+def measured_speedups(loaded, base, specs: list[SpecConfig], prompts, max_new: int, batch: int,
+                      repeats: int = 2) -> list[float]:
+    """Per spec: median over repeats of (plain wall time / speculative wall time) on the same prompts;
+    plain and speculative runs alternate so drifts in machine speed hit both alike."""
     import dataclasses
+    import statistics
 
     from ..generate import GenerationConfig, Generator
 
     cfg = GenerationConfig(max_new_tokens=max_new)
+    gens = [Generator(loaded.model, loaded.tokenizer)] + [
+        Generator(loaded.model, loaded.tokenizer, dataclasses.replace(base, spec=s)) for s in specs]
 
     def run(gen):
-        gen.generate(prompts[:1], GenerationConfig(max_new_tokens=8))  # warm-up, excluded
         t0 = time.perf_counter()
         for i in range(0, len(prompts), batch):
             gen.generate(prompts[i:i + batch], cfg)
         return time.perf_counter() - t0
 
-    if plain_s is None:
-        plain_s = run(Generator(loaded.model, loaded.tokenizer))
-    spec_s = run(Generator(loaded.model, loaded.tokenizer, dataclasses.replace(base, spec=spec)))
-    return plain_s / spec_s, plain_s
+    for g in gens:  # warm-up, excluded
+        g.generate(prompts[:1], GenerationConfig(max_new_tokens=8))
+    ratios: list[list[float]] = [[] for _ in specs]
+    for _ in range(repeats):
+        plain = run(gens[0])
+        for i, g in enumerate(gens[1:]):
+            ratios[i].append(plain / run(g))
+    return [statistics.median(r) for r in ratios]
 
 
 def neighbours(best: Candidate, cands: list[Candidate]) -> list[Candidate]:
-    """The chosen setting and its neighbours: one step shallower/deeper (chains), half/double the
-    budget (trees) — where the profile predicts them."""
-    by_name = {c.name: c for c in cands}
+    """The chosen setting and its neighbours the profile predicts: one step shallower and deeper
+    (chains), the next smaller and larger verify budget at the same depth and top-k (trees)."""
     if best.topk == 1:
-        names = [f"chain:{best.steps - 1}", f"chain:{best.steps + 1}"]
+        near = [c for c in cands if c.topk == 1 and abs(c.steps - best.steps) == 1]
     else:
-        names = [f"tree:{best.steps},{best.topk},{n}" for n in (best.tokens // 2, best.tokens * 2)]
-    return [best] + [by_name[n] for n in names if n in by_name]
+        same = sorted((c for c in cands if (c.steps, c.topk) == (best.steps, best.topk)), key=lambda c: c.tokens)
+        i = next(j for j, c in enumerate(same) if c.name == best.name)
+        near = same[max(0, i - 1):i] + same[i + 1:i + 2]
+    return [best] + near
 
 
 def plan_from_profile(args) -> int:
@@ -131,13 +140,13 @@ def plan_from_profile(args) -> int:
         loaded, base = load_target_and_drafter(flags["model"], flags["dtype"], flags["device"], flags["spec"],
                                                flags["draft"], flags["chain_steps"])
         prompts = chat_prompts(loaded.tokenizer, flags["prompts"], flags["num_prompts"])
-        plain_s, rows = None, []
+        settings = neighbours(best or cands[0], cands)
+        measured = measured_speedups(loaded, base, [c.spec(flags["spec"], flags["draft"]) for c in settings], prompts,
+                                     flags["max_new_tokens"], args.batch_size)
+        rows = []
         print(f"{'setting':<18}{'predicted':>10}{'measured':>10}{'error':>8}")
-        for c in neighbours(best or cands[0], cands):
-            got, plain_s = measured_speedup(loaded, base, c.spec(flags["spec"], flags["draft"]), prompts,
-                                            flags["max_new_tokens"], args.batch_size, plain_s)
-            rows.append({"setting": c.name, "predicted": c.speedup, "measured": got,
-                         "error": c.speedup / got - 1})
+        for c, got in zip(settings, measured):
+            rows.append({"setting": c.name, "predicted": c.speedup, "measured": got, "error": c.speedup / got - 1})
             print(f"{c.name:<18}{c.speedup:>9.2f}x{got:>9.2f}x{c.speedup / got - 1:>+8.1%}")
         best_measured = max(rows, key=lambda r: r["measured"])
         print(f"best measured: {best_measured['setting']} ({best_measured['measured']:.2f}x)")
