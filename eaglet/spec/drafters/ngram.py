@@ -16,12 +16,11 @@ def find_continuations(hist: list[int], spec: SpecConfig, want: int) -> list[lis
     n_hist = len(hist)
     for n in range(min(spec.ngram_max, n_hist - 1), spec.ngram_min - 1, -1):
         suffix = hist[n_hist - n:]
-        found, firsts = [], set()
+        found: list[list[int]] = []
         for i in range(n_hist - n - 1, -1, -1):  # most recent occurrence first, never the suffix itself
             if hist[i:i + n] == suffix:
                 cont = hist[i + n: i + n + spec.steps]
-                if cont and (spec.is_chain or cont[0] not in firsts or len(found) < want):
-                    firsts.add(cont[0])
+                if cont and cont not in found:  # a repeat adds no branch to the trie
                     found.append(cont)
                     if len(found) == want:
                         return found
