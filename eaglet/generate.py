@@ -127,8 +127,8 @@ class Generator:
         streams = [TextStream(self.tokenizer, gen.stop) if self.tokenizer else None for _ in prompts]
         counts = [0] * len(prompts)
         done = [False] * len(prompts)
-        eos = frozenset() if gen.ignore_eos or not self.tokenizer else self.tokenizer.eos_ids
-        eos = eos | (frozenset() if gen.ignore_eos else frozenset(self.model.config.eos_token_ids))
+        eos = frozenset() if gen.ignore_eos else (
+            frozenset(self.model.config.eos_token_ids) | (self.tokenizer.eos_ids if self.tokenizer else frozenset()))
 
         new = dec.prefill(prompts)
         while True:
