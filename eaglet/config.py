@@ -93,13 +93,6 @@ class ModelConfig:
         n = self.num_layers
         return (2, n // 2, n - 3)
 
-    def num_params(self) -> int:
-        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        layer = attn + 3 * h * i + 2 * h
-        emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
-        return self.num_layers * layer + emb + h
-
     @staticmethod
     def from_hf(cfg: dict) -> "ModelConfig":
         mt = cfg.get("model_type")

@@ -14,6 +14,7 @@ from .errors import InvalidInput
 from .kvcache import KVCache
 from .models.attention import AttnMeta
 from .models.llama import CausalLM
+from .models.prefill import prefill
 from .sampling import SamplingParams, sample
 from .spec.loop import SpecDecoder
 from .spec.metrics import SpecMetrics
@@ -69,13 +70,7 @@ class PlainDecoder:
 
     def prefill(self, prompts: list[list[int]]) -> list[list[int]]:
         """Run the prompts; return the first generated token of each."""
-        dev = self.cache.lens.device
-        t = max(map(len, prompts))
-        ids = torch.tensor([p + [0] * (t - len(p)) for p in prompts], device=dev)  # right-padded (B, T)
-        positions = torch.arange(t, device=dev).expand(len(prompts), t)
-        hidden = self.forward(ids, positions, [len(p) for p in prompts])
-        last = torch.tensor([len(p) - 1 for p in prompts], device=dev)
-        h = hidden[torch.arange(len(prompts), device=dev), last]  # (B, H)
+        h, _ = prefill(self.model, self.cache, prompts)  # (B, H)
         self.last = sample(self.model.logits(h).float(), self.sampling, self.gen)  # (B,)
         return [[t] for t in self.last.tolist()]  # sync: tokens must reach the host to stream and stop
 

@@ -29,9 +29,6 @@ class KVCache:
     def batch(self) -> int:
         return self.k.shape[1]
 
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
-
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new keys/values. slots: (B, T) cache indices; k, v: (B, Hkv, T, D)."""
         b = torch.arange(slots.shape[0], device=slots.device)[:, None].expand_as(slots)  # (B, T)

@@ -161,16 +161,3 @@ class CausalLM(nn.Module):
         """After building on the meta device and `to_empty`: re-tie weights, recompute buffers."""
         self.tie_weights()
         self.model.rotary.reset_buffers(self.config)
-
-    # ---- cost model inputs (used by the planner and the roofline in bench) ----
-    def weight_bytes(self) -> int:
-        seen, total = set(), 0
-        for p in self.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                total += p.numel() * p.element_size()
-        return total
-
-    def decode_flops(self, tokens: int = 1) -> int:
-        """Matmul FLOPs for `tokens` new tokens, attention over the cache excluded."""
-        return 2 * tokens * self.config.num_params()

@@ -1,7 +1,6 @@
 """`eaglet profile` and `eaglet plan --profile`: measure, predict, choose, and check the choice."""
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 

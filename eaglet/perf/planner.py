@@ -2,9 +2,10 @@
 profile mode (eaglet profile) takes eaglet's own measurements and searches chains and trees."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from .cost import Costs
+from .cost import Costs, tau_from_positions
 
 
 @dataclass
@@ -77,16 +78,16 @@ def candidates(profile: dict, batch: int = 1) -> list[Candidate]:
     out = []
     ch = profile["acceptance"]["chain"]
     for s in range(1, ch["steps"] + 1):
-        tau = 1.0 + sum(ch["accept_per_pos"][:s])
+        tau = tau_from_positions(ch["accept_per_pos"], s)
         ms = base.step_ms(s, s + 1)
         out.append(Candidate(f"chain:{s}", s, 1, s + 1, tau, ms, tau * base.decode_ms / ms))
     for k, tr in profile["acceptance"]["trees"].items():
-        draft_k = costs["draft_ms"].get(str(k), base.draft_ms)
+        tree_costs = dataclasses.replace(base, draft_ms=costs["draft_ms"].get(str(k), base.draft_ms))
         for key, tau in tr["tau"].items():
             s, n = (int(x) for x in key.split(","))
             if n < s + 1 or n > 1 + int(k) + (s - 1) * int(k) ** 2:
                 continue
-            ms = s * draft_k + base.verify(n) + extra
+            ms = tree_costs.step_ms(s, n)
             out.append(Candidate(f"tree:{s},{k},{n}", s, int(k), n, tau, ms, tau * base.decode_ms / ms))
     return sorted(out, key=lambda c: -c.speedup)
 

@@ -11,6 +11,7 @@ from ..config import SpecConfig
 from ..kvcache import KVCache
 from ..models.attention import AttnMeta
 from ..models.llama import CausalLM
+from ..models.prefill import prefill
 from ..sampling import SamplingParams, sample, target_probs
 from .drafters.base import Drafter
 from .metrics import SpecMetrics
@@ -29,15 +30,7 @@ class SpecDecoder:
         self.trace = trace  # the profiler's: per step (scores, depths, accepted path, count, limit)
 
     def prefill(self, prompts: list[list[int]]) -> list[list[int]]:
-        dev = self.cache.lens.device
-        t = max(map(len, prompts))
-        ids = torch.tensor([p + [0] * (t - len(p)) for p in prompts], device=dev)  # (B, T) right-padded
-        positions = torch.arange(t, device=dev).expand(len(prompts), t)
-        meta = AttnMeta.build(self.cache.lens, positions, t, sliding_window=self.model.config.sliding_window)
-        hidden, taps = self.model(ids, positions, self.cache, meta, capture=self.drafter.taps)
-        self.cache.advance([len(p) for p in prompts])
-        last = torch.tensor([len(p) - 1 for p in prompts], device=dev)
-        h = hidden[torch.arange(len(prompts), device=dev), last]  # (B, H)
+        h, taps = prefill(self.model, self.cache, prompts, capture=self.drafter.taps)  # (B, H)
         self.roots = sample(self.model.logits(h).float(), self.sampling, self.gen)  # (B,)
         self.drafter.start(prompts, taps, self.roots)
         return [[t] for t in self.roots.tolist()]  # sync: first tokens to the host

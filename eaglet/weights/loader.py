@@ -6,7 +6,6 @@ shape mismatch is a ModelLoadError naming the tensor.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,15 +110,3 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype | None =
     model = build_model(config, safetensors_dir.iter_tensors(weights_dir), dev, dt, source=str(path))
     tok = Tokenizer.from_dir(weights_dir, config) if tokenizer else None
     return LoadedModel(model=model, tokenizer=tok, config=config, path=path, weights_dir=weights_dir)
-
-
-def save_hf_dir(model: CausalLM, out: Path) -> None:
-    """Write `model` as a HF directory (config.json + model.safetensors) that load_model reads."""
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(model.config.to_hf(), indent=1))
