@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import InvalidInput
-from .kvcache import KVCache
 from .models.attention import AttnMeta
 from .models.llama import CausalLM
 from .models.prefill import prefill
 from .sampling import SamplingParams, sample
+from .runtime.decoder import SlotDecoder
 from .spec.loop import SpecDecoder
 from .spec.metrics import SpecMetrics
 from .spec.speculator import Speculator
@@ -51,55 +51,78 @@ class Completion:
     spec: SpecMetrics | None = None  # speculation metrics of this sequence (None for plain decoding)
 
 
-class PlainDecoder:
-    """One target forward per token. Holds the batch's KV cache for one generate call."""
+class PlainDecoder(SlotDecoder):
+    """One target forward per token (one graph per attention span)."""
 
-    def __init__(self, model: CausalLM, batch: int, max_len: int, sampling: SamplingParams):
+    def __init__(self, model: CausalLM, batch: int, max_len: int, sampling: SamplingParams,
+                 graphs: bool = True, timer=None):
         p = next(model.parameters())
-        self.model, self.sampling = model, sampling
-        self.cache = KVCache.for_model(model.config, batch, max_len, p.dtype, p.device)
-        self.gen = sampling.generator(p.device)
+        super().__init__(model, batch, max_len, sampling, sampling.generator(p.device), graphs, timer)
+        self.last = torch.zeros(batch, dtype=torch.long, device=p.device)  # each row's last token
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, n_new: list[int] | int) -> torch.Tensor:
-        """Run new tokens (B, T) and commit n_new[b] of them; returns hidden (B, T, H)."""
-        meta = AttnMeta.build(self.cache.lens, positions, self.cache.kv_len(ids.shape[1]),
-                              sliding_window=self.model.config.sliding_window)
-        hidden, _ = self.model(ids, positions, self.cache, meta)
-        self.cache.advance(n_new)
-        return hidden
+    def _admit_run(self, lo, hi, prompts):
+        h, _ = prefill(self.model, self.cache.view(lo, hi), prompts)  # (b, H)
+        tok = sample(self.model.logits(h).float(), self.sampling, self.gen)  # (b,)
+        self.last[lo:hi] = tok
+        return tok.tolist()  # sync: first tokens to the host
 
-    def prefill(self, prompts: list[list[int]]) -> list[list[int]]:
-        """Run the prompts; return the first generated token of each."""
-        h, _ = prefill(self.model, self.cache, prompts)  # (B, H)
-        self.last = sample(self.model.logits(h).float(), self.sampling, self.gen)  # (B,)
-        return [[t] for t in self.last.tolist()]  # sync: tokens must reach the host to stream and stop
+    def _decode(self) -> torch.Tensor:
+        """Feed each row's last token, sample the next; frozen rows (limit 0) do not move."""
+        c = self.cache
+        positions = c.lens[:, None]  # (B, 1)
+        meta = AttnMeta.build(c.lens, positions, c.kv_len(1), sliding_window=self.model.config.sliding_window)
+        hidden, _ = self.model(self.last[:, None], positions, c, meta)
+        tok = sample(self.model.logits(hidden[:, -1]).float(), self.sampling, self.gen)  # (B,)
+        active = self.limit > 0
+        self.last.copy_(torch.where(active, tok, self.last))
+        c.lens += active
+        return self.last
 
     def step(self, limit: list[int]) -> list[list[int]]:
-        """Feed each sequence's last token; return the next token of each. (One token never
-        exceeds a row's budget; finished rows keep stepping, which max_len allows for.)"""
-        positions = self.cache.lens[:, None].clone()  # (B, 1)
-        hidden = self.forward(self.last[:, None], positions, 1)
-        self.last = sample(self.model.logits(hidden[:, -1]).float(), self.sampling, self.gen)  # (B,)
-        return [[t] for t in self.last.tolist()]  # sync: tokens must reach the host to stream and stop
+        self.set_limit(limit)
+        kv = self.span_of(self.cache, 1)
+        with self.phase("decode"):
+            out = self.graphs.run(("decode", kv), self._decode)
+        toks = out.tolist()  # sync: tokens must reach the host to stream and stop
+        self.cache.commit_host([1 if n > 0 else 0 for n in limit])
+        return [[t] if n > 0 else [] for t, n in zip(toks, limit)]
 
 
 class Generator:
-    """Plain or speculative generation (with a Speculator) for a batch of prompts."""
+    """Plain or speculative generation (with a Speculator) for a batch of prompts.
+
+    `graphs` turns CUDA graphs on (GPU only; `--eager` turns them off). The decoder of the last
+    call is kept and reused while the batch size and sampling settings stay the same and its cache
+    is long enough, so its captured graphs serve the next calls too. `timer` (a PhaseTimer)
+    collects time per phase."""
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer | None, speculator: Speculator | None = None,
-                 trace: list | None = None):
+                 trace: list | None = None, graphs: bool = True, timer=None):
         self.model, self.tokenizer, self.speculator = model, tokenizer, speculator
         self.trace = trace  # handed to SpecDecoder: the profiler records draft trees there
+        self.graphs, self.timer = graphs, timer
         self.context = model.config.max_position
         self.last_metrics: list[SpecMetrics] | None = None  # per sequence, of the last call
+        self._dec = None  # (batch, max_len, sampling, decoder) of the last call
 
     def decoder(self, batch: int, max_len: int, sampling: SamplingParams):
+        """A decoder with `batch` rows and room for `max_len` tokens each, all rows free."""
+        last = self._dec
+        if last and last[0] == batch and last[1] >= max_len and last[2] == sampling and sampling.seed is None:
+            last[3].reset()
+            return last[3]
+        max_len = min(-(-max_len // 128) * 128, self.context + 128)  # rounded: later calls fit too
+        self._dec = None  # free the old caches first
         if self.speculator is None:
-            return PlainDecoder(self.model, batch, max_len, sampling)
-        dev = next(self.model.parameters()).device
-        gen = sampling.generator(dev)
-        drafter = self.speculator.make(self.model, batch, max_len, sampling, gen)
-        return SpecDecoder(self.model, drafter, self.speculator.spec, batch, max_len, sampling, gen, self.trace)
+            dec = PlainDecoder(self.model, batch, max_len, sampling, self.graphs, self.timer)
+        else:
+            dev = next(self.model.parameters()).device
+            gen = sampling.generator(dev)
+            drafter = self.speculator.make(self.model, batch, max_len, sampling, gen)
+            dec = SpecDecoder(self.model, drafter, self.speculator.spec, batch, max_len, sampling, gen,
+                              self.trace, self.graphs, self.timer)
+        self._dec = (batch, max_len, sampling, dec)
+        return dec
 
     def check_prompts(self, prompts: list[list[int]]) -> None:
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -114,9 +137,7 @@ class Generator:
         """Yield one TokenEvent per generated token, in the order produced."""
         self.check_prompts(prompts)
         budget = [min(gen.max_new_tokens, self.context - len(p)) for p in prompts]
-        # a finished row keeps stepping (and writing K/V) until the whole batch is done, so every
-        # row needs room for the longest budget, not just its own
-        max_len = max(map(len, prompts)) + max(budget)
+        max_len = max(len(p) + b for p, b in zip(prompts, budget))  # a finished row stops moving
         dec = self.decoder(len(prompts), max_len, gen.sampling)
         self.last_metrics = getattr(dec, "metrics", None)
         streams = [TextStream(self.tokenizer, gen.stop) if self.tokenizer else None for _ in prompts]
@@ -125,7 +146,7 @@ class Generator:
         eos = frozenset() if gen.ignore_eos else (
             frozenset(self.model.config.eos_token_ids) | (self.tokenizer.eos_ids if self.tokenizer else frozenset()))
 
-        new = dec.prefill(prompts)
+        new = dec.admit(list(range(len(prompts))), prompts)
         while True:
             for i, toks in enumerate(new):
                 for tok in toks:

@@ -1,13 +1,20 @@
-"""Preallocated KV cache for a batch of sequences, with the operations speculation needs.
+"""Preallocated KV cache for a batch of sequences (slots), with the operations speculation needs.
 
 Layout: one tensor for K and one for V, each (layers, batch, kv_heads, max_len, head_dim), so a
-layer's view is directly what attention reads. Each sequence b has a committed length `lens[b]`.
+layer's view is directly what attention reads. Each row b has a committed length `lens[b]` on the
+device and its mirror `host_lens[b]` on the host (so attention spans are known without a sync).
 A forward writes its T new tokens into slots lens[b] .. lens[b]+T-1 (see AttnMeta) without
 committing them; the caller then commits all of them (`advance`), only an accepted subset
 (`keep`, the accepted path of a tree), or rolls back (`truncate`).
+
+Device-only operations (`keep`, `lens +=` inside a CUDA graph) leave the host mirror alone; the
+caller brings it up to date with `commit_host` (counts it already has) or `sync_host` (a sync).
+`view(lo, hi)` is a cache over rows lo..hi-1 sharing this one's storage (prefill of new requests
+into free rows while other rows hold their sequences).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -17,9 +24,10 @@ class KVCache:
         shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.lens = torch.zeros(batch, dtype=torch.long, device=device)  # committed tokens per sequence
-        self.host_lens = [0] * batch  # the same on the host, so kv_len needs no sync
+        self.lens = torch.zeros(batch, dtype=torch.long, device=device)  # committed tokens per row
+        self.host_lens = np.zeros(batch, dtype=np.int64)  # the same on the host
         self.max_len = max_len
+        self.kv_limit: int | None = None  # a fixed attention span (set per step by graphed decoders)
 
     @staticmethod
     def for_model(config, batch: int, max_len: int, dtype: torch.dtype, device) -> "KVCache":
@@ -29,6 +37,13 @@ class KVCache:
     def batch(self) -> int:
         return self.k.shape[1]
 
+    def view(self, lo: int, hi: int) -> "KVCache":
+        """Rows lo..hi-1 as a cache of their own; writes and commits land in this cache."""
+        c = object.__new__(KVCache)
+        c.k, c.v, c.lens, c.host_lens = self.k[:, lo:hi], self.v[:, lo:hi], self.lens[lo:hi], self.host_lens[lo:hi]
+        c.max_len, c.kv_limit = self.max_len, None
+        return c
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new keys/values. slots: (B, T) cache indices; k, v: (B, Hkv, T, D)."""
         b = torch.arange(slots.shape[0], device=slots.device)[:, None].expand_as(slots)  # (B, T)
@@ -37,11 +52,9 @@ class KVCache:
 
     def kv_len(self, new: int) -> int:
         """Cache slots a forward of `new` more tokens (pending ones included) must attend over."""
-        return max(self.host_lens) + new
-
-    @staticmethod
-    def _host(n) -> list[int]:
-        return n.tolist() if isinstance(n, torch.Tensor) else list(n)  # sync: only when given a tensor
+        if self.kv_limit is not None:
+            return self.kv_limit
+        return int(self.host_lens.max()) + new
 
     def update(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int):
         """Write new keys/values, return this layer's first kv_len slots to attend over."""
@@ -50,17 +63,19 @@ class KVCache:
         return self.k[layer, :b, :, :kv_len], self.v[layer, :b, :, :kv_len]
 
     def advance(self, n: list[int] | int | torch.Tensor) -> None:
-        """Commit the first n[b] just-written tokens of each sequence (host ints preferred)."""
-        n = [n] * self.batch if isinstance(n, int) else self._host(n)
-        self.lens += torch.tensor(n, device=self.lens.device)
-        self.host_lens = [a + b for a, b in zip(self.host_lens, n)]
+        """Commit the first n[b] just-written tokens of each row (host ints preferred)."""
+        n = np.full(self.batch, n) if isinstance(n, int) else np.asarray(
+            n.tolist() if isinstance(n, torch.Tensor) else n, dtype=np.int64)  # sync: only when given a tensor
+        self.lens += torch.from_numpy(n).to(self.lens.device)
+        self.host_lens += n
 
-    def keep(self, index: torch.Tensor, count: torch.Tensor, host_count: list[int] | None = None) -> None:
-        """Commit, for each sequence b, the just-written tokens at block offsets index[b, :count[b]]
+    def keep(self, index: torch.Tensor, count: torch.Tensor) -> None:
+        """Commit, for each row b, the just-written tokens at block offsets index[b, :count[b]]
         (in that order), moving them to slots lens[b], lens[b]+1, ...; the rest are dropped.
+        Device only (graph-safe): follow with commit_host or sync_host.
 
         index: (B, M) offsets into the block written by the last forward, count: (B,) <= M.
-        Entries of `index` past `count` are ignored. host_count: `count` on the host.
+        Entries of `index` past `count` are ignored.
         """
         bsz, m = index.shape
         ar = torch.arange(m, device=index.device)[None, :]  # (1, M)
@@ -72,17 +87,27 @@ class KVCache:
             moved = t[:, b, :, src]  # (B, M, L, Hkv, D): gathered before any write
             t[:, b, :, dst] = moved
         self.lens += count
-        host_count = self._host(count) if host_count is None else host_count
-        self.host_lens = [a + c for a, c in zip(self.host_lens, host_count)]
+
+    def commit_host(self, counts: list[int] | np.ndarray) -> None:
+        """Mirror on the host a device-side commit of counts[b] tokens per row."""
+        self.host_lens += np.asarray(counts, dtype=np.int64)
+
+    def sync_host(self) -> None:
+        self.host_lens[:] = self.lens.tolist()  # sync: only outside the hot path (tests, tools)
 
     def truncate(self, lens: list[int] | torch.Tensor) -> None:
-        """Roll sequences back to `lens` tokens (host ints, never longer than now); later writes
-        overwrite the rest."""
-        self.host_lens = [min(a, b) for a, b in zip(self.host_lens, self._host(lens))]
-        self.lens.copy_(torch.tensor(self.host_lens, device=self.lens.device))
+        """Roll rows back to `lens` tokens (never longer than now); later writes overwrite the rest."""
+        want = np.asarray(lens.tolist() if isinstance(lens, torch.Tensor) else lens, dtype=np.int64)
+        np.minimum(self.host_lens, want, out=self.host_lens)
+        self.lens.copy_(torch.from_numpy(self.host_lens.copy()))
+
+    def release(self, rows: list[int]) -> None:
+        """Empty the given rows at once (their slots are free for new sequences)."""
+        self.host_lens[rows] = 0
+        self.lens[torch.tensor(rows, dtype=torch.long, device=self.lens.device)] = 0
 
     def reset(self) -> None:
-        """Empty every sequence."""
+        """Empty every row."""
         self.truncate([0] * self.batch)
 
 

@@ -82,6 +82,7 @@ def test_tree_keep_path_equals_recomputation(model):
     cache = prefill(model, [prompt])
     tree_logits = run(model, cache, block[None], cache.lens[:, None] + depth, tree_mask=mask[None])[0]
     cache.keep(torch.tensor([PATH]), torch.tensor([len(PATH)]))
+    cache.sync_host()
 
     kept = torch.cat([prompt, block[PATH]])
     ref, ref_logits = recompute(model, kept, nxt)
@@ -100,6 +101,7 @@ def test_causal_block_keep_prefix_equals_recomputation(model, n_keep):
     cache = prefill(model, [prompt])
     run(model, cache, block[None])
     cache.keep(torch.arange(6)[None], torch.tensor([n_keep]))
+    cache.sync_host()
 
     kept = torch.cat([prompt, block[:n_keep]])
     ref, ref_logits = recompute(model, kept, nxt)
@@ -137,6 +139,7 @@ def test_batch_keep_different_counts(model):
     cache = prefill(model, prompts)
     run(model, cache, blocks, cache.lens[:, None] + depths, tree_mask=masks)
     cache.keep(index, count)
+    cache.sync_host()
     got = run(model, cache, nxt)[:, -1]
 
     for b, p in enumerate(prompts):

@@ -26,17 +26,25 @@ class Recorder:
     """Wraps a drafter; keeps each step's proposals and emitted tokens on the host."""
 
     def __init__(self, inner):
-        self.inner, self.taps, self.steps = inner, inner.taps, []
+        self.inner, self.taps, self.graphable, self.steps = inner, inner.taps, False, []
 
-    def start(self, prompts, taps, first):
-        self.inner.start(prompts, taps, first)
+    def start(self, lo, hi, prompts, taps, first):
+        self.inner.start(lo, hi, prompts, taps, first)
 
     def propose(self, roots):
-        return self.inner.propose(roots)
+        self.prop = self.inner.propose(roots)
+        return self.prop
 
-    def commit(self, prop, res, taps, emitted):
-        self.steps.append((prop.tokens.tolist(), prop.parents.tolist(), prop.valid.tolist(), emitted))
-        self.inner.commit(prop, res, taps, emitted)
+    def commit(self, prop, res, taps):
+        self.inner.commit(prop, res, taps)
+
+    def commit_host(self, emitted):
+        p = self.prop
+        self.steps.append((p.tokens.tolist(), p.parents.tolist(), p.valid.tolist(), emitted))
+        self.inner.commit_host(emitted)
+
+    def release(self, rows):
+        self.inner.release(rows)
 
 
 class Recording(Speculator):

@@ -150,11 +150,12 @@ def test_attn_meta_default_is_causal_after_pending():
 class FixedTree:
     """A drafter proposing the same hand-built tree every round (column 0 replaced by the root)."""
     taps = ()
+    graphable = True
 
     def __init__(self, tokens: torch.Tensor, parents: list[int]):
         self.tokens, self.parents = tokens, torch.tensor([parents] * len(tokens))
 
-    def start(self, prompts, taps, first):
+    def start(self, lo, hi, prompts, taps, first):
         pass
 
     def propose(self, roots):
@@ -162,8 +163,11 @@ class FixedTree:
         tokens[:, 0] = roots
         return DraftProposal.from_parents(tokens, self.parents)
 
-    def commit(self, prop, res, taps, emitted):
+    def commit(self, prop, res, taps):
         self.res = res
+
+    def commit_host(self, emitted):
+        pass
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +197,7 @@ def test_verify_round_commits_accepted_path(model):
     hook = model.register_forward_pre_hook(lambda m, args: seen.append(args[1].clone()))
     try:
         lens = [len(p) for p in prompts]
-        assert dec.prefill([p.tolist() for p in prompts]) == [[g[0]] for g in greedy]
+        assert dec.admit([0, 1], [p.tolist() for p in prompts]) == [[g[0]] for g in greedy]
         emitted = dec.step([10, 10])
     finally:
         hook.remove()
@@ -258,12 +262,12 @@ def test_build_trie_merges_prefixes_breadth_first():
 
 
 def test_ngram_drafter_pads_its_proposal():
-    drafter = NgramDrafter(ngram(steps=2, topk=2))
-    drafter.start([[4, 5, 6, 4, 5, 7, 4]], None, torch.tensor([5]))  # history ... 4, 5
+    drafter = NgramDrafter(ngram(steps=2, topk=2), 1)
+    drafter.start(0, 1, [[4, 5, 6, 4, 5, 7, 4]], None, torch.tensor([5]))  # history ... 4, 5
     prop = drafter.propose(torch.tensor([5]))
     # matches of [4, 5] (most recent first): then 7, 4 and then 6, 4; draft_tokens 4 = root + 3
     assert prop.tokens[0].tolist() == [5, 7, 6, 4] and prop.parents[0].tolist() == [-1, 0, 0, 1]
     assert prop.depth[0].tolist() == [0, 1, 1, 2] and prop.valid.all()
-    drafter.commit(prop, None, None, [[9]])  # history ... 4, 5, 9: no earlier 9, nothing to propose
+    drafter.commit_host([[9]])  # history ... 4, 5, 9: no earlier 9, nothing to propose
     prop = drafter.propose(torch.tensor([9]))
     assert prop.tokens[0, 0] == 9 and prop.valid[0].tolist() == [True, False, False, False]

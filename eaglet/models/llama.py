@@ -74,12 +74,23 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused (weight, bias), inference
+
+    def fuse(self) -> None:
+        """One matmul for q, k and v: the three weights become views of one tensor (names unchanged)."""
+        self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+
+    def project(self, x: torch.Tensor):
+        if self.qkv is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return F.linear(x, *self.qkv).split([self.nh * self.d, self.nkv * self.d, self.nkv * self.d], -1)
 
     def forward(self, x, cos, sin, cache: KVCache, meta: AttnMeta) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.nh, self.d)
-        k = self.k_proj(x).view(b, t, self.nkv, self.d)
-        v = self.v_proj(x).view(b, t, self.nkv, self.d)
+        q, k, v = self.project(x)
+        q = q.view(b, t, self.nh, self.d)
+        k = k.view(b, t, self.nkv, self.d)
+        v = v.view(b, t, self.nkv, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
@@ -98,9 +109,32 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused, inference
+
+    def fuse(self) -> None:
+        self.gate_up = fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, *self.gate_up).chunk(2, -1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) of linears that read the same input into one tensor and
+    make each module's parameters views of it: the state dict keeps its checkpoint names and
+    shapes, and one matmul replaces several. For inference: gradients would not reach the views."""
+    w = torch.cat([m.weight.data for m in linears])
+    b = torch.cat([m.bias.data for m in linears]) if linears[0].bias is not None else None
+    lo = 0
+    for m in linears:
+        hi = lo + m.weight.shape[0]
+        m.weight.data = w[lo:hi]
+        if b is not None:
+            m.bias.data = b[lo:hi]
+        lo = hi
+    return w, b
 
 
 class DecoderLayer(nn.Module):
@@ -156,6 +190,12 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # (..., V)
+
+    def fuse_projections(self) -> None:
+        """For inference: q/k/v and gate/up each as one matmul (see fuse_linears)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def post_materialize(self) -> None:
         """After building on the meta device and `to_empty`: re-tie weights, recompute buffers."""

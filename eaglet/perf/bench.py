@@ -1,15 +1,36 @@
-"""`eaglet bench`: eaglet and transformers generate, in one process, on the same prompts and the
-same number of new tokens (greedy, EOS ignored so every run makes exactly that many). Reports the
-median tok/s over repeats, warm-up excluded, and the ratio; writes a JSON record."""
+"""`eaglet bench`: systems side by side in one process, on the same prompts and the same number of
+new tokens (greedy, EOS ignored so every run makes exactly that many):
+
+  transformers          transformers `generate` (the baseline)
+  transformers-lookup   transformers `generate` with prompt lookup (its n-gram speculation)
+  plain, plain-eager    eaglet plain decoding, with CUDA graphs and without
+  ngram                 eaglet n-gram speculation (chain)
+  eagle3-chain          eaglet with the EAGLE-3 drafter, a chain of --chain-steps
+  eagle3-tree           eaglet with the EAGLE-3 drafter, the --tree setting
+
+Per system: tok/s (median over repeats of the whole prompt set, warm-up excluded), τ, whether the
+tokens equal eaglet plain's, and for eaglet systems the time per phase (one extra pass with CUDA
+events: draft, verify, accept+commit, and the rest). Ratios against eaglet plain, transformers and
+the memory roofline (weight bytes over the measured copy bandwidth). Prints a table, writes one
+JSON record and a PNG plot made from it.
+
+`--shape NAME` instead measures a random-weight model of a real shape: plain decode tok/s against
+the roofline, and the forward-cost curve over 1..256 tokens, eager and graphed.
+"""
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
 import torch
 
+from ..errors import InvalidInput
+
 DEFAULT_PROMPTS = ["What is the capital of France?", "Write a short poem about autumn leaves.",
                    "Explain in two sentences why the sky is blue."]
+SYSTEMS = ("transformers", "transformers-lookup", "plain", "plain-eager", "ngram", "eagle3-chain", "eagle3-tree")
+CURVE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def bench_prompts(name_or_path: str | None, n: int) -> list[str]:
@@ -23,65 +44,256 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def time_runs(fn, device, repeats: int) -> list[float]:
-    fn()  # warm-up, excluded
-    times = []
+def parse_tree(s: str) -> tuple[int, int, int]:
+    try:
+        steps, topk, n = (int(x) for x in s.split(","))
+    except ValueError:
+        raise InvalidInput(f"--tree wants STEPS,TOPK,TOKENS, got {s!r}") from None
+    return steps, topk, n
+
+
+def roofline(model, device, context: int) -> dict | None:
+    from .shapes import copy_bandwidth, decode_bytes
+
+    if device.type != "cuda":
+        return None
+    bw = copy_bandwidth(device)
+    nbytes = decode_bytes(model, context)
+    return {"bandwidth_gb_s": bw / 1e9, "bytes_per_token": nbytes, "context": context, "ceiling_tok_s": bw / nbytes}
+
+
+def eaglet_systems(args, model, tok, names) -> dict:
+    """name -> Generator for the eaglet systems asked for."""
+    from ..config import SpecConfig
+    from ..generate import Generator
+    from ..spec.speculator import load_speculator
+
+    out = {}
+    graphs = not args.eager
+    if "plain" in names:
+        out["plain"] = Generator(model, tok, graphs=graphs)
+    if "plain-eager" in names:
+        out["plain-eager"] = Generator(model, tok, graphs=False)
+    if "ngram" in names:
+        spec = SpecConfig("ngram", steps=args.chain_steps)
+        out["ngram"] = Generator(model, tok, load_speculator(spec, model, args.model), graphs=graphs)
+    if "eagle3-chain" in names or "eagle3-tree" in names:
+        base = load_speculator(SpecConfig("eagle3", args.draft, steps=args.chain_steps), model, args.model)
+        if "eagle3-chain" in names:
+            out["eagle3-chain"] = Generator(model, tok, base, graphs=graphs)
+        if "eagle3-tree" in names:
+            s, k, n = parse_tree(args.tree)
+            spec = SpecConfig("eagle3", args.draft, steps=s, topk=k, draft_tokens=n)
+            out["eagle3-tree"] = Generator(model, tok, dataclasses.replace(base, spec=spec), graphs=graphs)
+    return out
+
+
+def run_system(fn, prompts, device, repeats: int) -> dict:
+    fn(prompts[0])  # warm-up, excluded (graphs are captured here)
+    secs = []
     for _ in range(repeats):
         sync(device)
         t0 = time.perf_counter()
-        fn()
+        for ids in prompts:
+            fn(ids)
         sync(device)
-        times.append(time.perf_counter() - t0)
-    return times
+        secs.append(time.perf_counter() - t0)
+    return {"seconds": secs}
+
+
+def phases_pass(gen, prompts, cfg, device) -> dict:
+    """One pass with a PhaseTimer: ms per step for each phase, and 'other' (the host's share)."""
+    from ..runtime.timer import PhaseTimer
+
+    gen.timer = PhaseTimer(device)
+    gen._dec = None  # a fresh decoder, so the timer reaches it (graphs are captured again, untimed)
+    gen.generate([prompts[0]], cfg)
+    gen.timer.entries.clear()
+    sync(device)
+    t0 = time.perf_counter()
+    for ids in prompts:
+        gen.generate([ids], cfg)
+    sync(device)
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    totals = gen.timer.totals()
+    gen.timer = None
+    gen._dec = None
+    steps = max(v["count"] for v in totals.values())
+    ms = {k: v["ms"] / steps for k, v in totals.items()}
+    ms["other"] = wall_ms / steps - sum(ms.values())
+    return {"steps": steps, "ms_per_step": ms}
 
 
 def run_bench(args) -> dict:
-    from ..generate import GenerationConfig, Generator
+    if args.shape:
+        return run_shape_bench(args)
+    from ..generate import GenerationConfig
+    from ..spec.metrics import SpecMetrics
     from ..weights import load_model
     from .record import write_record
 
+    names = args.systems or list(SYSTEMS)
+    bad = [n for n in names if n not in SYSTEMS]
+    if bad:
+        raise InvalidInput(f"unknown system {bad[0]!r} (choose from {', '.join(SYSTEMS)})")
     loaded = load_model(args.model, args.dtype, args.device)
     model, tok = loaded.model, loaded.tokenizer
-    device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     prompts = [tok.apply_chat([{"role": "user", "content": p}]) for p in bench_prompts(args.prompts, args.num_prompts)]
     n_new = args.max_new_tokens
-    systems = {}
-
-    gen = Generator(model, tok)
     cfg = GenerationConfig(max_new_tokens=n_new, ignore_eos=True)
-    systems["eaglet"] = lambda ids: gen.generate([ids], cfg)[0].tokens
+    gens = eaglet_systems(args, model, tok, names)
 
-    if not args.no_transformers:
+    fns, outputs, metrics = {}, {}, {}
+    for name, gen in gens.items():
+        def fn(ids, gen=gen, name=name):
+            c = gen.generate([ids], cfg)[0]
+            outputs.setdefault(name, {})[tuple(ids)] = c.tokens
+            if c.spec is not None:
+                metrics.setdefault(name, SpecMetrics()).merge(c.spec)
+        fns[name] = fn
+    if any(n.startswith("transformers") for n in names):
         from transformers import AutoModelForCausalLM
 
         ref = AutoModelForCausalLM.from_pretrained(str(loaded.weights_dir), dtype=dtype).to(device).eval()
+        for name in ("transformers", "transformers-lookup"):
+            if name in names:
+                extra = {"prompt_lookup_num_tokens": args.chain_steps} if name.endswith("lookup") else {}
 
-        @torch.inference_mode()
-        def hf(ids):
-            out = ref.generate(torch.tensor([ids], device=device), max_new_tokens=n_new, min_new_tokens=n_new,
-                               do_sample=False, pad_token_id=tok.hf.pad_token_id or 0)
-            return out[0, len(ids):].tolist()
-        systems["transformers"] = hf
+                @torch.inference_mode()
+                def hf(ids, extra=extra, name=name):
+                    out = ref.generate(torch.tensor([ids], device=device), max_new_tokens=n_new,
+                                       min_new_tokens=n_new, do_sample=False,
+                                       pad_token_id=tok.hf.pad_token_id or 0, **extra)
+                    outputs.setdefault(name, {})[tuple(ids)] = out[0, len(ids):].tolist()
+                fns[name] = hf
 
-    results = {}
-    for name, fn in systems.items():
-        per_prompt = []
-        for ids in prompts:
-            times = time_runs(lambda: fn(ids), device, args.repeats)
-            per_prompt.append({"prompt_tokens": len(ids), "seconds": times,
-                               "tok_s": n_new / statistics.median(times)})
-        results[name] = {"tok_s_median": statistics.median(p["tok_s"] for p in per_prompt), "prompts": per_prompt}
-    if "transformers" in results:
-        results["speedup_vs_transformers"] = results["eaglet"]["tok_s_median"] / results["transformers"]["tok_s_median"]
+    results: dict = {"systems": {}}
+    total_tokens = n_new * len(prompts)
+    for name in names:
+        r = run_system(fns[name], prompts, device, args.repeats)
+        r["tok_s"] = total_tokens / statistics.median(r["seconds"])
+        if name in metrics:
+            m = metrics[name]
+            r["accept_length"] = m.accept_length
+            r["accept_per_pos"] = m.acceptance_rate_per_pos
+        if name in gens:
+            r["phases"] = phases_pass(gens[name], prompts, cfg, device)
+        results["systems"][name] = r
+    ref_out = outputs.get("plain") or outputs.get("plain-eager")
+    for name, r in results["systems"].items():
+        if ref_out and name in outputs:
+            same = sum(outputs[name][k] == v for k, v in ref_out.items())
+            r["tokens_equal_plain"] = f"{same}/{len(ref_out)}"
+    ctx = sum(map(len, prompts)) // len(prompts) + n_new // 2
+    results["roofline"] = roofline(model, device, ctx)
+    base = results["systems"].get("plain") or results["systems"].get("plain-eager")
+    hf = results["systems"].get("transformers")
+    for r in results["systems"].values():
+        if base:
+            r["vs_eaglet_plain"] = r["tok_s"] / base["tok_s"]
+        if hf:
+            r["vs_transformers"] = r["tok_s"] / hf["tok_s"]
+        if results["roofline"]:
+            r["vs_roofline"] = r["tok_s"] / results["roofline"]["ceiling_tok_s"]
 
-    print(f"{'system':<14}{'tok/s (median)':>16}   device={device.type} dtype={str(dtype).split('.')[-1]} "
-          f"new tokens={n_new} prompts={len(prompts)} repeats={args.repeats}")
-    for name in systems:
-        print(f"{name:<14}{results[name]['tok_s_median']:>16.1f}")
-    if "speedup_vs_transformers" in results:
-        print(f"eaglet / transformers = {results['speedup_vs_transformers']:.2f}x")
+    print_table(results, device, dtype, n_new, len(prompts), args.repeats)
     flags = {k: v for k, v in vars(args).items() if k != "func"}
-    path = write_record("bench", flags, results, args.out, models={"target": loaded.path})
+    flags["cuda_graphs"] = device.type == "cuda" and not args.eager
+    path = write_record("bench", flags, results, args.out, models={"target": loaded.path, "drafter": args.draft})
+    png = plot_bench(results, path.with_suffix(".png"))
+    print(f"record: {path}\nplot: {png}")
+    return results
+
+
+def print_table(results, device, dtype, n_new, n_prompts, repeats) -> None:
+    print(f"device={device.type} dtype={str(dtype).split('.')[-1]} new tokens={n_new} prompts={n_prompts} "
+          f"repeats={repeats}")
+    print(f"{'system':<22}{'tok/s':>9}{'τ':>6}{'x plain':>9}{'x HF':>8}{'x roof':>8}  same   "
+          f"{'ms/step: draft':>15}{'verify':>8}{'accept':>8}{'decode':>8}{'other':>8}")
+    for name, r in results["systems"].items():
+        ph = r.get("phases", {}).get("ms_per_step", {})
+        cell = lambda k: f"{ph[k]:8.3f}" if k in ph else f"{'':8}"  # noqa: E731
+        print(f"{name:<22}{r['tok_s']:9.1f}{r.get('accept_length', 1.0):6.2f}{r.get('vs_eaglet_plain', 0):9.2f}"
+              f"{r.get('vs_transformers', 0):8.2f}{r.get('vs_roofline', 0):8.3f}  {r.get('tokens_equal_plain', '-'):<6}"
+              f"{cell('draft'):>15}{cell('verify')}{cell('accept')}{cell('decode')}{cell('other')}")
+    if results.get("roofline"):
+        rf = results["roofline"]
+        print(f"roofline: {rf['bytes_per_token'] / 1e6:.1f} MB per token at {rf['bandwidth_gb_s']:.0f} GB/s "
+              f"-> {rf['ceiling_tok_s']:.0f} tok/s")
+
+
+def plot_bench(results: dict, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results["systems"])
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 0.5 * len(names) + 2))
+    a.barh(names, [results["systems"][n]["tok_s"] for n in names], color="tab:blue")
+    a.set_xlabel("tok/s (median)")
+    a.invert_yaxis()
+    left = [0.0] * len(names)
+    for phase, color in (("draft", "tab:orange"), ("verify", "tab:green"), ("accept", "tab:red"),
+                         ("decode", "tab:purple"), ("other", "tab:gray")):
+        vals = []
+        for n in names:
+            r = results["systems"][n]
+            ph = r.get("phases", {}).get("ms_per_step", {})
+            vals.append(max(0.0, ph.get(phase, 0.0)) / r.get("accept_length", 1.0))
+        b.barh(names, vals, left=left, color=color, label=phase)
+        left = [x + y for x, y in zip(left, vals)]
+    b.set_xlabel("ms per generated token, by phase")
+    b.invert_yaxis()
+    b.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run_shape_bench(args) -> dict:
+    from ..generate import GenerationConfig, Generator
+    from ..weights.loader import resolve_device, resolve_dtype
+    from .curves import forward_curve
+    from .record import write_record
+    from .shapes import random_model
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    model = random_model(args.shape, device, dtype)
+    ctx = args.context
+    prompt = torch.randint(0, model.config.vocab_size, (ctx,), generator=torch.Generator().manual_seed(1)).tolist()
+    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    results: dict = {"shape": args.shape, "context": ctx, "decode": {}, "forward_ms": {}}
+    modes = {"eager": False} if device.type != "cuda" or args.eager else {"eager": False, "graphed": True}
+    for mode, graphs in modes.items():
+        gen = Generator(model, None, graphs=graphs)
+        r = run_system(lambda ids, gen=gen: gen.generate([ids], cfg), [prompt], device, args.repeats)
+        results["decode"][mode] = {"tok_s": args.max_new_tokens / statistics.median(r["seconds"]), **r}
+        gen._dec = None  # free its cache before the curve allocates one
+        results["forward_ms"][mode] = forward_curve(model, CURVE_TOKENS, ctx + args.max_new_tokens // 2, graphs)
+    results["roofline"] = roofline(model, device, ctx + args.max_new_tokens // 2)
+    best = results["forward_ms"]["graphed" if "graphed" in modes else "eager"]
+    results["verify_over_decode"] = {t: best[t] / best["1"] for t in best}
+    if results["roofline"]:
+        for mode, d in results["decode"].items():
+            d["vs_roofline"] = d["tok_s"] / results["roofline"]["ceiling_tok_s"]
+            results["forward_ms"][mode + "_vs_roofline_1tok"] = (
+                1e3 / results["roofline"]["ceiling_tok_s"]) / results["forward_ms"][mode]["1"]
+
+    print(f"shape {args.shape}, {str(dtype).split('.')[-1]}, batch 1, context {ctx}")
+    for mode, d in results["decode"].items():
+        roof = f"  ({d['vs_roofline']:.1%} of the {results['roofline']['ceiling_tok_s']:.0f} tok/s roofline)" \
+            if results["roofline"] else ""
+        print(f"plain decode, {mode:<8}{d['tok_s']:8.1f} tok/s{roof}")
+    print(f"{'tokens':>8}" + "".join(f"{m + ' ms':>14}" for m in modes) + f"{'x decode':>10}")
+    for t in map(str, CURVE_TOKENS):
+        print(f"{t:>8}" + "".join(f"{results['forward_ms'][m][t]:14.3f}" for m in modes)
+              + f"{results['verify_over_decode'][t]:10.2f}")
+    flags = {k: v for k, v in vars(args).items() if k != "func"}
+    flags["cuda_graphs"] = "graphed" in modes
+    path = write_record(f"bench-shape-{args.shape}", flags, results, args.out)
     print(f"record: {path}")
     return results

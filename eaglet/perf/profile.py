@@ -71,14 +71,12 @@ def measure_costs(model, speculator: Speculator, batch: int, context: int, topks
                           draft_tokens=None if k == 1 else levels + 1)
         drafter = dataclasses.replace(speculator, spec=spec).make(model, batch, context + 8 + levels * k,
                                                                   SamplingParams(), None)
-        drafter.start([ids[b].tolist() for b in range(batch)], taps, ids[:, -1])
-        pending = getattr(drafter, "pending", None)  # n-gram drafters keep only a token history
-        lens = list(drafter.cache.host_lens) if hasattr(drafter, "cache") else None
+        drafter.start(0, batch, [ids[b].tolist() for b in range(batch)], taps, ids[:, -1])
+        saved = drafter.save_state() if hasattr(drafter, "save_state") else None  # n-gram: host history only
 
-        def propose(d=drafter, pending=pending, lens=lens):
-            if lens is not None:  # back to the same state: nothing proposed is ever committed
-                d.pending = pending
-                d.cache.truncate(lens)
+        def propose(d=drafter, saved=saved):
+            if saved is not None:  # back to the same state: nothing proposed is ever committed
+                d.load_state(saved)
             d.propose(ids[:, -1])
         out["draft_ms"][str(k)] = timed(propose, dev) / levels
     return out

@@ -1,68 +1,117 @@
 """The speculation loop, read like the paper: draft -> verify -> accept -> commit.
 
-SpecDecoder has the same interface as generate.PlainDecoder (prefill, step), so the Generator's
-streaming and stopping logic is shared. One host sync per step: the emitted tokens.
+SpecDecoder is a SlotDecoder like generate.PlainDecoder (admit, step, release), so the Generator's
+streaming and stopping logic and the server's batching are shared. Each step runs three phases,
+each one CUDA graph on the GPU (the draft phase stays eager for host-side drafters): `draft` fills
+a static copy of the proposal, `verify` is one target forward over all its nodes, `accept` picks
+the accepted path and commits it to both caches. One host sync per step: the emitted tokens.
 """
 from __future__ import annotations
 
 import torch
 
 from ..config import SpecConfig
-from ..kvcache import KVCache
 from ..models.attention import AttnMeta
 from ..models.llama import CausalLM
 from ..models.prefill import prefill
+from ..runtime.decoder import SlotDecoder
 from ..sampling import SamplingParams, sample, target_probs
 from .drafters.base import Drafter
 from .metrics import SpecMetrics
+from .tree import DraftProposal
 from .verify import greedy_verify, sample_verify
 
 
-class SpecDecoder:
+def store(dst: DraftProposal | None, src: DraftProposal) -> DraftProposal:
+    """Copy a proposal into persistent buffers (allocated on first use)."""
+    if dst is None:
+        return DraftProposal(*(None if t is None else t.clone() for t in vars(src).values()))
+    for a, b in zip(vars(dst).values(), vars(src).values()):
+        if a is not None:
+            a.copy_(b)
+    return dst
+
+
+class SpecDecoder(SlotDecoder):
     def __init__(self, model: CausalLM, drafter: Drafter, spec: SpecConfig, batch: int, max_len: int,
-                 sampling: SamplingParams, generator: torch.Generator | None = None, trace: list | None = None):
-        p = next(model.parameters())
-        self.model, self.drafter, self.spec, self.sampling = model, drafter, spec, sampling
-        self.cache = KVCache.for_model(model.config, batch, max_len + spec.draft_tokens, p.dtype, p.device)
-        self.gen = generator
+                 sampling: SamplingParams, generator: torch.Generator | None = None, trace: list | None = None,
+                 graphs: bool = True, timer=None):
+        super().__init__(model, batch, max_len + spec.draft_tokens, sampling, generator, graphs, timer)
+        self.drafter, self.spec = drafter, spec
         self.metrics = [SpecMetrics() for _ in range(batch)]
-        self.roots: torch.Tensor | None = None
+        self.roots = torch.zeros(batch, dtype=torch.long, device=self.device)  # each row's last emitted token
+        self.prop: DraftProposal | None = None  # the verify graph's input
         self.trace = trace  # the profiler's: per step (scores, depths, accepted path, count, limit)
+        # cache slots one step may touch past the committed length, target and drafter
+        self.room = spec.draft_tokens
+        self.drafter_room = spec.steps + 1 + spec.steps * spec.topk + 1
 
-    def prefill(self, prompts: list[list[int]]) -> list[list[int]]:
-        h, taps = prefill(self.model, self.cache, prompts, capture=self.drafter.taps)  # (B, H)
-        self.roots = sample(self.model.logits(h).float(), self.sampling, self.gen)  # (B,)
-        self.drafter.start(prompts, taps, self.roots)
-        return [[t] for t in self.roots.tolist()]  # sync: first tokens to the host
+    def _admit_run(self, lo, hi, prompts):
+        h, taps = prefill(self.model, self.cache.view(lo, hi), prompts, capture=self.drafter.taps)  # (b, H)
+        first = sample(self.model.logits(h).float(), self.sampling, self.gen)  # (b,)
+        self.roots[lo:hi] = first
+        self.drafter.start(lo, hi, prompts, taps, first)
+        self.metrics[lo:hi] = [SpecMetrics() for _ in prompts]
+        return first.tolist()  # sync: first tokens to the host
 
-    def step(self, limit: list[int]) -> list[list[int]]:
-        """One draft-verify-accept-commit round; row b emits at most limit[b] tokens (0: finished)."""
-        # draft
-        prop = self.drafter.propose(self.roots)
-        # verify: every node in one target forward, tree mask, per-node positions
-        positions = self.cache.lens[:, None] + prop.depth  # (B, N)
-        meta = AttnMeta.build(self.cache.lens, positions, self.cache.kv_len(prop.num_nodes), tree_mask=prop.mask,
+    def release(self, rows: list[int]) -> None:
+        super().release(rows)
+        self.drafter.release(rows)
+
+    # ---- the three phases; each reads and writes only persistent tensors ----
+    def _draft(self) -> None:
+        self.prop = store(self.prop, self.drafter.propose(self.roots))
+
+    def _verify(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every node in one target forward: tree mask, per-node positions. Returns the target's
+        argmax (B, N) under greedy or its distribution (B, N, V), and the drafter's taps."""
+        prop, c = self.prop, self.cache
+        positions = c.lens[:, None] + prop.depth  # (B, N)
+        meta = AttnMeta.build(c.lens, positions, c.kv_len(prop.num_nodes), tree_mask=prop.mask,
                               sliding_window=self.model.config.sliding_window)
-        hidden, taps = self.model(prop.tokens, positions, self.cache, meta, capture=self.drafter.taps)
+        hidden, taps = self.model(prop.tokens, positions, c, meta, capture=self.drafter.taps)
         logits = self.model.logits(hidden).float()  # (B, N, V)
-        # accept
+        return (logits.argmax(-1) if self.sampling.greedy else target_probs(logits, self.sampling)), taps
+
+    def _accept(self, target: torch.Tensor, taps: torch.Tensor | None) -> torch.Tensor:
+        """Accept, cut to each row's limit, commit to both caches; pack what the host needs."""
+        prop = self.prop
         if self.sampling.greedy:
-            res = greedy_verify(prop, logits.argmax(-1), self.spec.steps)
+            res = greedy_verify(prop, target, self.spec.steps)
         else:
-            res = sample_verify(prop, target_probs(logits, self.sampling), self.spec.steps, self.spec.topk, self.gen)
-        res = res.limit(torch.tensor(limit, device=res.count.device))  # never past a row's budget
+            res = sample_verify(prop, target, self.spec.steps, self.spec.topk, self.gen)
+        res = res.limit(self.limit)  # never past a row's budget; 0 freezes a row
+        self.cache.keep(res.path, res.count)  # only the accepted path stays
+        self.drafter.commit(prop, res, taps)
+        self.roots.copy_(res.bonus)
         drafted = prop.valid.sum(1, keepdim=True) - 1  # (B, 1)
         reach = (prop.depth * prop.valid).amax(1, keepdim=True)  # (B, 1) deepest drafted position
-        packed = torch.cat([res.count[:, None], drafted, reach, res.tokens], 1).tolist()  # sync: the one per step
-        counts = [r[0] for r in packed]
-        emitted = [r[3:3 + r[0]] for r in packed]
-        # commit: only the accepted path stays in the target's and the drafter's caches
-        self.cache.keep(res.path, res.count, counts)
-        self.drafter.commit(prop, res, taps, emitted)
-        self.roots = res.bonus
-        for i, r in enumerate(packed):
+        return torch.cat([res.count[:, None], drafted, reach, res.tokens, res.path], 1)  # (B, 3 + 2(D+1))
+
+    def step(self, limit: list[int]) -> list[list[int]]:
+        """One draft-verify-accept-commit round; row b emits at most limit[b] tokens (0: frozen)."""
+        self.set_limit(limit)
+        key = (self.span_of(self.cache, self.room),)
+        dc = getattr(self.drafter, "cache", None)
+        if dc is not None:
+            key += (self.span_of(dc, self.drafter_room),)
+        with self.phase("draft"):
+            self.graphs.run(("draft",) + key, self._draft, graph=self.drafter.graphable)
+        with self.phase("verify"):
+            target, taps = self.graphs.run(("verify",) + key, self._verify)
+        with self.phase("accept"):
+            packed = self.graphs.run(("accept",) + key, lambda: self._accept(target, taps))
+        rows = packed.tolist()  # sync: the one per step
+        d1 = self.spec.steps + 1
+        counts = [r[0] for r in rows]
+        emitted = [r[3:3 + r[0]] for r in rows]
+        self.cache.commit_host(counts)
+        self.drafter.commit_host(emitted)
+        for i, r in enumerate(rows):
             if limit[i] > 0:
                 self.metrics[i].record(accepted=r[0] - 1, draft_tokens=r[1], max_depth=r[2])
-        if self.trace is not None and prop.score is not None:
-            self.trace.append((prop.score.cpu(), prop.depth.cpu(), res.path.cpu(), counts, list(limit)))
+        if self.trace is not None and self.prop.score is not None:
+            paths = torch.tensor([r[3 + d1:3 + 2 * d1] for r in rows])
+            score, depth = (t.to("cpu", copy=True) for t in (self.prop.score, self.prop.depth))  # sync: profiling only
+            self.trace.append((score, depth, paths, counts, list(limit)))
         return emitted

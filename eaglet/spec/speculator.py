@@ -29,9 +29,10 @@ class Speculator:
 
     def make(self, target: CausalLM, batch: int, max_len: int, sampling: SamplingParams,
              generator: torch.Generator | None) -> Drafter:
-        room = max_len + self.spec.steps * self.spec.topk + self.spec.draft_tokens  # drafted nodes too
+        # a drafter's cache also holds the block absorbed each step and the drafted nodes
+        room = max_len + self.spec.steps + 2 + self.spec.steps * self.spec.topk + self.spec.draft_tokens
         if self.spec.method == "ngram":
-            return NgramDrafter(self.spec)
+            return NgramDrafter(self.spec, batch)
         if self.spec.method == "draft":
             return DraftModelDrafter(self.draft_model, target, self.spec, sampling, batch, room, generator)
         return Eagle3Drafter(self.head, target, self.spec, sampling, batch, room, self.head_embed, generator)

@@ -88,6 +88,7 @@ def build_model(config: ModelConfig, pairs, device: torch.device, dtype: torch.d
     model = model.to_empty(device=device).to(dtype)
     model.post_materialize()
     load_state(model, pairs, source)
+    model.fuse_projections()
     return model.eval().requires_grad_(False)
 
 

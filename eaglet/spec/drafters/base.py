@@ -1,8 +1,13 @@
 """The drafter protocol: what the speculation loop asks of every drafter.
 
-The loop calls `start` once after the target's prefill, then per step `propose` (a tree rooted at
-the last emitted token) and, after verification, `commit` with what was accepted. A drafter keeps
-its own state (caches, token history) consistent with the target's committed sequence.
+Rows of the batch are slots. The loop calls `start` when prompts are admitted into rows lo..hi-1
+(after the target's prefill of those rows), then per step `propose` (a tree rooted at each row's
+last emitted token) and, after verification, `commit` with what was accepted, on the device,
+followed by `commit_host` with the emitted tokens once they are on the host. A drafter keeps its
+own state (caches, token history) consistent with the target's committed sequence.
+
+`graphable` drafters keep all per-step state in persistent tensors and do only device work in
+`propose` and `commit`, so both run inside the runtime's CUDA graphs.
 """
 from __future__ import annotations
 
@@ -16,15 +21,21 @@ from ..verify import VerifyResult
 
 class Drafter(Protocol):
     taps: tuple[int, ...]  # target layers whose input residual stream the drafter reads; () if none
+    graphable: bool
 
-    def start(self, prompts: list[list[int]], taps: torch.Tensor | None, first: torch.Tensor) -> None:
-        """After the target's prefill: prompts (host), the target's taps over the right-padded
-        prompts (B, T, k*H) or None, and the first sampled token of each sequence (B,)."""
+    def start(self, lo: int, hi: int, prompts: list[list[int]], taps: torch.Tensor | None,
+              first: torch.Tensor) -> None:
+        """Rows lo..hi-1 got new prompts (host), the target's taps over them right-padded
+        (hi-lo, T, k*H) or None, and each one's first sampled token (hi-lo,)."""
 
     def propose(self, roots: torch.Tensor) -> DraftProposal:
-        """A draft tree for each sequence, rooted at roots (B,) (the last emitted tokens)."""
+        """A draft tree for each row, rooted at roots (B,) (the last emitted tokens)."""
 
-    def commit(self, prop: DraftProposal, res: VerifyResult, taps: torch.Tensor | None,
-               emitted: list[list[int]]) -> None:
-        """What the target accepted: res (device), the verify forward's taps (B, N, k*H) or None,
-        and the emitted tokens per sequence on the host (accepted drafts then the bonus)."""
+    def commit(self, prop: DraftProposal, res: VerifyResult, taps: torch.Tensor | None) -> None:
+        """What the target accepted (device): res, and the verify forward's taps (B, N, k*H) or None."""
+
+    def commit_host(self, emitted: list[list[int]]) -> None:
+        """The same step's emitted tokens per row, on the host (accepted drafts then the bonus)."""
+
+    def release(self, rows: list[int]) -> None:
+        """The rows' sequences are gone; their state is free."""

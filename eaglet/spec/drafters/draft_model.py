@@ -22,36 +22,27 @@ class DraftModelDrafter(NeuralDrafter):
         if draft.config.vocab_size != target.config.vocab_size:
             raise ModelLoadError(f"draft model vocabulary {draft.config.vocab_size} does not match the "
                                  f"target's {target.config.vocab_size}")
-        super().__init__(spec, sampling, target.config.vocab_size, generator)
         p = next(draft.parameters())
-        self.model = draft
-        self.cache = KVCache.for_model(draft.config, batch, max_len, p.dtype, p.device)
-        self.pending: list[list[int]] = []  # committed tokens not yet in the draft cache
+        cache = KVCache.for_model(draft.config, batch, max_len, p.dtype, p.device)
+        super().__init__(spec, sampling, target.config.vocab_size, generator, cache, draft.config.hidden_size)
+        self.model, self.window = draft, draft.config.sliding_window
 
-    def start(self, prompts, taps, first) -> None:
-        self.pending = [p + [t] for p, t in zip(prompts, first.tolist())]  # sync: once per request
+    def prompt_inputs(self, prompts, taps, first):
+        seqs = [p + [t] for p, t in zip(prompts, first.tolist())]  # sync: once per admitted prompt
+        t = max(map(len, seqs))
+        ids = torch.tensor([s + [0] * (t - len(s)) for s in seqs], device=first.device)  # (b, T)
+        return ids, None, [len(s) for s in seqs]
 
-    def commit(self, prop, res, taps, emitted) -> None:
-        self.pending = [list(e) for e in emitted]
-
-    def forward(self, ids, positions, tree_mask=None, pending=0):
-        meta = AttnMeta.build(self.cache.lens, positions, self.cache.kv_len(pending + ids.shape[1]),
-                              tree_mask=tree_mask, pending=pending, sliding_window=self.model.config.sliding_window)
-        hidden, _ = self.model(ids, positions, self.cache, meta)
+    def absorb(self, cache, ids, feats, positions, meta):
+        hidden, _ = self.model(ids, positions, cache, meta)
         return hidden
 
-    def catch_up(self):
-        dev = self.cache.lens.device
-        t = max(map(len, self.pending))
-        ids = torch.tensor([p + [0] * (t - len(p)) for p in self.pending], device=dev)  # (B, T)
-        positions = self.cache.lens[:, None] + torch.arange(t, device=dev)
-        hidden = self.forward(ids, positions)
-        counts = [len(p) for p in self.pending]
-        self.cache.advance(counts)
-        last = hidden[torch.arange(len(counts), device=dev), torch.tensor(counts, device=dev) - 1]
-        return self.model.logits(last), None
+    def root_logits(self, h):
+        return self.model.logits(h)
 
     def draft_step(self, ids, state, depth, mask, pending):
         b, k = ids.shape
         positions = (self.cache.lens + depth - 1)[:, None].expand(b, k)
-        return self.model.logits(self.forward(ids, positions, mask, pending)), None
+        meta = AttnMeta.build(self.cache.lens, positions, self.cache.kv_len(pending + k), tree_mask=mask,
+                              pending=pending, sliding_window=self.window)
+        return self.model.logits(self.absorb(self.cache, ids, None, positions, meta)), None

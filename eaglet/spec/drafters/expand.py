@@ -1,6 +1,11 @@
 """Drafting with a neural drafter (EAGLE-3 head or a draft model): a chain of `steps`, or the
-EAGLE-2 dynamic tree. Subclasses provide `catch_up` (absorb what was committed, return the root's
-logits and state) and `draft_step` (feed a level of nodes, return their children's logits).
+EAGLE-2 dynamic tree. Subclasses provide `absorb` (run a block of committed inputs through the
+drafter), `root_logits` and `draft_step` (feed a level of nodes, return their children's logits).
+
+Per-row state lives in persistent tensors so that drafting runs inside a CUDA graph: the drafter's
+KV cache, the hidden state of the last absorbed position (`root_h`), and what the last verify
+committed but the drafter has not absorbed yet (`pend_ids`, `pend_count`; EAGLE-3 adds features).
+`propose` first absorbs that block, then drafts.
 
 Tree expansion, level by level: each of the `topk` frontier nodes proposes its `topk` best
 children; every child becomes a candidate scored by cumulative log-probability; the best `topk`
@@ -13,17 +18,33 @@ from __future__ import annotations
 import torch
 
 from ...config import SpecConfig
+from ...kvcache import KVCache
+from ...models.attention import AttnMeta
 from ...sampling import SamplingParams, sample_probs, target_probs
 from ..tree import DraftProposal, chain, select_tree
 
 
 class NeuralDrafter:
-    def __init__(self, spec: SpecConfig, sampling: SamplingParams, vocab_size: int, generator=None):
+    graphable = True
+    feeds_state = False  # True: draft steps take their parent's hidden state (EAGLE-3)
+    window: int | None = None  # the drafter's sliding attention window, if any
+
+    def __init__(self, spec: SpecConfig, sampling: SamplingParams, vocab_size: int, generator,
+                 cache: KVCache, hidden_size: int):
         self.spec, self.sampling, self.vocab_size, self.gen = spec, sampling, vocab_size, generator
+        self.cache = cache
+        b, dev = cache.batch, cache.lens.device
+        self.root_h = torch.zeros(b, hidden_size, dtype=cache.k.dtype, device=dev)  # last absorbed position
+        self.pend_ids = torch.zeros(b, spec.steps + 1, dtype=torch.long, device=dev)  # committed, not absorbed
+        self.pend_count = torch.zeros(b, dtype=torch.long, device=dev)
 
     # ---- provided by subclasses ----
-    def catch_up(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Feed what was committed since the last round; (root logits (B, Vd), root state or None)."""
+    def absorb(self, cache: KVCache, ids: torch.Tensor, feats: torch.Tensor | None, positions: torch.Tensor,
+               meta: AttnMeta) -> torch.Tensor:
+        """Run inputs (B, T) (and EAGLE-3's fused features (B, T, H)) through the drafter; (B, T, H)."""
+        raise NotImplementedError
+
+    def root_logits(self, h: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def draft_step(self, ids: torch.Tensor, state: torch.Tensor | None, depth: int, mask: torch.Tensor,
@@ -32,12 +53,63 @@ class NeuralDrafter:
         mask (B, K, pending + K) over the uncommitted block. Returns (logits (B, K, Vd), states)."""
         raise NotImplementedError
 
+    def prompt_inputs(self, prompts: list[list[int]], taps, first) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        """What a newly admitted prompt feeds: ids (b, T), features or None, and counts per row."""
+        raise NotImplementedError
+
+    def pending_feats(self) -> torch.Tensor | None:
+        return None
+
     def to_target(self, ids: torch.Tensor) -> torch.Tensor:
         """Drafter-vocabulary ids -> target ids (identity unless a draft vocabulary is used)."""
         return ids
 
     def q_to_target(self, q: torch.Tensor) -> torch.Tensor:
         return q
+
+    # ---- state ----
+    def _run_block(self, cache: KVCache, ids, feats) -> torch.Tensor:
+        positions = cache.lens[:, None] + torch.arange(ids.shape[1], device=ids.device)  # (B, T)
+        meta = AttnMeta.build(cache.lens, positions, cache.kv_len(ids.shape[1]), sliding_window=self.window)
+        return self.absorb(cache, ids, feats, positions, meta)
+
+    def start(self, lo, hi, prompts, taps, first) -> None:
+        ids, feats, counts = self.prompt_inputs(prompts, taps, first)
+        view = self.cache.view(lo, hi)
+        h = self._run_block(view, ids, feats)  # (b, T, H)
+        view.advance(counts)
+        self.root_h[lo:hi] = h[torch.arange(hi - lo, device=h.device), torch.tensor(counts, device=h.device) - 1]
+        self.pend_count[lo:hi] = 0
+
+    def commit(self, prop, res, taps) -> None:
+        self.pend_ids.copy_(res.tokens)
+        self.pend_count.copy_(res.count)
+
+    def commit_host(self, emitted) -> None:
+        self.cache.commit_host([len(e) for e in emitted])  # the device catches up in the next propose
+
+    def release(self, rows) -> None:
+        self.cache.release(rows)
+        self.pend_count[rows] = 0
+
+    def catch_up(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Absorb what the last verify committed (rows with count 0 keep their root). Returns the
+        root's logits (B, Vd) and, for drafters that feed states, the root state (B, H)."""
+        count = self.pend_count
+        h = self._run_block(self.cache, self.pend_ids, self.pending_feats())  # (B, D+1, H)
+        self.cache.lens += count
+        last = h.gather(1, (count - 1).clamp(min=0)[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]
+        self.root_h.copy_(torch.where((count > 0)[:, None], last, self.root_h))
+        count.zero_()
+        return self.root_logits(self.root_h), self.root_h if self.feeds_state else None
+
+    def save_state(self):
+        """Everything `propose` changes, to time it repeatedly from the same state (the profiler)."""
+        return [t.clone() for t in (self.cache.lens, self.root_h, self.pend_count)]
+
+    def load_state(self, saved) -> None:
+        for t, s in zip((self.cache.lens, self.root_h, self.pend_count), saved):
+            t.copy_(s)
 
     # ---- drafting ----
     def propose(self, roots: torch.Tensor) -> DraftProposal:

@@ -52,17 +52,25 @@ def build_trie(conts: list[list[int]], budget: int) -> tuple[list[int], list[int
 
 class NgramDrafter:
     taps = ()
+    graphable = False  # the lookup runs on the host
 
-    def __init__(self, spec: SpecConfig):
+    def __init__(self, spec: SpecConfig, batch: int):
         self.spec = spec
-        self.hist: list[list[int]] = []
+        self.hist: list[list[int]] = [[] for _ in range(batch)]
 
-    def start(self, prompts, taps, first) -> None:
-        self.hist = [list(p) + [t] for p, t in zip(prompts, first.tolist())]  # sync: once per request
+    def start(self, lo, hi, prompts, taps, first) -> None:
+        self.hist[lo:hi] = [list(p) + [t] for p, t in zip(prompts, first.tolist())]  # sync: once per prompt
 
-    def commit(self, prop, res, taps, emitted) -> None:
+    def commit(self, prop, res, taps) -> None:
+        pass
+
+    def commit_host(self, emitted) -> None:
         for h, e in zip(self.hist, emitted):
             h.extend(e)
+
+    def release(self, rows) -> None:
+        for r in rows:
+            self.hist[r] = []
 
     def propose(self, roots: torch.Tensor) -> DraftProposal:
         n = self.spec.draft_tokens

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The GPU runtime's checks and benchmarks on the H200 (issue 5); each phase fits one device call.
+#   bash bench/gpu/runtime.sh test     # graphed == eager tokens, 20 MT-bench prompts, every drafter
+#   bash bench/gpu/runtime.sh smollm2  # eaglet bench: all systems side by side on SmolLM2
+#   bash bench/gpu/runtime.sh shapes   # eaglet bench --shape: Llama-3.1-8B and Qwen3-8B, random weights
+# The model must be staged first (../shared/tools/stage-files --smollm2, see GPU.md).
+phase=$1
+source "$(dirname "$0")/setup.sh"
+set +e
+out=${OUT:-/tmp}/records
+mkdir -p "$out"
+case $phase in
+  test)
+    EAGLET_TEST_GGUF=$GGUF EAGLET_TEST_RECORD=$out/cuda-graphs-test-h200.json \
+      python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py 2>&1 | tee "$out/cuda-graphs-test-h200.log" ;;
+  smollm2)
+    python3 -m eaglet bench --model $GGUF --draft eaglet/drafters/smollm2-135m-instruct-eagle3 --prompts mtbench \
+      --num-prompts ${PROMPTS:-5} --max-new-tokens 256 --repeats 3 ${SYSTEMS:+--systems $SYSTEMS} --out "$out" ;;
+  shapes)
+    for s in ${SHAPES:-llama-3.1-8b qwen3-8b}; do
+      python3 -m eaglet bench --shape $s --context 512 --max-new-tokens 128 --repeats 3 --out "$out"
+    done ;;
+esac

@@ -1,0 +1,65 @@
+"""The cost of one target forward of T new tokens at a fixed context: T = 1 is the plain decode
+step, T > 1 a verify of T draft nodes (causal; a tree costs the same). Timed with CUDA events per
+call, eager or as a captured graph, median over repeats after warm-up."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ..kvcache import KVCache
+from ..models.attention import AttnMeta
+from ..models.llama import CausalLM
+from ..runtime.graphs import GraphRunner, span
+
+
+def _time_ms(fn, device, repeats: int) -> float:
+    out = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(out)
+
+
+@torch.inference_mode()
+def forward_curve(model: CausalLM, tokens: tuple[int, ...], context: int, graphs: bool, batch: int = 1,
+                  repeats: int = 20) -> dict[str, float]:
+    """{str(T): ms} for one forward of T tokens (logits of every row included) on `batch` rows
+    holding `context` committed tokens. Nothing is committed, so every call sees the same state."""
+    p = next(model.parameters())
+    dev, cfg = p.device, model.config
+    cache = KVCache.for_model(cfg, batch, context + max(tokens) + 128, p.dtype, dev)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (batch, context + max(tokens)), generator=gen).to(dev)
+    for lo in range(0, context, 1024):  # fill the context in chunks
+        hi = min(context, lo + 1024)
+        pos = cache.lens[:, None] + torch.arange(hi - lo, device=dev)
+        model(ids[:, lo:hi], pos, cache, AttnMeta.build(cache.lens, pos, cache.kv_len(hi - lo)))
+        cache.advance(hi - lo)
+    runner = GraphRunner(dev, graphs)
+    out = {}
+    for t in tokens:
+        x = ids[:, context:context + t]
+        pos = cache.lens[:, None] + torch.arange(t, device=dev)  # (B, T)
+        cache.kv_limit = span(context + t, cache.max_len)
+
+        def body(x=x, pos=pos, t=t):
+            h, _ = model(x, pos, cache, AttnMeta.build(cache.lens, pos, cache.kv_len(t)))
+            return model.logits(h).argmax(-1)  # (B, T): what greedy verify reads
+
+        step = lambda body=body, t=t: runner.run(("fwd", t), body)  # noqa: E731
+        for _ in range(3):  # eager warm-up, capture, first replay
+            step()
+        out[str(t)] = _time_ms(step, dev, repeats)
+    cache.kv_limit = None
+    return out

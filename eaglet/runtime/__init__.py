@@ -1,0 +1,1 @@
+"""The GPU runtime: CUDA graphs (graphs.py) and per-phase timing (timer.py)."""

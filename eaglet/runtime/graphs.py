@@ -1,0 +1,59 @@
+"""Every CUDA graph eaglet captures goes through one GraphRunner.
+
+A decoder hands the runner a *step body*: a function of no arguments that reads and writes only
+persistent tensors (caches, the decoder's state buffers) and returns its outputs. The runner
+keys bodies by what fixes their shapes (phase, batch, attention span): the first call of a key
+runs eagerly (that is the warm-up: cuBLAS plans, lazy allocations, compiled kernels), the second
+captures a graph and replays it, later calls only replay. Replays return the tensors the body
+returned at capture, refreshed in place, so phases chain: a graph captured after another reads
+that one's outputs. All graphs of a runner share one memory pool and are captured in the order
+they replay, so the pool never hands an output of one phase to the next as scratch.
+
+Off (CPU, `--eager`, or a drafter that works on the host) the runner just calls the body: the
+same code, the same kernels, the same results.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+import torch
+
+
+def span(n: int, cap: int, bucket: int = 128) -> int:
+    """The attention span used for a step that needs `n` cache slots: rounded up to `bucket` (so
+    one captured graph serves many steps), never past the cache's `cap`."""
+    return min(cap, -(-n // bucket) * bucket)
+
+
+class GraphRunner:
+    def __init__(self, device: torch.device, enabled: bool = True, generator: torch.Generator | None = None):
+        self.enabled = enabled and device.type == "cuda"
+        self.generator = generator  # a seeded sampler's generator: its state must advance on replay
+        self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, object]] = {}
+        self.seen: set[Hashable] = set()
+        self.pool = None
+
+    def run(self, key: Hashable, body: Callable[[], object], graph: bool = True):
+        if not (self.enabled and graph):
+            return body()
+        if key in self.graphs:
+            g, out = self.graphs[key]
+            g.replay()
+            return out
+        if key not in self.seen:  # first call: eager warm-up, and it does this step's work
+            self.seen.add(key)
+            return body()
+        g = torch.cuda.CUDAGraph()
+        if self.generator is not None:
+            g.register_generator_state(self.generator)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(g, pool=self.pool):
+            out = body()
+        self.graphs[key] = (g, out)
+        g.replay()  # capture records without running: run this step now
+        return out
+
+    @property
+    def captured(self) -> int:
+        return len(self.graphs)
