@@ -44,9 +44,11 @@ class KVCache:
         c.max_len, c.kv_limit = self.max_len, None
         return c
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new keys/values. slots: (B, T) cache indices; k, v: (B, Hkv, T, D)."""
-        b = torch.arange(slots.shape[0], device=slots.device)[:, None].expand_as(slots)  # (B, T)
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              rows: torch.Tensor | None = None) -> None:
+        """Store new keys/values. slots: (B, T) cache indices; k, v: (B, Hkv, T, D); rows: (B, T)
+        the row index of each (AttnMeta builds it once per forward)."""
+        b = torch.arange(slots.shape[0], device=slots.device)[:, None].expand_as(slots) if rows is None else rows
         self.k[layer][b, :, slots] = k.transpose(1, 2)  # indexed view is (B, T, Hkv, D)
         self.v[layer][b, :, slots] = v.transpose(1, 2)
 
@@ -56,9 +58,10 @@ class KVCache:
             return self.kv_limit
         return int(self.host_lens.max()) + new
 
-    def update(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int):
+    def update(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int,
+               rows: torch.Tensor | None = None):
         """Write new keys/values, return this layer's first kv_len slots to attend over."""
-        self.write(layer, slots, k, v)
+        self.write(layer, slots, k, v, rows)
         b = slots.shape[0]
         return self.k[layer, :b, :, :kv_len], self.v[layer, :b, :, :kv_len]
 
@@ -120,7 +123,8 @@ class AppendKV:
         self.k: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self.v: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
 
-    def update(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int):
+    def update(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int,
+               rows: torch.Tensor | None = None):
         self.k[layer].append(k)
         self.v[layer].append(v)
         return torch.cat(self.k[layer], 2)[:, :, :kv_len], torch.cat(self.v[layer], 2)[:, :, :kv_len]

@@ -18,6 +18,7 @@ import torch
 class AttnMeta:
     slots: torch.Tensor  # (B, T) cache slot of each new token
     mask: torch.Tensor  # (B, 1, T, S) bool: new token t may attend to cache slot s
+    rows: torch.Tensor | None = None  # (B, T) the batch row of each new token (cache writes)
 
     @staticmethod
     def build(lens: torch.Tensor, positions: torch.Tensor, kv_len: int, tree_mask: torch.Tensor | None = None,
@@ -43,4 +44,5 @@ class AttnMeta:
             key_pos = torch.where((rel >= pending) & in_block,
                                   positions.gather(1, (rel - pending).clamp(0, t - 1)), s[None, :])  # (B, S)
             mask &= (positions[:, :, None] - key_pos[:, None, :]) < sliding_window
-        return AttnMeta(slots=slots, mask=mask[:, None])
+        rows = torch.arange(bsz, device=dev)[:, None].expand(bsz, t)
+        return AttnMeta(slots=slots, mask=mask[:, None], rows=rows)

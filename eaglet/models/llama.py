@@ -20,15 +20,29 @@ from .attention import AttnMeta
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm; given `residual`, first adds it (x + residual is the new residual stream) and returns
+    (normed, new residual), so the add and the norm are one fused kernel once compiled."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        out = self.weight * xf.to(x.dtype)
+        return out if residual is None else (out, x)
+
+
+class RoPE(nn.Module):
+    """Rotary embedding applied to q and k (B, H, T, D) with cos, sin (B, 1, T, D). A module (with
+    no weights) so the runtime can compile it into one kernel."""
+
+    def forward(self, q, k, cos, sin):
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 class Rotary(nn.Module):
@@ -74,16 +88,21 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
-        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused (weight, bias), inference
+        self.rope = RoPE()
+        self.fused = False
 
     def fuse(self) -> None:
         """One matmul for q, k and v: the three weights become views of one tensor (names unchanged)."""
-        self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        w, b = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        self.register_buffer("qkv_weight", w, persistent=False)
+        self.register_buffer("qkv_bias", b, persistent=False)
+        self.fused = True
 
     def project(self, x: torch.Tensor):
-        if self.qkv is None:
+        if not self.fused:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        return F.linear(x, *self.qkv).split([self.nh * self.d, self.nkv * self.d, self.nkv * self.d], -1)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        return qkv.split([self.nh * self.d, self.nkv * self.d, self.nkv * self.d], -1)
 
     def forward(self, x, cos, sin, cache: KVCache, meta: AttnMeta) -> torch.Tensor:
         b, t, _ = x.shape
@@ -94,12 +113,15 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        keys, vals = cache.update(self.layer, meta.slots, k, v, meta.mask.shape[-1])  # (B, Hkv, S, D)
-        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=meta.mask,
-                                           enable_gqa=self.nh != self.nkv)  # (B, H, T, D)
-        return self.o_proj(o.transpose(1, 2).reshape(b, t, self.nh * self.d))
+        q, k = self.rope(q, k, cos, sin)
+        keys, vals = cache.update(self.layer, meta.slots, k, v, meta.mask.shape[-1], meta.rows)  # (B, Hkv, S, D)
+        # grouped-query attention as plain attention over the kv heads: each kv head's G query heads
+        # become G*T query rows (mask rows repeated), which the fused SDPA kernels accept with a mask
+        g = self.nh // self.nkv
+        q = q.reshape(b, self.nkv, g * t, self.d)  # (B, Hkv, G*T, D)
+        mask = meta.mask if g == 1 else meta.mask.repeat(1, 1, g, 1)  # (B, 1, G*T, S)
+        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)  # (B, Hkv, G*T, D)
+        return self.o_proj(o.view(b, self.nh, t, self.d).transpose(1, 2).reshape(b, t, self.nh * self.d))
 
 
 class MLP(nn.Module):
@@ -109,15 +131,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
-        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused, inference
+        self.fused = False
 
     def fuse(self) -> None:
-        self.gate_up = fuse_linears([self.gate_proj, self.up_proj])
+        w, b = fuse_linears([self.gate_proj, self.up_proj])
+        self.register_buffer("gate_up_weight", w, persistent=False)  # not in the state dict
+        self.register_buffer("gate_up_bias", b, persistent=False)
+        self.fused = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is None:
+        if not self.fused:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, *self.gate_up).chunk(2, -1)
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, -1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -145,9 +170,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h, residual, cos, sin, cache, meta):
+        """h: this layer's input before the residual add; residual: the stream so far (None at the
+        first layer). Returns (mlp output, residual stream): their sum is the layer's output."""
+        x, residual = self.input_layernorm(h, residual) if residual is not None else (self.input_layernorm(h), h)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, cache, meta), residual)
+        return self.mlp(x), residual
 
 
 class Decoder(nn.Module):
@@ -178,15 +206,15 @@ class CausalLM(nn.Module):
         """input_ids, positions: (B, T). Writes K/V of the new tokens into `cache` at meta.slots
         (the caller commits them). Returns hidden (B, T, H) after the final norm, and when `capture`
         names layers, the residual stream entering each, concatenated: (B, T, len(capture) * H)."""
-        x = self.model.embed_tokens(input_ids)  # (B, T, H)
-        cos, sin = self.model.rotary(positions, x.dtype)
-        taps = {}
+        h = self.model.embed_tokens(input_ids)  # (B, T, H)
+        cos, sin = self.model.rotary(positions, h.dtype)
+        taps, residual = {}, None
         for i, layer in enumerate(self.model.layers):
             if i in capture:
-                taps[i] = x
-            x = layer(x, cos, sin, cache, meta)
+                taps[i] = h if residual is None else h + residual  # the stream entering layer i
+            h, residual = layer(h, residual, cos, sin, cache, meta)
         aux = torch.cat([taps[i] for i in capture], -1) if capture else None  # in capture's order, repeats kept
-        return self.model.norm(x), aux
+        return self.model.norm(h, residual)[0], aux
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # (..., V)

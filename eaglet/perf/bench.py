@@ -76,9 +76,10 @@ def eaglet_systems(args, model, tok, names) -> dict:
         out["plain-eager"] = Generator(model, tok, graphs=False)
     if "ngram" in names:
         spec = SpecConfig("ngram", steps=args.chain_steps)
-        out["ngram"] = Generator(model, tok, load_speculator(spec, model, args.model), graphs=graphs)
+        out["ngram"] = Generator(model, tok, load_speculator(spec, model, args.model, compile=not args.no_compile), graphs=graphs)
     if "eagle3-chain" in names or "eagle3-tree" in names:
-        base = load_speculator(SpecConfig("eagle3", args.draft, steps=args.chain_steps), model, args.model)
+        base = load_speculator(SpecConfig("eagle3", args.draft, steps=args.chain_steps), model, args.model,
+                               compile=not args.no_compile)
         if "eagle3-chain" in names:
             out["eagle3-chain"] = Generator(model, tok, base, graphs=graphs)
         if "eagle3-tree" in names:
@@ -136,7 +137,7 @@ def run_bench(args) -> dict:
     bad = [n for n in names if n not in SYSTEMS]
     if bad:
         raise InvalidInput(f"unknown system {bad[0]!r} (choose from {', '.join(SYSTEMS)})")
-    loaded = load_model(args.model, args.dtype, args.device)
+    loaded = load_model(args.model, args.dtype, args.device, compile=not args.no_compile)
     model, tok = loaded.model, loaded.tokenizer
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     prompts = [tok.apply_chat([{"role": "user", "content": p}]) for p in bench_prompts(args.prompts, args.num_prompts)]
@@ -200,6 +201,7 @@ def run_bench(args) -> dict:
     print_table(results, device, dtype, n_new, len(prompts), args.repeats)
     flags = {k: v for k, v in vars(args).items() if k != "func"}
     flags["cuda_graphs"] = device.type == "cuda" and not args.eager
+    flags["torch_compile"] = device.type == "cuda" and not args.no_compile
     path = write_record("bench", flags, results, args.out, models={"target": loaded.path, "drafter": args.draft})
     png = plot_bench(results, path.with_suffix(".png"))
     print(f"record: {path}\nplot: {png}")
@@ -262,7 +264,7 @@ def run_shape_bench(args) -> dict:
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    model = random_model(args.shape, device, dtype)
+    model = random_model(args.shape, device, dtype, compile=not args.no_compile)
     ctx = args.context
     prompt = torch.randint(0, model.config.vocab_size, (ctx,), generator=torch.Generator().manual_seed(1)).tolist()
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True)
@@ -294,6 +296,7 @@ def run_shape_bench(args) -> dict:
               + f"{results['verify_over_decode'][t]:10.2f}")
     flags = {k: v for k, v in vars(args).items() if k != "func"}
     flags["cuda_graphs"] = "graphed" in modes
+    flags["torch_compile"] = device.type == "cuda" and not args.no_compile
     path = write_record(f"bench-shape-{args.shape}", flags, results, args.out)
     print(f"record: {path}")
     return results

@@ -26,7 +26,7 @@ SHAPES = {
 }
 
 
-def random_model(name: str, device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
+def random_model(name: str, device, dtype: torch.dtype, seed: int = 0, compile: bool = True) -> CausalLM:
     """The named shape with N(0, 0.02) weights and unit norms, built directly on `device`."""
     if name not in SHAPES:
         raise InvalidInput(f"unknown shape {name!r} (choose from {', '.join(SHAPES)})")
@@ -42,6 +42,10 @@ def random_model(name: str, device, dtype: torch.dtype, seed: int = 0) -> Causal
             else:
                 p.normal_(0.0, 0.02, generator=gen)
     model.fuse_projections()
+    if compile:
+        from ..runtime.compile import compile_kernels
+
+        compile_kernels(model)
     return model.eval().requires_grad_(False)
 
 

@@ -45,7 +45,7 @@ def bundled_drafter() -> Path | None:
 
 
 def load_speculator(spec: SpecConfig, target: CausalLM, target_path: Path | None = None,
-                    device=None, dtype=None) -> Speculator:
+                    device=None, dtype=None, compile: bool = True) -> Speculator:
     """target_path None means the embedded default model (which has a bundled EAGLE-3 drafter)."""
     p = next(target.parameters())
     device, dtype = device or p.device, dtype or p.dtype
@@ -56,7 +56,7 @@ def load_speculator(spec: SpecConfig, target: CausalLM, target_path: Path | None
             raise ModelLoadError("--spec draft needs --draft PATH (a smaller model with the same tokenizer)")
         from ..weights.loader import load_model
 
-        dm = load_model(spec.draft, dtype, device, tokenizer=False).model
+        dm = load_model(spec.draft, dtype, device, tokenizer=False, compile=compile).model
         if dm.config.vocab_size != target.config.vocab_size:
             raise ModelLoadError(f"draft model vocabulary {dm.config.vocab_size} does not match the target's "
                                  f"{target.config.vocab_size}")
@@ -67,4 +67,8 @@ def load_speculator(spec: SpecConfig, target: CausalLM, target_path: Path | None
     if path is None:
         raise ModelLoadError("--spec eagle3 needs --draft PATH (an EAGLE-3 drafter directory) for this model")
     head, embed = load_eagle3(path, target.config, device, dtype)
+    from ..runtime.compile import compile_kernels
+
+    if compile:
+        compile_kernels(head)
     return Speculator(spec, head=head, head_embed=embed, draft_path=str(path))

@@ -93,8 +93,10 @@ def build_model(config: ModelConfig, pairs, device: torch.device, dtype: torch.d
 
 
 def load_model(path: str | Path | None = None, dtype: str | torch.dtype | None = None,
-               device: str | torch.device | None = None, tokenizer: bool = True) -> LoadedModel:
-    """Load a Llama-family model from a HF directory or a GGUF file (None: the embedded default)."""
+               device: str | torch.device | None = None, tokenizer: bool = True,
+               compile: bool = True) -> LoadedModel:
+    """Load a Llama-family model from a HF directory or a GGUF file (None: the embedded default).
+    On the GPU, `compile` fuses its elementwise kernels (runtime/compile.py)."""
     path = Path(path) if path is not None else default_model_path()
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist")
@@ -109,5 +111,9 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype | None =
     hf = safetensors_dir.read_config(weights_dir)
     config = ModelConfig.from_hf(hf)
     model = build_model(config, safetensors_dir.iter_tensors(weights_dir), dev, dt, source=str(path))
+    if compile:
+        from ..runtime.compile import compile_kernels
+
+        compile_kernels(model)
     tok = Tokenizer.from_dir(weights_dir, config) if tokenizer else None
     return LoadedModel(model=model, tokenizer=tok, config=config, path=path, weights_dir=weights_dir)
