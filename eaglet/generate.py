@@ -51,6 +51,33 @@ class Completion:
     spec: SpecMetrics | None = None  # speculation metrics of this sequence (None for plain decoding)
 
 
+class SeqState:
+    """One sequence's stopping and text: EOS, stop strings and the token budget (shared by
+    Generator.stream and the server's batcher)."""
+
+    def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...], eos: frozenset[int], budget: int):
+        self.stream = TextStream(tokenizer, stop) if tokenizer else None
+        self.eos, self.budget = eos, budget
+        self.count = 0
+        self.finish_reason: str | None = None  # 'stop' | 'length' once finished
+
+    @property
+    def remaining(self) -> int:
+        return 0 if self.finish_reason else self.budget - self.count
+
+    def push(self, tok: int) -> str:
+        """Take one token (callers stop pushing once finished); returns the text that became final."""
+        self.count += 1
+        text = self.stream.push(tok) if self.stream else ""
+        if tok in self.eos or (self.stream and self.stream.stopped):
+            self.finish_reason = "stop"
+        elif self.count >= self.budget:
+            self.finish_reason = "length"
+        if self.finish_reason and self.stream:
+            text += self.stream.flush()
+        return text
+
+
 class PlainDecoder(SlotDecoder):
     """One target forward per token (one graph per attention span)."""
 
@@ -140,30 +167,22 @@ class Generator:
         max_len = max(len(p) + b for p, b in zip(prompts, budget))  # a finished row stops moving
         dec = self.decoder(len(prompts), max_len, gen.sampling)
         self.last_metrics = getattr(dec, "metrics", None)
-        streams = [TextStream(self.tokenizer, gen.stop) if self.tokenizer else None for _ in prompts]
-        counts = [0] * len(prompts)
-        done = [False] * len(prompts)
-        eos = frozenset() if gen.ignore_eos else (
-            frozenset(self.model.config.eos_token_ids) | (self.tokenizer.eos_ids if self.tokenizer else frozenset()))
-
+        eos = frozenset() if gen.ignore_eos else self.eos_ids()
+        seqs = [SeqState(self.tokenizer, gen.stop, eos, b) for b in budget]
         new = dec.admit(list(range(len(prompts))), prompts)
         while True:
             for i, toks in enumerate(new):
                 for tok in toks:
-                    if done[i]:
+                    if seqs[i].finish_reason:
                         break
-                    counts[i] += 1
-                    text = streams[i].push(tok) if streams[i] else ""
-                    reason = ("stop" if tok in eos or (streams[i] and streams[i].stopped)
-                              else "length" if counts[i] >= budget[i] else None)
-                    if reason:
-                        done[i] = True
-                        if streams[i]:
-                            text += streams[i].flush()
-                    yield TokenEvent(i, tok, text, reason)
-            if all(done):
+                    text = seqs[i].push(tok)
+                    yield TokenEvent(i, tok, text, seqs[i].finish_reason)
+            if all(s.finish_reason for s in seqs):
                 return
-            new = dec.step([0 if d else b - c for d, b, c in zip(done, budget, counts)])
+            new = dec.step([s.remaining for s in seqs])
+
+    def eos_ids(self) -> frozenset[int]:
+        return frozenset(self.model.config.eos_token_ids) | (self.tokenizer.eos_ids if self.tokenizer else frozenset())
 
     def generate(self, prompts: list[list[int]], gen: GenerationConfig,
                  on_event: Callable[[TokenEvent], None] | None = None) -> list[Completion]:

@@ -4,14 +4,19 @@ SmolLM2-135M-Instruct with its bundled drafter ($EAGLET_TEST_GGUF or the install
 import json
 import os
 
-import pytest
-import torch
+# cuBLAS may pick workspace-dependent (split-K) kernels, and a graph is captured on another stream
+# than eager work runs on: a fixed workspace configuration makes both pick the same kernels. Must
+# be set before the first cuBLAS call of the process.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-from eaglet.config import SpecConfig
-from eaglet.datasets import load_prompts
-from eaglet.generate import GenerationConfig, Generator
-from eaglet.spec.speculator import bundled_drafter, load_speculator
-from eaglet.weights import load_model
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from eaglet.config import SpecConfig  # noqa: E402
+from eaglet.datasets import load_prompts  # noqa: E402
+from eaglet.generate import GenerationConfig, Generator  # noqa: E402
+from eaglet.spec.speculator import bundled_drafter, load_speculator  # noqa: E402
+from eaglet.weights import load_model  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -15,7 +15,11 @@ case $phase in
       python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py 2>&1 | tee "$out/cuda-graphs-test-h200.log" ;;
   smollm2)
     python3 -m eaglet bench --model $GGUF --draft eaglet/drafters/smollm2-135m-instruct-eagle3 --prompts mtbench \
-      --num-prompts ${PROMPTS:-5} --max-new-tokens 256 --repeats 3 ${SYSTEMS:+--systems $SYSTEMS} --out "$out" ;;
+      --num-prompts ${PROMPTS:-5} --max-new-tokens ${MAXNEW:-128} --repeats 3 ${SYSTEMS:+--systems $SYSTEMS} --out "$out" ;;
+  plan)  # issue 6 on the H200: profile, then plan with predicted vs measured for chains 1-7 and 2 trees
+    python3 -m eaglet profile --model $GGUF --draft eaglet/drafters/smollm2-135m-instruct-eagle3 --num-prompts 8 \
+      --max-new-tokens 128 --chain-steps 7 --trees 7,4,64 6,8,32 --context 256 --out "$out" &&
+    python3 -m eaglet plan --profile "$(ls -t "$out"/profile-*.json | head -1)" --validate --validate-all ;;
   shapes)
     for s in ${SHAPES:-llama-3.1-8b qwen3-8b}; do
       python3 -m eaglet bench --shape $s --context 512 --max-new-tokens 128 --repeats 3 --out "$out"

@@ -121,7 +121,7 @@ class Attention(nn.Module):
         q = q.reshape(b, self.nkv, g * t, self.d)  # (B, Hkv, G*T, D)
         mask = meta.mask if g == 1 else meta.mask.repeat(1, 1, g, 1)  # (B, 1, G*T, S)
         o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)  # (B, Hkv, G*T, D)
-        return self.o_proj(o.view(b, self.nh, t, self.d).transpose(1, 2).reshape(b, t, self.nh * self.d))
+        return self.o_proj(o.reshape(b, self.nh, t, self.d).transpose(1, 2).reshape(b, t, self.nh * self.d))
 
 
 class MLP(nn.Module):

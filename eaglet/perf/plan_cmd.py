@@ -140,6 +140,10 @@ def plan_from_profile(args) -> int:
                                                flags["draft"], flags["chain_steps"])
         prompts = chat_prompts(loaded.tokenizer, flags["prompts"], flags["num_prompts"])
         settings = neighbours(best or cands[0], cands)
+        if args.validate_all:
+            trees = {f"tree:{t['steps']},{k},{t['draft_tokens']}" for k, t in prof["acceptance"]["trees"].items()}
+            chains = {f"chain:{s}" for s in range(1, prof["acceptance"]["chain"]["steps"] + 1)}
+            settings += [c for c in cands if c.name in chains | trees and c not in settings]
         measured = measured_speedups(loaded, base, [c.spec(flags["spec"], flags["draft"]) for c in settings], prompts,
                                      flags["max_new_tokens"], args.batch_size)
         rows = []
@@ -148,7 +152,10 @@ def plan_from_profile(args) -> int:
             rows.append({"setting": c.name, "predicted": c.speedup, "measured": got, "error": c.speedup / got - 1})
             print(f"{c.name:<18}{c.speedup:>9.2f}x{got:>9.2f}x{c.speedup / got - 1:>+8.1%}")
         best_measured = max(rows, key=lambda r: r["measured"])
-        print(f"best measured: {best_measured['setting']} ({best_measured['measured']:.2f}x)")
+        chosen = rows[0]["measured"]
+        print(f"best measured: {best_measured['setting']} ({best_measured['measured']:.2f}x); the choice "
+              f"{rows[0]['setting']} is {chosen / best_measured['measured'] - 1:+.1%} from it; "
+              f"{sum(abs(r['error']) <= 0.10 for r in rows)} of {len(rows)} settings predicted within ±10%")
         results["validation"] = rows
     path = write_record("plan", {**vars(args), "profile_record": str(args.profile)}, results,
                         Path(args.profile).parent)

@@ -70,11 +70,22 @@ def other_ms(profile: dict, costs: dict) -> float:
     return max(0.0, ch["step_ms_measured"] - c.step_ms(ch["steps"], ch["steps"] + 1))
 
 
+def plain_host_ms(profile: dict, costs: dict) -> float:
+    """Per-token time of real plain decoding beyond its forward (sampling, the sync, streaming),
+    when the profile measured a plain run; 0 otherwise (older records)."""
+    plain = profile["acceptance"].get("plain")
+    return max(0.0, plain["step_ms_measured"] - costs["decode_ms"]) if plain else 0.0
+
+
 def candidates(profile: dict, batch: int = 1) -> list[Candidate]:
-    """Every chain and tree the profile can predict, with τ, step time and speedup at `batch`."""
+    """Every chain and tree the profile can predict, with τ, step time and speedup at `batch`.
+    Both sides count their host time: the speculative step through the measured overhead, plain
+    decoding through its measured per-token wall time."""
     costs = next(c for c in profile["costs"] if c["batch"] == batch)
-    extra = other_ms(profile, next(c for c in profile["costs"] if c["batch"] == profile["acceptance_batch"]))
+    acc_costs = next(c for c in profile["costs"] if c["batch"] == profile["acceptance_batch"])
+    extra = other_ms(profile, acc_costs)
     base = costs_from_profile(costs, extra)
+    base = dataclasses.replace(base, decode_ms=base.decode_ms + plain_host_ms(profile, acc_costs))
     out = []
     ch = profile["acceptance"]["chain"]
     for s in range(1, ch["steps"] + 1):

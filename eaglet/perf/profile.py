@@ -17,7 +17,9 @@ from ..kvcache import KVCache
 from ..models.attention import AttnMeta
 from ..sampling import SamplingParams
 from ..spec.metrics import SpecMetrics
+from ..runtime.graphs import GraphRunner, span
 from ..spec.speculator import Speculator
+from .curves import forward_curve
 
 VERIFY_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 BUDGETS = (4, 8, 12, 16, 24, 32, 48, 64)
@@ -40,29 +42,23 @@ def timed(fn, device, repeats: int = 7) -> float:
 
 @torch.inference_mode()
 def measure_costs(model, speculator: Speculator, batch: int, context: int, topks: tuple[int, ...]) -> dict:
-    """decode_ms, verify_ms{tokens}, draft_ms{topk} at `context` committed tokens, `batch` rows."""
+    """decode_ms, verify_ms{tokens}, draft_ms{topk} at `context` committed tokens, `batch` rows,
+    each as the runtime runs it: a captured CUDA graph on the GPU, eager on the CPU."""
     p = next(model.parameters())
     dev = p.device
+    graphs = dev.type == "cuda"
+    curve = forward_curve(model, VERIFY_TOKENS, context, graphs, batch=batch, repeats=7)
+    # keys are strings, as they come back from the JSON record
+    out = {"batch": batch, "context": context, "decode_ms": curve["1"], "verify_ms": curve, "draft_ms": {},
+           "cuda_graphs": graphs}
     cfg = model.config
-    cache = KVCache.for_model(cfg, batch, context + max(VERIFY_TOKENS) + 8, p.dtype, dev)
+    cache = KVCache.for_model(cfg, batch, context + 8, p.dtype, dev)
     ids = torch.randint(100, cfg.vocab_size - 1, (batch, context), generator=torch.Generator().manual_seed(0)).to(dev)
     pos = torch.arange(context, device=dev).expand(batch, context)
     taps_layers = getattr(speculator.head, "cfg", None)
     capture = taps_layers.aux_layers if taps_layers else ()
     _, taps = model(ids, pos, cache, AttnMeta.build(cache.lens, pos, context), capture=capture)
-    cache.advance(context)
-
-    def forward(n: int):
-        def run():
-            x = ids[:, :n]
-            ps = cache.lens[:, None] + torch.arange(n, device=dev)
-            h, _ = model(x, ps, cache, AttnMeta.build(cache.lens, ps, cache.kv_len(n)), capture=capture)
-            model.logits(h).argmax(-1)  # not committed: the same slots are overwritten each time
-        return run
-
-    # keys are strings, as they come back from the JSON record
-    out = {"batch": batch, "context": context, "decode_ms": timed(forward(1), dev),
-           "verify_ms": {str(n): timed(forward(n), dev) for n in VERIFY_TOKENS}, "draft_ms": {}}
+    del cache
     # one draft level, all overheads included: a whole `propose` of `levels` levels, divided by them
     # (the catch-up forward counts as the first level, as it does in the cost model)
     levels = 4
@@ -73,11 +69,15 @@ def measure_costs(model, speculator: Speculator, batch: int, context: int, topks
                                                                   SamplingParams(), None)
         drafter.start(0, batch, [ids[b].tolist() for b in range(batch)], taps, ids[:, -1])
         saved = drafter.save_state() if hasattr(drafter, "save_state") else None  # n-gram: host history only
+        if saved is not None:
+            drafter.cache.kv_limit = span(context + 2 * levels * (k + 1), drafter.cache.max_len)
+        runner = GraphRunner(dev, graphs and drafter.graphable)
+        roots = ids[:, -1]
 
-        def propose(d=drafter, saved=saved):
+        def propose(d=drafter, saved=saved, runner=runner, roots=roots):
             if saved is not None:  # back to the same state: nothing proposed is ever committed
                 d.load_state(saved)
-            d.propose(ids[:, -1])
+            runner.run("propose", lambda: d.propose(roots))
         out["draft_ms"][str(k)] = timed(propose, dev) / levels
     return out
 
@@ -127,6 +127,12 @@ def measure_acceptance(model, tok, base: Speculator, prompts: list[list[int]], m
                 total.merge(c.spec)
         return total, time.perf_counter() - t0
 
+    plain = Generator(model, tok)
+    plain.generate(prompts[:1], GenerationConfig(max_new_tokens=16))  # warm-up, excluded
+    t0, n_tok = time.perf_counter(), 0
+    for i in range(0, len(prompts), batch):
+        n_tok += max(len(c.tokens) for c in plain.generate(prompts[i:i + batch], gen_cfg))  # steps of the batch
+    out["plain"] = {"step_ms_measured": (time.perf_counter() - t0) * 1e3 / n_tok}
     method, draft = base.spec.method, base.spec.draft
     m, secs = run(SpecConfig(method, draft, steps=chain_steps))
     out["chain"] = {"steps": chain_steps, "accept_per_pos": m.acceptance_rate_per_pos, "accept_length": m.accept_length,

@@ -1,0 +1,64 @@
+"""Which batch-1 matmul reaches the bandwidth on this GPU: cuBLAS (F.linear) against a Triton GEMV,
+for the Llama-3.1-8B projection shapes. Prints achieved GB/s per shape; a probe for choosing the
+decode matmul, not part of the package."""
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gemv(x_ptr, w_ptr, y_ptr, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=rows[:, None] < N, other=0.0)
+        x = tl.load(x_ptr + cols)
+        acc += w.to(tl.float32) * x[None, :].to(tl.float32)
+    tl.store(y_ptr + rows, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=rows < N)
+
+
+def run_triton(x, w, bn, bk, warps):
+    n, k = w.shape
+    y = torch.empty(n, dtype=x.dtype, device=x.device)
+    gemv[(triton.cdiv(n, bn),)](x, w, y, n, k, BN=bn, BK=bk, num_warps=warps)
+    return y
+
+
+def bench(fn, reps=50):
+    for _ in range(3):
+        fn()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096)}
+for name, (n, k) in shapes.items():
+    w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
+    x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+    ref = F.linear(x, w)
+    gb = n * k * 2 / 1e9
+    line = f"{name:<8} {n}x{k}  cublas {gb / bench(lambda: F.linear(x, w)) * 1e3:7.0f} GB/s"
+    best = None
+    for bn, bk, warps in [(4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 256, 8), (2, 1024, 4), (4, 1024, 8)]:
+        if k % bk:
+            continue
+        y = run_triton(x[0], w, bn, bk, warps)
+        err = (y.float() - ref[0].float()).abs().max().item()
+        bw = gb / bench(lambda: run_triton(x[0], w, bn, bk, warps)) * 1e3
+        if best is None or bw > best[0]:
+            best = (bw, bn, bk, warps, err)
+    line += f"  triton best {best[0]:7.0f} GB/s (BN={best[1]} BK={best[2]} warps={best[3]}, max err {best[4]:.3g})"
+    print(line, flush=True)
