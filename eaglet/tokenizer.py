@@ -49,20 +49,35 @@ class Tokenizer:
 
 class TextStream:
     """Turns a growing list of token ids into text deltas. Holds back an incomplete UTF-8 character
-    and any tail that could begin a stop string; stops at the first stop string (not included)."""
+    and any tail that could begin a stop string; stops at the first stop string (not included).
+
+    Decoding is incremental (a window of a few tokens per push, as TGI and vLLM do it): the new
+    text is decode(window + new tokens) minus decode(window), so the cost per token stays constant
+    however long the output grows, and words that depend on the token before them decode right."""
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()):
         self.tok, self.stop = tokenizer, tuple(s for s in stop if s)
         self.ids: list[int] = []
+        self.prefix_off = self.read_off = 0  # ids[prefix_off:read_off] is the decoding window
+        self.full = ""  # text of ids[:read_off]
         self.text = ""  # everything emitted so far
         self.stopped = False
+
+    def _decoded(self) -> str | None:
+        """Text of every id so far, or None while the newest ids end inside a UTF-8 character."""
+        prefix = self.tok.decode(self.ids[self.prefix_off:self.read_off])
+        new = self.tok.decode(self.ids[self.prefix_off:])
+        if new.endswith("\ufffd"):
+            return None
+        return self.full + new[len(prefix):]
 
     def push(self, token: int) -> str:
         """Add one token; return the text that became final."""
         self.ids.append(token)
-        full = self.tok.decode(self.ids)
-        if full.endswith("\ufffd"):  # a multi-byte character split across tokens
+        full = self._decoded()
+        if full is None:  # a multi-byte character split across tokens
             return ""
+        self.full, self.prefix_off, self.read_off = full, self.read_off, len(self.ids)
         for s in self.stop:
             at = full.find(s, max(0, len(self.text) - len(s)))
             if at >= 0:
@@ -73,7 +88,10 @@ class TextStream:
 
     def flush(self) -> str:
         """At the end of generation: release any held-back text."""
-        return "" if self.stopped else self._emit(self.tok.decode(self.ids))
+        if self.stopped:
+            return ""
+        rest = self.tok.decode(self.ids[self.prefix_off:])[len(self.tok.decode(self.ids[self.prefix_off:self.read_off])):]
+        return self._emit(self.full + (rest if self.read_off < len(self.ids) else ""))
 
     def _emit(self, upto: str) -> str:
         delta = upto[len(self.text):] if upto.startswith(self.text) else ""

@@ -17,8 +17,10 @@ ENV_PREFIXES = ("NCCL_", "CUDA_", "TORCH_", "PYTORCH_", "EAGLET_", "OMP_", "MKL_
 
 
 def git_state() -> dict:
-    """The checkout's commit. Where the code runs from a copy without .git (the GPU machine), the
-    caller passes it in EAGLET_GIT_SHA."""
+    """The checkout's commit. Where the code runs from a copy (the GPU machine), the caller passes
+    the commit in EAGLET_GIT_SHA, which wins: such a copy may carry a stale .git of its own."""
+    if os.environ.get("EAGLET_GIT_SHA"):
+        return {"sha": os.environ["EAGLET_GIT_SHA"], "dirty": None, "note": "sha given by EAGLET_GIT_SHA"}
     root = Path(__file__).resolve().parents[2]
 
     def git(*a):
@@ -30,7 +32,7 @@ def git_state() -> dict:
 
     sha = git("rev-parse", "HEAD")
     if sha is None:
-        return {"sha": os.environ.get("EAGLET_GIT_SHA"), "dirty": None, "note": "no .git; sha from EAGLET_GIT_SHA"}
+        return {"sha": None, "dirty": None, "note": "no .git and no EAGLET_GIT_SHA"}
     return {"sha": sha, "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
