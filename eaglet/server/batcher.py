@@ -1,0 +1,137 @@
+"""The decoding core of the server: a fixed number of rows (slots) of one decoder whose requests
+share one SamplingParams. Requests join free rows (`add`: their prompts are prefilled while the
+other rows keep their state), every `step` advances all running rows at once (plain: one token,
+speculative: each row its own accepted count), and a finished or cancelled request leaves at once
+(`release` frees its row's cache). Per row, stopping is what Generator.stream does: EOS, stop
+strings, the token budget.
+
+It runs on the engine thread only (engine.py owns the thread, the queue and the HTTP side).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+
+from ..generate import Generator, SeqState
+from ..sampling import SamplingParams
+from ..spec.metrics import SpecMetrics
+from ..tokenizer import Tokenizer
+
+log = logging.getLogger("eaglet.server")
+
+
+class Sequence(SeqState):
+    """One request in one row: its stopping state (SeqState) and its draft counters."""
+
+    def __init__(self, request, tokenizer: Tokenizer, eos: frozenset[int]):
+        super().__init__(tokenizer, request.stop, frozenset() if request.ignore_eos else eos, request.max_tokens)
+        self.request = request
+        self.spec = SpecMetrics()  # this request's draft counters
+        self.spec_seen: SpecMetrics | None = None  # the decoder's row counters when last read
+
+    def push_all(self, tokens: list[int]) -> tuple[str, int]:
+        """Take a step's new tokens; return the text that became final and how many tokens counted."""
+        text, n = "", 0
+        for tok in tokens:
+            if self.finish_reason:
+                break
+            text += self.push(tok)
+            n += 1
+        return text, n
+
+
+@dataclass
+class Output:
+    """What one row produced in one add/step."""
+    row: int
+    seq: Sequence
+    text: str
+    tokens: int
+    spec: SpecMetrics | None = None  # the draft counters of this step (speculative decoders only)
+    error: Exception | None = None  # an internal failure of this row alone
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or self.seq.finish_reason is not None
+
+
+def spec_delta(now: SpecMetrics, before: SpecMetrics) -> SpecMetrics:
+    """The counters added since `before` (a row's per-position lists only grow)."""
+    def minus(xs: list[int], ys: list[int]) -> list[int]:
+        return [x - y for x, y in zip(xs, ys + [0] * (len(xs) - len(ys)))]
+    return SpecMetrics(now.drafts - before.drafts, now.draft_tokens - before.draft_tokens,
+                       now.accepted_tokens - before.accepted_tokens,
+                       minus(now.accepted_per_pos, before.accepted_per_pos),
+                       minus(now.drafts_reaching_pos, before.drafts_reaching_pos))
+
+
+class Batcher:
+    def __init__(self, generator: Generator, slots: int, max_len: int, sampling: SamplingParams):
+        self.sampling, self.max_len = sampling, max_len
+        self.tokenizer = generator.tokenizer
+        self.eos = generator.eos_ids()
+        self.dec = generator.decoder(slots, max_len, sampling)  # rows free; a PlainDecoder or SpecDecoder
+        self.speculative = generator.speculator is not None
+        self.rows: list[Sequence | None] = [None] * slots
+
+    @property
+    def free_rows(self) -> list[int]:
+        return [i for i, s in enumerate(self.rows) if s is None]
+
+    @property
+    def running(self) -> int:
+        return sum(s is not None for s in self.rows)
+
+    @property
+    def kv_used(self) -> int:
+        """Committed cache tokens over all rows."""
+        return int(self.dec.cache.host_lens.sum())
+
+    def add(self, requests: list) -> list[Output]:
+        """Prefill `requests` into free rows (at most len(free_rows)); their first tokens."""
+        rows = self.free_rows[: len(requests)]
+        for r, req in zip(rows, requests):
+            self.rows[r] = Sequence(req, self.tokenizer, self.eos)
+            req.row = r
+        try:
+            new = self.dec.admit(rows, [req.prompt for req in requests])
+        except Exception:
+            for r in rows:
+                self.release(r)
+            raise
+        if self.speculative:
+            metrics = self.dec.metrics
+            for r in rows:
+                self.rows[r].spec_seen = copy.deepcopy(metrics[r])
+        return self._emit(dict(zip(rows, new)))
+
+    def step(self) -> list[Output]:
+        """One decoder step for every running row."""
+        limit = [s.remaining if s is not None else 0 for s in self.rows]
+        new = self.dec.step(limit)
+        return self._emit({r: new[r] for r, n in enumerate(limit) if n > 0})
+
+    def release(self, row: int) -> None:
+        if self.rows[row] is not None:
+            self.rows[row].request.row = None
+            self.rows[row] = None
+            self.dec.release([row])
+
+    def _emit(self, new: dict[int, list[int]]) -> list[Output]:
+        metrics = self.dec.metrics if self.speculative else None
+        out = []
+        for r, toks in new.items():
+            seq = self.rows[r]
+            try:
+                text, n = seq.push_all(toks)
+                delta = None
+                if metrics is not None:
+                    delta = spec_delta(metrics[r], seq.spec_seen)
+                    seq.spec.merge(delta)
+                    seq.spec_seen = copy.deepcopy(metrics[r])
+                out.append(Output(r, seq, text, n, delta))
+            except Exception as e:  # fails this row's request only
+                log.exception("request %s failed in row %d", seq.request.id, r)
+                out.append(Output(r, seq, "", 0, error=e))
+        return out

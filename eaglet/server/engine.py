@@ -1,0 +1,334 @@
+"""The engine thread: one thread owns the model and the Batcher; the HTTP side (asyncio) only
+appends to a bounded waiting queue under a lock and reads each request's asyncio.Queue, which the
+engine fills through loop.call_soon_threadsafe, so a request never waits on the model to be
+accepted or refused.
+
+Loop: apply cancellations (a disconnected client's row is released at the next step boundary,
+its cache freed at once) -> admit waiting requests into free rows -> one step of every running
+row -> hand each request its text, finish the finished ones.
+
+Sampling: a Batcher's rows share one SamplingParams (temperature, top-k, top-p; every greedy
+request is the same group). Requests are served in arrival order: the head of the queue decides
+the group; later requests of the same group join free rows, and once a request of another group
+heads the queue nothing more joins, the batch drains, and a Batcher for the new group takes over.
+A request with a seed runs alone in a fresh one-row batch, so the same seed gives the same text.
+
+Speculation (policy.py): a batch decodes plain or with one speculation setting, chosen by the
+SpecPolicy when the batch starts from the requests it starts with (those admitted plus those of
+its group still waiting, capped at its rows). An idle batch whose choice would now differ is
+replaced by a new one. A speculating batch that requests wait to join stops taking them when the
+grown batch (running + waiting of its group, capped) is one the policy decodes plain: it drains,
+and a plain batch starts with everyone waiting. Each setting has its own Generator (one model),
+so its decoder and CUDA graphs are reused the next time it is chosen.
+
+Failures: an error in one row's output fails that request alone; an error in a step fails the
+requests of that batch (the decoder's state is shared) and the engine starts a new batch; any
+other error stops the engine thread, fails every request, and /health turns 503. All are logged.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import suppress
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from ..generate import Generator
+from ..sampling import SamplingParams
+from ..spec.metrics import SpecMetrics
+from .batcher import Batcher, Output
+from .metrics import ServerMetrics
+from .policy import PLAIN, SpecPolicy, setting_name
+from .protocol import APIError
+
+log = logging.getLogger("eaglet.server")
+
+
+@dataclass(eq=False)
+class Request:
+    prompt: list[int]
+    max_tokens: int  # already within the context (the app checks)
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # set by Engine.generate (event loop side)
+    loop: asyncio.AbstractEventLoop | None = None
+    queue: asyncio.Queue | None = None
+    arrival: float = 0.0
+    # engine thread side
+    row: int | None = None
+    done: bool = False
+    first_at: float | None = None
+    last_at: float | None = None
+
+
+@dataclass
+class Chunk:
+    """Engine -> HTTP: new text of one request; the last one has finish_reason (or error)."""
+    text: str
+    tokens: int
+    finish_reason: str | None = None
+    completion_tokens: int = 0  # set on the last chunk
+    spec: SpecMetrics | None = None  # the request's draft counters, on the last chunk
+    error: APIError | None = None
+
+
+class Engine:
+    def __init__(self, generator: Generator, slots: int, max_queue: int, max_len: int, metrics: ServerMetrics,
+                 policy: SpecPolicy | None = None):
+        """`generator` decodes with its own speculator (or plain); `policy` (default: always that)
+        picks plain or a setting of its base speculator per batch."""
+        self.generator, self.slots, self.max_queue, self.max_len = generator, slots, max_queue, max_len
+        self.metrics = metrics
+        self.policy = policy or SpecPolicy(generator.speculator)
+        own = generator.speculator
+        # setting (None: plain) -> its Generator; the given one serves its own setting
+        self.generators: dict[str | None, Generator] = {None if own is None else setting_name(own.spec): generator}
+        self.setting: str | None = None  # the current batch's setting
+        self.chosen = False  # a batch has started (self.setting means something)
+        self.draining = False  # the current batch takes no more requests (the policy wants plain)
+        self.cond = threading.Condition()
+        self.waiting: deque[Request] = deque()
+        self.cancels: list[Request] = []
+        self.batcher: Batcher | None = None
+        self.outbox: list[tuple[Request, Chunk, bool]] = []  # engine thread: chunks to send this iteration
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, name="eaglet-engine", daemon=True)
+        metrics.kv(0, slots * max_len)
+
+    # ---- HTTP side (event loop) -----------------------------------------------------------------
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+        self.thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive() and not self.stopping
+
+    def open(self, req: Request) -> None:
+        """Queue `req` (raises APIError 429 when the queue is full, 503 when the engine is dead);
+        then read it with `chunks`. Call from the event loop."""
+        req.loop, req.queue, req.arrival = asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter()
+        self.submit(req)
+
+    async def chunks(self, req: Request) -> AsyncIterator[Chunk]:
+        """An opened request's chunks. Leaving early (the client went away, the task was
+        cancelled, the consumer closed the generator) cancels the request."""
+        try:
+            while True:
+                chunk = await req.queue.get()
+                yield chunk
+                if chunk.finish_reason or chunk.error:
+                    return
+        finally:
+            if not req.done:
+                self.cancel(req)
+
+    def submit(self, req: Request) -> None:
+        with self.cond:
+            if not self.alive:
+                self.metrics.request_rejected.labels(self.metrics.name).inc()
+                raise APIError(503, "the engine is not running", "server_error", code="engine_dead")
+            if len(self.waiting) >= self.max_queue:
+                self.metrics.request_rejected.labels(self.metrics.name).inc()
+                raise APIError(429, f"the server is busy: {len(self.waiting)} requests are waiting "
+                                    f"(--max-queue {self.max_queue}); retry later", "rate_limit_error",
+                               code="queue_full")
+            self.waiting.append(req)
+            self.metrics.waiting.labels(self.metrics.name).set(len(self.waiting))
+            self.cond.notify()
+
+    def cancel(self, req: Request) -> None:
+        with self.cond:
+            if req.done:
+                return
+            req.done = True
+            self.metrics.request_aborted.labels(self.metrics.name).inc()
+            with suppress(ValueError):
+                self.waiting.remove(req)  # not started: nothing else to free
+                self.metrics.waiting.labels(self.metrics.name).set(len(self.waiting))
+                return
+            self.cancels.append(req)  # running: the engine releases its row
+            self.cond.notify()
+
+    # ---- engine thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():  # thread-local: set in the thread that runs the model
+                self._loop()
+        except BaseException:
+            log.exception("the engine thread stopped")
+        finally:
+            with self.cond:
+                self.stopping = True
+                failed = list(self.waiting) + [s.request for s in (self.batcher.rows if self.batcher else [])
+                                               if s is not None]
+                self.waiting.clear()
+            for req in failed:
+                self._fail(req, APIError(503, "the engine stopped", "server_error", code="engine_dead"))
+            self._flush()
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not (self.stopping or self.waiting or self.cancels or (self.batcher and self.batcher.running)):
+                    self.cond.wait()
+                if self.stopping:
+                    return
+                cancels, self.cancels = self.cancels, []
+                group, admit, setting, n = self._take()
+                self.metrics.waiting.labels(self.metrics.name).set(len(self.waiting))
+            for req in cancels:
+                if req.row is not None and self.batcher is not None:
+                    self.batcher.release(req.row)
+            if admit:
+                self._guarded(partial(self._admit, group, admit, setting, n), admit, drop_batch=False)
+            if self.batcher is not None and self.batcher.running:
+                running = [s.request for s in self.batcher.rows if s is not None]
+                self._guarded(self.batcher.step, running, drop_batch=True)
+            self._gauges()  # before the chunks go out: a client that saw its last chunk sees its row free
+            self._flush()
+
+    def _take(self) -> tuple[SamplingParams | None, list[Request], str | None, int]:
+        """Under the lock: the sampling group of a batch to start (None: keep the current batch),
+        the requests to admit in arrival order, and for a new batch its setting (None: plain) and
+        the request count the policy chose it by."""
+        if not self.waiting:
+            return None, [], None, 0
+        head = self.waiting[0].sampling
+        idle = self.batcher is None or not self.batcher.running
+        if head.seed is not None:  # alone in a fresh one-row batch, so the seed makes it repeatable
+            return (head, [self.waiting.popleft()], self.policy.choose(1), 1) if idle else (None, [], None, 0)
+        run = 0  # the head's group at the head of the queue: the requests that can join now
+        for req in self.waiting:
+            if req.sampling != head or run == self.slots:
+                break
+            run += 1
+        same = self.batcher is not None and self.batcher.sampling == head
+        if not idle:
+            if not same or self.draining:
+                return None, [], None, 0  # the current batch drains first
+            load = min(self.slots, self.batcher.running + run)
+            if self.setting is not None and self.policy.choose(load) is None:
+                log.info("the speculating batch (%s) would grow to %d requests, a size the policy decodes plain: "
+                         "it takes no more requests and drains", self.setting, load)
+                self.draining = True
+                return None, [], None, 0
+            free = len(self.batcher.free_rows)
+            return None, [self.waiting.popleft() for _ in range(min(free, run))], None, 0
+        n = min(self.slots, run)
+        setting = self.policy.choose(n)
+        group = None if same and setting == self.setting and not self.draining else head
+        free = self.slots if group is not None else len(self.batcher.free_rows)
+        return group, [self.waiting.popleft() for _ in range(min(free, run))], setting, n
+
+    def _admit(self, group: SamplingParams | None, admit: list[Request], setting: str | None, n: int
+               ) -> list[Output]:
+        if group is not None:
+            self.batcher = None  # its cache goes before the next one is allocated
+            rows = 1 if group.seed is not None else self.slots
+            self.batcher = Batcher(self._generator(setting), rows, self.max_len, group)
+            if not self.chosen or setting != self.setting:
+                log.info("a batch of %d request%s starts %s%s", n, "" if n == 1 else "s",
+                         "plain" if setting is None else f"speculating with {setting}",
+                         f" (was {self.setting or PLAIN})" if self.chosen else "")
+            self.setting, self.chosen, self.draining = setting, True, False
+        if n:  # a batch starts (or an idle one restarts with the same choice)
+            self.metrics.policy(setting, n)
+        return self.batcher.add(admit)
+
+    def _generator(self, setting: str | None) -> Generator:
+        """The Generator of a setting, made the first time it is chosen (they share the model)."""
+        gen = self.generators.get(setting)
+        if gen is None:
+            g = self.generator
+            gen = Generator(g.model, g.tokenizer, self.policy.speculator(setting), graphs=g.graphs, timer=g.timer)
+            self.generators[setting] = gen
+        return gen
+
+    def _guarded(self, fn, requests: list[Request], drop_batch: bool) -> None:
+        """Run add or step; an exception fails `requests` (and, after a step, drops the batch:
+        its shared decoder state is not to be trusted)."""
+        try:
+            outputs = fn()
+        except Exception as e:
+            log.exception("decoding failed; failing its %d requests", len(requests))
+            for req in requests:
+                if req.row is not None and self.batcher is not None:
+                    self.batcher.release(req.row)
+                self._fail(req, APIError(500, f"internal error: {type(e).__name__}: {e}", "internal_error"))
+            if drop_batch:
+                self.batcher = None
+            return
+        self._deliver(outputs)
+
+    def _deliver(self, outputs: list[Output]) -> None:
+        t = time.perf_counter()
+        m, name = self.metrics, self.metrics.name
+        for o in outputs:
+            req = o.seq.request
+            if o.spec is not None:
+                m.spec(o.spec)
+            if o.error is not None:
+                self.batcher.release(o.row)
+                self._fail(req, APIError(500, f"internal error: {type(o.error).__name__}: {o.error}",
+                                         "internal_error"))
+                continue
+            m.generation_tokens.labels(name).inc(o.tokens)
+            if req.first_at is None:
+                req.first_at = t
+                m.prompt_tokens.labels(name).inc(len(req.prompt))
+                m.ttft.labels(name).observe(t - req.arrival)
+            else:
+                m.itl.labels(name).observe(t - req.last_at)
+            req.last_at = t
+            chunk = Chunk(o.text, o.tokens)
+            if o.finished:
+                self.batcher.release(o.row)
+                chunk.finish_reason = o.seq.finish_reason
+                chunk.completion_tokens = o.seq.count
+                chunk.spec = o.seq.spec if self.batcher.speculative else None
+                m.request_success.labels(name, chunk.finish_reason).inc()
+                m.e2e.labels(name).observe(t - req.arrival)
+                if o.seq.count > 1:
+                    m.tpot.labels(name).observe((t - req.first_at) / (o.seq.count - 1))
+            self._send(req, chunk, final=o.finished)
+
+    def _fail(self, req: Request, err: APIError) -> None:
+        if err.status >= 500:
+            self.metrics.request_failed.labels(self.metrics.name).inc()
+        self._send(req, Chunk("", 0, error=err), final=True)
+
+    def _send(self, req: Request, chunk: Chunk, final: bool) -> None:
+        self.outbox.append((req, chunk, final))
+
+    def _flush(self) -> None:
+        """Hand this iteration's chunks to their event loop."""
+        for req, chunk, final in self.outbox:
+            with self.cond:
+                if req.done:  # cancelled meanwhile: nobody listens
+                    continue
+                req.done = final
+            with suppress(RuntimeError):  # the event loop is closed (server shutting down)
+                req.loop.call_soon_threadsafe(req.queue.put_nowait, chunk)
+        self.outbox.clear()
+
+    def _gauges(self) -> None:
+        b = self.batcher
+        self.metrics.running.labels(self.metrics.name).set(b.running if b else 0)
+        self.metrics.kv(b.kv_used if b else 0, self.slots * self.max_len)

@@ -1,0 +1,106 @@
+"""The server's Prometheus metrics, named like vLLM's with the `eaglet:` prefix, so dashboards and
+`eaglet plan --metrics-url` read them unchanged. One registry per server (tests run several in one
+process). The engine thread updates them; prometheus-client is thread-safe.
+
+Speculation counters: `num_drafts` counts verify steps, `num_draft_tokens` the drafted tokens
+they verified, `num_accepted_tokens` the drafted tokens accepted (bonus not counted), and
+`num_accepted_tokens_per_pos{position}` those accepted at draft depth position+1 (0-based, as
+vLLM). τ = 1 + accepted / drafts.
+
+Speculation policy: `spec_policy_speculating` is 1 while the current batch speculates, 0 while it
+decodes plain; `spec_policy_setting{setting}` is 1 for the current batch's setting (chain:S,
+tree:S,K,N or plain) and 0 for those chosen before; `spec_policy_batch_size` is the request count
+the choice was made by.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+
+from ..spec.metrics import SpecMetrics
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_resident_memory_bytes and friends, as vLLM exports
+        labels = ["model_name"]
+        self.request_success = Counter("eaglet:request_success", "Requests finished, by reason (stop, length)",
+                                       labels + ["finished_reason"], registry=r)
+        self.request_aborted = Counter("eaglet:request_aborted", "Requests cancelled by a client disconnect",
+                                       labels, registry=r)
+        self.request_failed = Counter("eaglet:request_failed", "Requests failed by an internal error",
+                                      labels, registry=r)
+        self.request_rejected = Counter("eaglet:request_rejected", "Requests refused: the waiting queue was "
+                                        "full or the engine not running", labels, registry=r)
+        self.prompt_tokens = Counter("eaglet:prompt_tokens", "Prefilled prompt tokens", labels, registry=r)
+        self.generation_tokens = Counter("eaglet:generation_tokens", "Generated tokens", labels, registry=r)
+        self.ttft = Histogram("eaglet:time_to_first_token_seconds", "Arrival to first token", labels,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("eaglet:inter_token_latency_seconds", "Time between a request's consecutive engine "
+                             "outputs (one speculative step may bring several tokens)", labels,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("eaglet:request_time_per_output_token_seconds", "(last - first token time) / "
+                              "(output tokens - 1), per request", labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("eaglet:e2e_request_latency_seconds", "Arrival to last token", labels,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("eaglet:num_requests_running", "Requests in a batch row", labels, registry=r)
+        self.waiting = Gauge("eaglet:num_requests_waiting", "Requests in the waiting queue", labels, registry=r)
+        self.kv_usage = Gauge("eaglet:kv_cache_usage_perc", "Committed KV cache tokens / capacity (0..1)",
+                              labels, registry=r)
+        self.kv_free = Gauge("eaglet:kv_cache_free_tokens", "KV cache token slots not holding a committed token",
+                             labels, registry=r)
+        self.kv_total = Gauge("eaglet:kv_cache_total_tokens", "KV cache token slots: rows x max model length",
+                              labels, registry=r)
+        self.drafts = Counter("eaglet:spec_decode_num_drafts", "Speculative verify steps", labels, registry=r)
+        self.draft_tokens = Counter("eaglet:spec_decode_num_draft_tokens", "Drafted tokens verified",
+                                    labels, registry=r)
+        self.accepted_tokens = Counter("eaglet:spec_decode_num_accepted_tokens", "Drafted tokens accepted",
+                                       labels, registry=r)
+        self.accepted_per_pos = Counter("eaglet:spec_decode_num_accepted_tokens_per_pos",
+                                        "Drafted tokens accepted at each draft position (0-based)",
+                                        labels + ["position"], registry=r)
+        self.spec_speculating = Gauge("eaglet:spec_policy_speculating", "1 while the current batch speculates, "
+                                      "0 while it decodes plain (the speculation policy's choice when it started)",
+                                      labels, registry=r)
+        self.spec_setting = Gauge("eaglet:spec_policy_setting", "1 for the current batch's setting (chain:S, "
+                                  "tree:S,K,N or plain), 0 for settings chosen before", labels + ["setting"],
+                                  registry=r)
+        self.spec_batch = Gauge("eaglet:spec_policy_batch_size", "Requests the current batch started with: what the "
+                                "speculation policy chose by", labels, registry=r)
+        self.name = model_name
+        self.settings: set[str] = set()  # spec_setting labels shown so far
+        for m in (self.request_aborted, self.request_failed, self.request_rejected, self.prompt_tokens,
+                  self.generation_tokens, self.ttft, self.itl, self.tpot, self.e2e, self.running, self.waiting,
+                  self.kv_usage, self.kv_free, self.kv_total, self.drafts, self.draft_tokens, self.accepted_tokens,
+                  self.spec_speculating, self.spec_batch):
+            m.labels(model_name)  # exported from the start, at 0
+        for reason in ("stop", "length"):
+            self.request_success.labels(model_name, reason)
+
+    def spec(self, d: SpecMetrics) -> None:
+        if d.drafts:
+            self.drafts.labels(self.name).inc(d.drafts)
+            self.draft_tokens.labels(self.name).inc(d.draft_tokens)
+            self.accepted_tokens.labels(self.name).inc(d.accepted_tokens)
+            for pos, n in enumerate(d.accepted_per_pos):
+                self.accepted_per_pos.labels(self.name, str(pos)).inc(n)
+
+    def policy(self, setting: str | None, n: int) -> None:
+        """A batch of `n` requests started with `setting` (None: plain)."""
+        name = setting or "plain"
+        self.settings.add(name)
+        for s in self.settings:
+            self.spec_setting.labels(self.name, s).set(1 if s == name else 0)
+        self.spec_speculating.labels(self.name).set(0 if setting is None else 1)
+        self.spec_batch.labels(self.name).set(n)
+
+    def kv(self, used: int, total: int) -> None:
+        self.kv_usage.labels(self.name).set(used / total if total else 0.0)
+        self.kv_free.labels(self.name).set(total - used)
+        self.kv_total.labels(self.name).set(total)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

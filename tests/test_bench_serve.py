@@ -1,0 +1,103 @@
+"""`eaglet bench-serve` against a live tiny `eaglet serve` (n-gram speculation): fixed concurrency
+and Poisson arrivals, chat and completions; its JSON record (counts, latencies, accept length);
+failures counted and reflected in the exit status; the accept length from /metrics counters of
+vLLM and eaglet; prompts from a ShareGPT file cut off mid-record."""
+import json
+
+import pytest
+
+from eaglet.cli import main
+from eaglet.config import SpecConfig
+from eaglet.generate import Generator
+from eaglet.perf.bench_serve import accept_length, load_bench_prompts, server_metrics
+from eaglet.spec.speculator import load_speculator
+
+from .test_server import PROMPTS, LiveServer, model_dir, tiny  # noqa: F401 (fixtures)
+
+
+@pytest.fixture(scope="module")
+def server(tiny):  # noqa: F811
+    sp = load_speculator(SpecConfig("ngram", steps=3), tiny.model, tiny.path)
+    with LiveServer(Generator(tiny.model, tiny.tokenizer, sp), max_batch=8) as srv:
+        yield srv
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return f
+
+
+def record(out_dir) -> dict:
+    [f] = list(out_dir.glob("bench-serve-*.json"))
+    return json.loads(f.read_text())
+
+
+def run(capsys, *argv) -> tuple[int, str]:
+    rc = main(["bench-serve", "--no-progress", *argv])
+    return rc, capsys.readouterr().out
+
+
+def test_fixed_concurrency_chat(server, prompts_file, tmp_path, capsys):
+    rc, out = run(capsys, "--url", server.url, "--prompts", str(prompts_file), "--num-requests", "40",
+                  "--concurrency", "8", "--max-tokens", "8", "--ignore-eos", "--out", str(tmp_path))
+    assert rc == 0, out
+    rec = record(tmp_path)
+    r = rec["results"]
+    assert rec["kind"] == "bench-serve" and r["server"]["model"] == "tiny"  # found at /v1/models
+    assert r["completed"] == 40 and r["failed"] == 0 and r["output_tokens"] == 40 * 8
+    assert r["prompt_tokens"] > 0 and r["request_throughput"] > 0 and r["output_throughput"] > 0
+    for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert 0 < r[k]["median"] <= r[k]["p99"]
+    assert r["accept_length"] >= 1 and r["accept_length_source"].startswith("usage")
+    after = r["server"]["metrics_after"]
+    assert after["eaglet:spec_decode_num_drafts"] > r["server"]["metrics_before"]["eaglet:spec_decode_num_drafts"]
+    assert after["process_resident_memory_bytes"] > 0 and after["eaglet:kv_cache_total_tokens"] > 0
+    for line in ("TTFT (ms)", "TPOT (ms)", "ITL (ms)", "accept length", "40 ok, 0 failed"):
+        assert line in out
+
+
+def test_poisson_arrivals_completions(server, prompts_file, tmp_path, capsys):
+    rc, out = run(capsys, "--url", server.url + "/v1", "--model", "tiny", "--endpoint", "completions",
+                  "--prompts", str(prompts_file), "--num-requests", "20", "--request-rate", "100", "--max-tokens", "6",
+                  "--out", str(tmp_path))
+    assert rc == 0, out
+    r = record(tmp_path)["results"]
+    assert r["completed"] == 20 and r["failed"] == 0 and "rate=100.0/s" in out
+
+
+def test_failures_are_counted(server, prompts_file, tmp_path, capsys):
+    rc, _ = run(capsys, "--url", server.url, "--model", "not-served", "--prompts", str(prompts_file),
+                  "--num-requests", "5", "--concurrency", "2", "--max-tokens", "4", "--out", str(tmp_path))
+    r = record(tmp_path)["results"]
+    assert rc == 1 and r["completed"] == 0 and r["failed"] == 5
+    assert any("HTTP 404" in e and "does not exist" in e for e in r["errors"])
+
+
+def test_unreachable_server_is_one_error_line(capsys, tmp_path):
+    assert main(["bench-serve", "--url", "http://127.0.0.1:9", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("eaglet: error: cannot list the models") and len(err.strip().splitlines()) == 1
+
+
+def test_accept_length_from_server_counters():
+    before = server_metrics("vllm:spec_decode_num_drafts_total{model_name=\"m\"} 10\n"
+                           "vllm:spec_decode_num_accepted_tokens_total{model_name=\"m\"} 5\n")
+    after = server_metrics("vllm:spec_decode_num_drafts_total{model_name=\"m\"} 30\n"
+                          "vllm:spec_decode_num_accepted_tokens_total{model_name=\"m\"} 35\n")
+    tau, source = accept_length([], before, after)
+    assert tau == pytest.approx(1 + 30 / 20) and "vllm" in source
+    tau, source = accept_length([], {}, server_metrics("sglang:spec_accept_length 2.5\n"))
+    assert tau == 2.5 and "sglang" in source
+    assert accept_length([], None, None) == (None, "not reported")
+
+
+def test_sharegpt_file_prompts(tmp_path):
+    convs = [{"conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": "a"}]}
+             for i in range(3)] + [{"conversations": [{"from": "human", "value": "x" * 5000}]}]
+    text = json.dumps(convs)
+    f = tmp_path / "sg.json"
+    f.write_text(text[:-40])  # cut off inside the last record, as the packaged file is
+    got = load_bench_prompts(str(f), 7, max_chars=2000, seed=0)
+    assert len(got) == 7 and set(got) == {"question 0", "question 1", "question 2"}
