@@ -27,8 +27,11 @@ def span(n: int, cap: int, bucket: int = 128) -> int:
 
 class GraphRunner:
     def __init__(self, device: torch.device, enabled: bool = True, generator: torch.Generator | None = None):
-        self.enabled = enabled and device.type == "cuda"
-        self.generator = generator  # a seeded sampler's generator: its state must advance on replay
+        # a seeded sampler's generator must be registered with each graph so replays advance it; a
+        # torch without that API runs such decoders eagerly
+        self.enabled = enabled and device.type == "cuda" and (
+            generator is None or hasattr(torch.cuda.CUDAGraph, "register_generator_state"))
+        self.generator = generator
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.seen: set[Hashable] = set()
         self.pool = None
