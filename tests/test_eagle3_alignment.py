@@ -25,14 +25,14 @@ def ttt_logits(head, target, ids, steps):
                               capture=head.cfg.aux_layers)
         logits = target.logits(hidden)
         seen = []
-        orig = head.logits
-        head.logits = lambda h: seen.append(orig(h)) or seen[-1]
+        orig = head.forward  # the step's output at every index (the lm_head runs only where there is loss)
+        head.forward = lambda *a: seen.append(orig(*a)) or seen[-1]
         try:
             ttt.ttt_loss(head, target.model.embed_tokens.weight, taps, logits, ids,
                          torch.ones_like(ids, dtype=torch.bool), steps=steps)
         finally:
-            del head.logits
-    return seen  # steps tensors (1, T, Vd)
+            del head.forward
+    return [head.logits(h) for h in seen]  # steps tensors (1, T, Vd)
 
 
 @torch.inference_mode()

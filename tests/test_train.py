@@ -18,7 +18,7 @@ from eaglet.spec.drafters.eagle3_ckpt import load_eagle3
 from eaglet.spec.drafters.eagle3_head import Eagle3Config, Eagle3Head
 from eaglet.spec.speculator import Speculator
 from eaglet.train.trainer import TrainConfig, Trainer, batch_plan
-from eaglet.train.ttt import shift, ttt_loss, ttt_mask
+from eaglet.train.ttt import Targets, shift, ttt_loss, ttt_mask
 from eaglet.train.vocab import coverage, draft_vocab
 from eaglet.weights import load_model
 
@@ -286,3 +286,43 @@ def test_init_from_fine_tunes_an_existing_drafter(trained, data, target, tmp_pat
     assert ft.history[0]["loss"] < fresh.history[0]["loss"] - 0.4  # ~9.8 vs ~10.6 (the floor is ~9.7)
     ft_head, _ = load_eagle3(tmp_path / "ft" / "drafter", target.config, "cpu", torch.float32)
     assert ft_head.cfg.draft_vocab_size == 64 and torch.equal(ft_head.d2t, tr.head.d2t)
+
+
+def test_ttt_attention_equals_the_masked_attention():
+    """TTTAttention (causal scores plus diagonals) equals SDPA over all steps' keys with the
+    (T, (k+1)T) mask of ttt_mask, step by step, forward and gradients, grouped-query heads."""
+    from eaglet.kvcache import AppendKV
+    from eaglet.train.ttt import TTTAttention
+
+    g = torch.Generator().manual_seed(0)
+    b, hkv, grp, t, d, steps = 2, 2, 3, 9, 16, 4
+    qs = [torch.randn(b, hkv * grp, t, d, generator=g, requires_grad=True) for _ in range(steps)]
+    ks = [torch.randn(b, hkv, t, d, generator=g, requires_grad=True) for _ in range(steps)]
+    vs = [torch.randn(b, hkv, t, d, generator=g, requires_grad=True) for _ in range(steps)]
+    fast, cache = TTTAttention(), AppendKV(1)
+    mine, ref = [], []
+    for k in range(steps):
+        mine.append(fast.attend(qs[k], ks[k], vs[k]))
+        keys, vals = cache.update(0, None, ks[k], vs[k], (k + 1) * t)  # (B, Hkv, (k+1)T, D)
+        q = qs[k].reshape(b, hkv, grp * t, d)  # grouped-query heads folded as in Attention.forward
+        mask = ttt_mask(t, k, "cpu").repeat(grp, 1)  # (G*T, (k+1)T)
+        ref.append(F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask).reshape(b, hkv * grp, t, d))
+        assert torch.allclose(mine[k], ref[k], atol=1e-5), k
+    leaves = qs + ks + vs
+    w = [torch.randn(o.shape, generator=g) for o in mine]
+    g_mine = torch.autograd.grad(sum((o * wi).sum() for o, wi in zip(mine, w)), leaves)
+    g_ref = torch.autograd.grad(sum((o * wi).sum() for o, wi in zip(ref, w)), leaves)
+    assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(g_mine, g_ref))
+
+
+def test_targets_from_hidden_equal_those_from_logits(target):
+    torch.manual_seed(5)
+    head = Eagle3Head(Eagle3Config.for_target(target.config, draft_vocab_size=40))
+    head.set_vocab(torch.randperm(128)[:40].sort().values)
+    hidden = 3 * torch.randn(3, 7, target.config.hidden_size)
+    a = Targets.from_hidden(head, hidden, target.lm_head.weight)
+    b = Targets.from_logits(head, target.logits(hidden))
+    assert torch.allclose(a.p, b.p, atol=1e-6) and torch.equal(a.arg, b.arg)
+    assert torch.equal(a.in_vocab, b.in_vocab) and 0 < int(a.in_vocab.sum()) < 21  # both kinds occur
+    full = Eagle3Head(Eagle3Config.for_target(target.config))  # the whole vocabulary: everything is draftable
+    assert bool(Targets.from_hidden(full, hidden, target.lm_head.weight).in_vocab.all())

@@ -114,6 +114,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
         q, k = self.rope(q, k, cos, sin)
+        if hasattr(cache, "attend"):  # training (train/ttt.py): the stand-in computes the attention itself
+            return self.o_proj(cache.attend(q, k, v).transpose(1, 2).reshape(b, t, self.nh * self.d))
         keys, vals = cache.update(self.layer, meta.slots, k, v, meta.mask.shape[-1], meta.rows)  # (B, Hkv, S, D)
         # grouped-query attention as plain attention over the kv heads: each kv head's G query heads
         # become G*T query rows (mask rows repeated), which the fused SDPA kernels accept with a mask

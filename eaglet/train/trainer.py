@@ -25,7 +25,7 @@ from ..models.attention import AttnMeta
 from ..spec.drafters.eagle3_ckpt import load_eagle3, save_eagle3
 from ..spec.drafters.eagle3_head import Eagle3Config, Eagle3Head
 from .regen import read_shards
-from .ttt import ttt_loss
+from .ttt import Targets, ttt_loss
 from .vocab import coverage, draft_vocab
 
 
@@ -191,9 +191,9 @@ class Trainer:
                 zeros = torch.zeros(ids.shape[0], dtype=torch.long, device=self.device)
                 hidden, taps = self.target(ids, pos, AppendKV(self.target.config.num_layers),
                                            AttnMeta.build(zeros, pos, ids.shape[1]), capture=self.head.cfg.aux_layers)
-                logits = self.target.logits(hidden)
+                target = Targets.from_hidden(self.head, hidden, self.target.lm_head.weight)  # no (B, T, V) logits
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-                out = ttt_loss(self.head, embed, taps, logits, ids, mask, self.cfg.ttt_steps, self.cfg.decay)
+                out = ttt_loss(self.head, embed, taps, target, ids, mask, self.cfg.ttt_steps, self.cfg.decay)
             self.opt.zero_grad(set_to_none=True)
             out.loss.backward()
             if self.world > 1:  # data parallel: average gradients over ranks

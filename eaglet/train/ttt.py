@@ -6,17 +6,17 @@ At sequence index t, step k feeds the true token x[t+1+k] with the previous step
 next-token distribution at t+1+k (it predicts x[t+2+k]), restricted to the draft vocabulary. Step
 k attends to step-0 keys causally and, for each earlier step j >= 1, to its key at the same index
 only (a diagonal): exactly the committed prefix plus the node's own ancestors at inference.
-Loss: sum_k 0.8^k * soft cross-entropy, on assistant tokens whose target argmax is in the draft
-vocabulary.
+`TTTAttention` computes that as causal scores plus one diagonal score per earlier step, never a
+(T, (k+1)T) mask. Loss: sum_k 0.8^k * soft cross-entropy, on assistant tokens whose target argmax
+is in the draft vocabulary; the head's lm_head runs only at those positions.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from ..kvcache import AppendKV
-from ..models.attention import AttnMeta
 from ..spec.drafters.eagle3_head import Eagle3Head
 
 
@@ -28,6 +28,64 @@ class TTTOut:
     tokens: int  # positions that carried loss at step 0
 
 
+@dataclass
+class Targets:
+    """What the head is trained toward, from the target's logits at each (b, t)."""
+    p: torch.Tensor  # (B, T, Vd) float32: the target's distribution restricted to the draft vocabulary
+    arg: torch.Tensor  # (B, T) its argmax, as a draft id
+    in_vocab: torch.Tensor  # (B, T) bool: the target's argmax over its full vocabulary is draftable
+
+    @staticmethod
+    def from_logits(head: Eagle3Head, logits: torch.Tensor) -> Targets:
+        """From full target logits (B, T, V)."""
+        z = logits[..., head.draft_to_target()].float()  # (B, T, Vd)
+        return Targets(z.softmax(-1), z.argmax(-1), head.t2d[logits.argmax(-1)])
+
+    @staticmethod
+    def from_hidden(head: Eagle3Head, hidden: torch.Tensor, lm_weight: torch.Tensor) -> Targets:
+        """From the target's final hidden states (B, T, H) and its lm_head weight (V, H), without a
+        full-vocabulary logits tensor: the draft rows' logits, and the best other logit's value."""
+        z = F.linear(hidden, lm_weight[head.draft_to_target()]).float()  # (B, T, Vd)
+        in_vocab = torch.ones(z.shape[:2], dtype=torch.bool, device=z.device)
+        if not bool(head.t2d.all()):
+            rest = F.linear(hidden, lm_weight[~head.t2d]).amax(-1)  # (B, T): best non-draftable logit
+            in_vocab = z.amax(-1) >= rest
+        return Targets(z.softmax(-1), z.argmax(-1), in_vocab)
+
+
+class TTTAttention:
+    """Stands in for the head's KV cache during the TTT (Attention.forward hands it q, k, v): step 0
+    is causal over its own keys; step k's query at index t also sees the keys of steps 1..k at t.
+    Scores and softmax in float32, like the fused SDPA kernels."""
+
+    def __init__(self):
+        self.k0 = self.v0 = None  # step 0's keys and values (B, Hkv, T, D)
+        self.kd: list[torch.Tensor] = []  # later steps' keys and values, one diagonal each
+        self.vd: list[torch.Tensor] = []
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (B, H, T, D) and this step's k, v (B, Hkv, T, D) -> attention output (B, H, T, D)."""
+        if self.k0 is None:
+            self.k0, self.v0 = k, v
+        else:
+            self.kd.append(k)
+            self.vd.append(v)
+        b, h, t, d = q.shape
+        with torch.autocast(q.device.type, enabled=False):
+            qg = q.float().view(b, k.shape[1], h // k.shape[1], t, d) * d ** -0.5  # (B, Hkv, G, T, D)
+            s = qg @ self.k0.float()[:, :, None].transpose(-1, -2)  # (B, Hkv, G, T, T)
+            s.masked_fill_(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))  # causal
+            if self.kd:
+                kd = torch.stack(self.kd, -2).float()[:, :, None]  # (B, Hkv, 1, T, k, D)
+                s = torch.cat([s, (qg.unsqueeze(-2) * kd).sum(-1)], -1)  # (B, Hkv, G, T, T + k)
+            p0, pd = s.softmax(-1).split([t, len(self.kd)], -1)
+            o = p0 @ self.v0.float()[:, :, None]  # (B, Hkv, G, T, D)
+            if self.kd:
+                vd = torch.stack(self.vd, -2).float()[:, :, None]  # (B, Hkv, 1, T, k, D)
+                o = o + (pd.unsqueeze(-1) * vd).sum(-2)
+        return o.view(b, h, t, d).to(q.dtype)
+
+
 def shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     """x[:, t + n] at index t (dim 1), padded with `fill` past the end."""
     pad = torch.full_like(x[:, :n], fill)
@@ -35,48 +93,47 @@ def shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
 
 
 def ttt_mask(t: int, k: int, device) -> torch.Tensor:
-    """(T, (k+1)T) bool: causal over step 0, then one diagonal per earlier step and itself."""
+    """(T, (k+1)T) bool: causal over step 0, then one diagonal per earlier step and itself (the
+    visibility TTTAttention computes; the reference for tests)."""
     causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
     eye = torch.eye(t, dtype=torch.bool, device=device)
     return torch.cat([causal] + [eye] * k, 1)
 
 
-def ttt_loss(head: Eagle3Head, embed_weight: torch.Tensor, taps: torch.Tensor, target_logits: torch.Tensor,
+def loss_positions(loss_mask: torch.Tensor, in_vocab: torch.Tensor, steps: int) -> tuple[list[torch.Tensor], list[int]]:
+    """For each step k, the flat indices b*T + t that carry loss (x[t+2+k] is an assistant token and
+    the target's choice at t+1+k is draftable), and their counts. One host sync for all steps."""
+    m = torch.stack([shift(loss_mask, 2 + k, False) & shift(in_vocab, 1 + k, False) for k in range(steps)])  # (K, B, T)
+    counts = m.sum((1, 2)).tolist()  # sync
+    return list(m.flatten(1).nonzero()[:, 1].split(counts)), counts
+
+
+def ttt_loss(head: Eagle3Head, embed_weight: torch.Tensor, taps: torch.Tensor, target: Targets | torch.Tensor,
              input_ids: torch.Tensor, loss_mask: torch.Tensor, steps: int = 7, decay: float = 0.8) -> TTTOut:
-    """taps (B, T, 3Ht) and target_logits (B, T, V) from the frozen target over input_ids (B, T);
-    loss_mask (B, T) marks assistant tokens (padding False)."""
+    """taps (B, T, 3Ht) and target (Targets, or full logits (B, T, V)) from the frozen target over
+    input_ids (B, T); loss_mask (B, T) marks assistant tokens (padding False)."""
+    if isinstance(target, torch.Tensor):
+        target = Targets.from_logits(head, target)
     b, t = input_ids.shape
     dev = input_ids.device
-    draft_ids = head.draft_to_target()  # (Vd,)
-    with torch.no_grad():
-        p_all = target_logits[..., draft_ids].float().softmax(-1)  # (B, T, Vd)
-        in_vocab = head.t2d[target_logits.argmax(-1)]  # (B, T): target's choice is draftable
-        target_arg = p_all.argmax(-1)
+    where, counts = loss_positions(loss_mask, target.in_vocab, steps)
+    p_all, arg_all = target.p.flatten(0, 1), target.arg.flatten()  # (B*T, Vd), (B*T,)
     h = head.fc(taps)  # (B, T, H)
-    kv = AppendKV(1)
-    zeros = torch.zeros(b, dtype=torch.long, device=dev)
+    attn = TTTAttention()
     total = torch.zeros((), device=dev)
-    step_loss, step_acc, n0 = [], [], 0
+    stats = []  # per step (loss, accuracy), brought to the host once at the end
     for k in range(steps):
-        tok = shift(input_ids, 1 + k)
-        p = shift(p_all, 1 + k)
-        # the predicted token x[t+2+k] is an assistant token, and the target's choice at t+1+k is draftable
-        m = shift(loss_mask, 2 + k, False) & shift(in_vocab, 1 + k, False)
         positions = (torch.arange(t, device=dev) + k).expand(b, t)
-        meta = AttnMeta.build(zeros, positions, (k + 1) * t, tree_mask=ttt_mask(t, k, dev).expand(b, t, -1),
-                              pending=k * t)
-        emb = torch.nn.functional.embedding(tok, embed_weight)
-        h = head(emb, h, positions, kv, meta)  # (B, T, H)
-        logp = head.logits(h).float().log_softmax(-1)  # (B, T, Vd)
-        n = int(m.sum())  # sync: a count for averaging and the progress bar
-        if k == 0:
-            n0 = n
-        if n == 0:
-            step_loss.append(0.0)
-            step_acc.append(0.0)
+        emb = F.embedding(shift(input_ids, 1 + k), embed_weight)  # (B, T, H): x[t+1+k]
+        h = head(emb, h, positions, attn, None)  # (B, T, H)
+        if counts[k] == 0:
+            stats.append(torch.zeros(2, device=dev))
             continue
-        loss_k = -(p * logp).sum(-1)[m].mean()
+        idx = where[k]  # (N,) flat b*T + t
+        logits = head.logits(h.flatten(0, 1)[idx]).float()  # (N, Vd): only where there is a loss
+        loss_k = F.cross_entropy(logits, p_all[idx + 1 + k])  # soft targets: the target at t+1+k
         total = total + decay ** k * loss_k
-        step_loss.append(float(loss_k.detach()))
-        step_acc.append(float((logp.argmax(-1) == shift(target_arg, 1 + k))[m].float().mean()))
-    return TTTOut(total, step_loss, step_acc, n0)
+        acc = (logits.argmax(-1) == arg_all[idx + 1 + k]).float().mean()
+        stats.append(torch.stack([loss_k.detach(), acc]))
+    step_loss, step_acc = zip(*torch.stack(stats).tolist())  # sync
+    return TTTOut(total, list(step_loss), list(step_acc), counts[0])

@@ -74,9 +74,10 @@ class Eagle3Head(nn.Module):
         self.inv_freq = rope_inv_freq(self.cfg.layer.rope, self.cfg.layer.head_dim).to(self.fc.weight.device)
 
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                meta: AttnMeta) -> torch.Tensor:
+                meta: AttnMeta | None) -> torch.Tensor:
         """emb (B, T, H) token embeddings; hidden (B, T, H) already fused (`fc(taps)`) or the head's
-        own previous output. Returns the midlayer output (B, T, H) before the final norm."""
+        own previous output. Returns the midlayer output (B, T, H) before the final norm. In training
+        `cache` is a TTTAttention (which needs no meta)."""
         cos, sin = rope_cos_sin(positions, self.inv_freq, emb.dtype)
         return self.midlayer(emb, hidden, cos, sin, cache, meta)
 
