@@ -216,8 +216,9 @@ def print_table(results, device, dtype, n_new, n_prompts, repeats) -> None:
     for name, r in results["systems"].items():
         ph = r.get("phases", {}).get("ms_per_step", {})
         cell = lambda k: f"{ph[k]:8.3f}" if k in ph else f"{'':8}"  # noqa: E731
-        print(f"{name:<22}{r['tok_s']:9.1f}{r.get('accept_length', 1.0):6.2f}{r.get('vs_eaglet_plain', 0):9.2f}"
-              f"{r.get('vs_transformers', 0):8.2f}{r.get('vs_roofline', 0):8.3f}  {r.get('tokens_equal_plain', '-'):<6}"
+        ratio = lambda k, w, d: f"{r[k]:{w}.{d}f}" if k in r else f"{'-':>{w}}"  # noqa: E731
+        print(f"{name:<22}{r['tok_s']:9.1f}{r.get('accept_length', 1.0):6.2f}{ratio('vs_eaglet_plain', 9, 2)}"
+              f"{ratio('vs_transformers', 8, 2)}{ratio('vs_roofline', 8, 3)}  {r.get('tokens_equal_plain', '-'):<6}"
               f"{cell('draft'):>15}{cell('verify')}{cell('accept')}{cell('decode')}{cell('other')}")
     if results.get("roofline"):
         rf = results["roofline"]
