@@ -89,7 +89,7 @@ class PlainDecoder(SlotDecoder):
 
     def _admit_run(self, lo, hi, prompts):
         h, _ = prefill(self.model, self.cache.view(lo, hi), prompts)  # (b, H)
-        tok = sample(self.model.logits(h).float(), self.sampling, self.gen)  # (b,)
+        tok = sample(self.model.logits(h), self.sampling, self.gen)  # (b,)
         self.last[lo:hi] = tok
         return tok.tolist()  # sync: first tokens to the host
 
@@ -99,7 +99,7 @@ class PlainDecoder(SlotDecoder):
         positions = c.lens[:, None]  # (B, 1)
         meta = AttnMeta.build(c.lens, positions, c.kv_len(1), sliding_window=self.model.config.sliding_window)
         hidden, _ = self.model(self.last[:, None], positions, c, meta)
-        tok = sample(self.model.logits(hidden[:, -1]).float(), self.sampling, self.gen)  # (B,)
+        tok = sample(self.model.logits(hidden[:, -1]), self.sampling, self.gen)  # (B,)
         active = self.limit > 0
         self.last.copy_(torch.where(active, tok, self.last))
         c.lens += active

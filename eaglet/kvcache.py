@@ -44,13 +44,11 @@ class KVCache:
         c.max_len, c.kv_limit = self.max_len, None
         return c
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              rows: torch.Tensor | None = None) -> None:
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
         """Store new keys/values. slots: (B, T) cache indices; k, v: (B, Hkv, T, D); rows: (B, T)
         the row index of each (AttnMeta builds it once per forward)."""
-        b = torch.arange(slots.shape[0], device=slots.device)[:, None].expand_as(slots) if rows is None else rows
-        self.k[layer][b, :, slots] = k.transpose(1, 2)  # indexed view is (B, T, Hkv, D)
-        self.v[layer][b, :, slots] = v.transpose(1, 2)
+        self.k[layer][rows, :, slots] = k.transpose(1, 2)  # indexed view is (B, T, Hkv, D)
+        self.v[layer][rows, :, slots] = v.transpose(1, 2)
 
     def kv_len(self, new: int) -> int:
         """Cache slots a forward of `new` more tokens (pending ones included) must attend over."""
@@ -59,7 +57,7 @@ class KVCache:
         return int(self.host_lens.max()) + new
 
     def update(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int,
-               rows: torch.Tensor | None = None):
+               rows: torch.Tensor):
         """Write new keys/values, return this layer's first kv_len slots to attend over."""
         self.write(layer, slots, k, v, rows)
         b = slots.shape[0]

@@ -64,7 +64,7 @@ def sample_probs(probs: torch.Tensor, generator: torch.Generator | None = None) 
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
-    """(..., V) logits -> (...) token ids."""
+    """(..., V) logits (any float dtype) -> (...) token ids."""
     if p.greedy:
         return logits.argmax(-1)
     return sample_probs(target_probs(logits, p), generator)

@@ -18,7 +18,7 @@ import torch
 class AttnMeta:
     slots: torch.Tensor  # (B, T) cache slot of each new token
     mask: torch.Tensor  # (B, 1, T, S) bool: new token t may attend to cache slot s
-    rows: torch.Tensor | None = None  # (B, T) the batch row of each new token (cache writes)
+    rows: torch.Tensor  # (B, T) the batch row of each new token (cache writes)
 
     @staticmethod
     def build(lens: torch.Tensor, positions: torch.Tensor, kv_len: int, tree_mask: torch.Tensor | None = None,

@@ -14,7 +14,8 @@ from ..models.llama import CausalLM
 from ..runtime.graphs import GraphRunner, span
 
 
-def _time_ms(fn, device, repeats: int) -> float:
+def time_ms(fn, device, repeats: int) -> float:
+    """Median milliseconds of fn() over repeats (CUDA events on the GPU, the wall clock on the CPU)."""
     out = []
     for _ in range(repeats):
         if device.type == "cuda":
@@ -60,6 +61,6 @@ def forward_curve(model: CausalLM, tokens: tuple[int, ...], context: int, graphs
         step = lambda body=body, t=t: runner.run(("fwd", t), body)  # noqa: E731
         for _ in range(3):  # eager warm-up, capture, first replay
             step()
-        out[str(t)] = _time_ms(step, dev, repeats)
+        out[str(t)] = time_ms(step, dev, repeats)
     cache.kv_limit = None
     return out

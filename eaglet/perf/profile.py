@@ -6,7 +6,6 @@ smaller tree (fewer levels, fewer verified nodes, same top-k) follows exactly.""
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 
 import torch
@@ -19,25 +18,10 @@ from ..sampling import SamplingParams
 from ..spec.metrics import SpecMetrics
 from ..runtime.graphs import GraphRunner, span
 from ..spec.speculator import Speculator
-from .curves import forward_curve
+from .curves import forward_curve, time_ms
 
 VERIFY_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 BUDGETS = (4, 8, 12, 16, 24, 32, 48, 64)
-
-
-def timed(fn, device, repeats: int = 7) -> float:
-    """Median milliseconds of fn() over repeats, after one warm-up call."""
-    fn()
-    out = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(out)
 
 
 @torch.inference_mode()
@@ -78,7 +62,8 @@ def measure_costs(model, speculator: Speculator, batch: int, context: int, topks
             if saved is not None:  # back to the same state: nothing proposed is ever committed
                 d.load_state(saved)
             runner.run("propose", lambda: d.propose(roots))
-        out["draft_ms"][str(k)] = timed(propose, dev) / levels
+        propose()  # warm-up (and the eager first call of the graph)
+        out["draft_ms"][str(k)] = time_ms(propose, dev, repeats=7) / levels
     return out
 
 

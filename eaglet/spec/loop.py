@@ -48,7 +48,7 @@ class SpecDecoder(SlotDecoder):
 
     def _admit_run(self, lo, hi, prompts):
         h, taps = prefill(self.model, self.cache.view(lo, hi), prompts, capture=self.drafter.taps)  # (b, H)
-        first = sample(self.model.logits(h).float(), self.sampling, self.gen)  # (b,)
+        first = sample(self.model.logits(h), self.sampling, self.gen)  # (b,)
         self.roots[lo:hi] = first
         self.drafter.start(lo, hi, prompts, taps, first)
         self.metrics[lo:hi] = [SpecMetrics() for _ in prompts]
@@ -70,7 +70,7 @@ class SpecDecoder(SlotDecoder):
         meta = AttnMeta.build(c.lens, positions, c.kv_len(prop.num_nodes), tree_mask=prop.mask,
                               sliding_window=self.model.config.sliding_window)
         hidden, taps = self.model(prop.tokens, positions, c, meta, capture=self.drafter.taps)
-        logits = self.model.logits(hidden).float()  # (B, N, V)
+        logits = self.model.logits(hidden)  # (B, N, V); no float copy for an argmax
         return (logits.argmax(-1) if self.sampling.greedy else target_probs(logits, self.sampling)), taps
 
     def _accept(self, target: torch.Tensor, taps: torch.Tensor | None) -> torch.Tensor:

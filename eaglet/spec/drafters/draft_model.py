@@ -8,7 +8,6 @@ import torch
 from ...config import SpecConfig
 from ...errors import ModelLoadError
 from ...kvcache import KVCache
-from ...models.attention import AttnMeta
 from ...models.llama import CausalLM
 from ...sampling import SamplingParams
 from .expand import NeuralDrafter
@@ -41,8 +40,5 @@ class DraftModelDrafter(NeuralDrafter):
         return self.model.logits(h)
 
     def draft_step(self, ids, state, depth, mask, pending):
-        b, k = ids.shape
-        positions = (self.cache.lens + depth - 1)[:, None].expand(b, k)
-        meta = AttnMeta.build(self.cache.lens, positions, self.cache.kv_len(pending + k), tree_mask=mask,
-                              pending=pending, sliding_window=self.window)
+        positions, meta = self.level_meta(*ids.shape, depth, mask, pending)
         return self.model.logits(self.absorb(self.cache, ids, None, positions, meta)), None

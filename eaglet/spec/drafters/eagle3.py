@@ -13,7 +13,6 @@ import torch
 from ...config import SpecConfig
 from ...kvcache import KVCache
 from ...models.llama import CausalLM
-from ...models.attention import AttnMeta
 from ...sampling import SamplingParams
 from .eagle3_head import Eagle3Head
 from .expand import NeuralDrafter
@@ -71,9 +70,6 @@ class Eagle3Drafter(NeuralDrafter):
         return self.head.logits(h)
 
     def draft_step(self, ids, state, depth, mask, pending):
-        b, k = ids.shape
-        positions = (self.cache.lens + depth - 1)[:, None].expand(b, k)
-        meta = AttnMeta.build(self.cache.lens, positions, self.cache.kv_len(pending + k), tree_mask=mask,
-                              pending=pending)
+        positions, meta = self.level_meta(*ids.shape, depth, mask, pending)
         h = self.head(self.embed(self.to_target(ids)), state, positions, self.cache, meta)  # (B, K, H)
         return self.head.logits(h), h

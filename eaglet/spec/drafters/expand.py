@@ -92,6 +92,14 @@ class NeuralDrafter:
         self.cache.release(rows)
         self.pend_count[rows] = 0
 
+    def level_meta(self, b: int, k: int, depth: int, mask: torch.Tensor, pending: int):
+        """Positions (B, K) and attention metadata of a draft level of k nodes at `depth`, after
+        `pending` nodes of earlier levels in the uncommitted block."""
+        positions = (self.cache.lens + depth - 1)[:, None].expand(b, k)
+        meta = AttnMeta.build(self.cache.lens, positions, self.cache.kv_len(pending + k), tree_mask=mask,
+                              pending=pending, sliding_window=self.window)
+        return positions, meta
+
     def catch_up(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Absorb what the last verify committed (rows with count 0 keep their root). Returns the
         root's logits (B, Vd) and, for drafters that feed states, the root state (B, H)."""
