@@ -1,10 +1,14 @@
 """Which batch-1 matmul reaches the bandwidth on this GPU: cuBLAS (F.linear) against a Triton GEMV,
 for the Llama-3.1-8B projection shapes. Prints achieved GB/s per shape; a probe for choosing the
 decode matmul, not part of the package."""
+import sys
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from eaglet.perf.record import write_record
 
 
 @triton.jit
@@ -43,6 +47,7 @@ def bench(fn, reps=50):
     return a.elapsed_time(b) / reps
 
 
+results = {}
 shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
 for name, (n, k) in shapes.items():
@@ -62,3 +67,6 @@ for name, (n, k) in shapes.items():
             best = (bw, bn, bk, warps, err)
     line += f"  triton best {best[0]:7.0f} GB/s (BN={best[1]} BK={best[2]} warps={best[3]}, max err {best[4]:.3g})"
     print(line, flush=True)
+    results[name] = {"shape": [n, k], "cublas_gb_s": gb / bench(lambda: F.linear(x, w)) * 1e3,
+                     "triton_best_gb_s": best[0], "triton_config": best[1:4], "triton_max_err": best[4]}
+print(write_record("gemv-probe", {"argv": sys.argv}, results, sys.argv[1] if len(sys.argv) > 1 else "/tmp"))
