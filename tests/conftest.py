@@ -96,3 +96,7 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# the server tests' module fixtures (tests/serving.py builds on the helpers above)
+from .serving import drafter_dir, model_dir, plain, tiny  # noqa: E402, F401

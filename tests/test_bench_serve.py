@@ -12,7 +12,7 @@ from eaglet.generate import Generator
 from eaglet.perf.bench_serve import accept_length, load_bench_prompts, server_metrics
 from eaglet.spec.speculator import load_speculator
 
-from .test_server import PROMPTS, LiveServer, model_dir, tiny  # noqa: F401 (fixtures)
+from .serving import PROMPTS, LiveServer
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,13 @@ import torch
 from eaglet.cli import main
 from eaglet.datasets import humaneval_prompts, mtbench_prompts, normalize, read_sharegpt
 from eaglet.tokenizer import Tokenizer
-from eaglet.train.regen import RegenConfig, is_heldout, read_shards, regenerate, split_prompts
+from eaglet.train.regen import (
+    RegenConfig,
+    is_heldout,
+    read_shards,
+    regenerate,
+    split_prompts,
+)
 from eaglet.weights import load_model
 
 from .conftest import make_tiny_tokenizer

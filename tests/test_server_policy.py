@@ -1,0 +1,203 @@
+"""`eaglet serve`'s speculation policy (a profile's per-batch-size choice, --spec-max-batch): one
+request speculates, a burst that starts together decodes plain, a speculating batch that grows
+drains to plain, bad policy flags give one error line."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+import uvicorn
+
+from eaglet.cli import main
+from eaglet.config import SpecConfig
+from eaglet.generate import Generator
+from eaglet.server import batcher as batcher_mod
+from eaglet.server import engine as engine_mod
+from eaglet.server.policy import SpecPolicy, load_profile_policy
+from eaglet.spec.speculator import Speculator
+
+from .serving import PROMPTS, LiveServer, reference, speculator, wait_for
+
+# ---- the speculation policy ---------------------------------------------------------------------
+
+# An `eaglet profile` record's results, made up so that the planner speculates (chain:2) at batch 1
+# and decodes plain at batch 4: verifying costs nothing extra alone and a lot in a batch of 4.
+POLICY_PROFILE = {
+    "costs": [{"batch": 1, "context": 64, "decode_ms": 10.0, "verify_ms": {"1": 10.0, "2": 10.0, "3": 10.0},
+               "draft_ms": {"1": 0.5}},
+              {"batch": 4, "context": 64, "decode_ms": 10.0, "verify_ms": {"1": 10.0, "2": 30.0, "3": 40.0},
+               "draft_ms": {"1": 2.0}}],
+    "acceptance": {"chain": {"steps": 2, "accept_per_pos": [0.8, 0.6], "accept_length": 2.4, "drafts": 100,
+                             "step_ms_measured": 11.0}, "trees": {}},
+    "acceptance_batch": 1,
+}
+
+
+def write_record(path, kind: str, results: dict):
+    path.write_text(json.dumps({"kind": kind, "flags": {"spec": "eagle3"}, "environment": {}, "models": {},
+                                "results": results}))
+    return path
+
+
+@pytest.fixture
+def policy_record(tmp_path):
+    return write_record(tmp_path / "profile.json", "profile", POLICY_PROFILE)
+
+
+def serve_app(monkeypatch, flags: list[str]):
+    """What `eaglet serve FLAGS` would hand to uvicorn.run: its app."""
+    apps = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
+    assert main(["serve", *flags]) == 0
+    return apps[0]
+
+
+def gate_steps(monkeypatch, gate: threading.Event, sampled_only: bool) -> threading.Event:
+    """Batches (only sampled ones, or all) hold their steps until `gate` is set; the event returned
+    is set once a step is held (its requests admitted)."""
+    held = threading.Event()
+
+    class Gated(batcher_mod.Batcher):
+        def step(self):
+            if not (sampled_only and self.sampling.greedy):
+                held.set()
+                gate.wait(10)
+            return super().step()
+
+    monkeypatch.setattr(engine_mod, "Batcher", Gated)
+    return held
+
+
+def test_the_profile_policy(policy_record):
+    table, _ = load_profile_policy(str(policy_record))
+    assert table == {1: "chain:2", 4: None}
+    p = SpecPolicy(Speculator(SpecConfig("ngram", steps=3)), table)
+    assert [p.choose(n) for n in (1, 2, 3, 4, 5, 16)] == ["chain:2"] * 3 + [None] * 3
+    assert p.speculator("chain:2").spec == SpecConfig("ngram", steps=2) and p.speculator(None) is None
+    assert [SpecPolicy(p.base, table, 2).choose(n) for n in (1, 2, 3)] == ["chain:2", "chain:2", None]
+    assert [SpecPolicy(p.base, None, 2).choose(n) for n in (1, 2, 3)] == ["chain:3", "chain:3", None]
+    assert SpecPolicy(p.base, None, 0).choose(1) is None and SpecPolicy(None).choose(1) is None
+    assert [SpecPolicy(p.base, {2: "chain:1", 8: None}).choose(n) for n in (1, 7, 8)] == ["chain:1", "chain:1", None]
+
+
+@pytest.mark.parametrize("mode", ["--spec-policy", "--spec-max-batch"])
+def test_spec_policy_speculates_alone_and_serves_a_burst_plain(tiny, model_dir, drafter_dir, policy_record, mode,
+                                                               monkeypatch, capsys, caplog):
+    """`eaglet serve` with a profile's policy (chain:2 at 1, plain at 4) or --spec-max-batch 3: a
+    request alone speculates; 4 greedy requests that start a batch together decode plain (their
+    usage has no accept length, the speculation counters do not move); greedy text is the same."""
+    flags = ["--model", str(model_dir), "--device", "cpu", "--draft", str(drafter_dir), "--max-batch", "4",
+             "--served-model-name", "tiny"]
+    flags += ["--spec-policy", str(policy_record)] if mode == "--spec-policy" else ["--spec-steps", "2",
+                                                                                    "--spec-max-batch", "3"]
+    app = serve_app(monkeypatch, flags)
+    assert ("(1: chain:2, 4: plain)" if mode == "--spec-policy" else "chain:2 for batches of up to 3, plain above"
+            ) in capsys.readouterr().err
+    gate = threading.Event()
+    held = gate_steps(monkeypatch, gate, sampled_only=True)
+    caplog.set_level("INFO", logger="eaglet.server")
+    want = {p: reference(tiny, None, p, 16, chat=False) for p in PROMPTS[:4]}
+    with LiveServer(None, app=app) as srv:
+        c = srv.client()
+
+        def alone() -> None:
+            m0 = srv.metrics()
+            r = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16, temperature=0)
+            assert r.choices[0].text == want[PROMPTS[0]]
+            assert r.usage.accept_length is not None and r.usage.spec_decode["num_drafts"] >= 1
+            m = srv.metrics()
+            assert m["eaglet:spec_policy_speculating"] == 1 and m["eaglet:spec_policy_batch_size"] == 1
+            assert m["eaglet:spec_policy_setting{setting=chain:2}"] == 1
+            assert (m["eaglet:spec_decode_num_drafts_total"] - m0["eaglet:spec_decode_num_drafts_total"]
+                    == r.usage.spec_decode["num_drafts"])
+
+        alone()
+
+        async def burst():
+            """4 greedy requests queue behind a seeded one held in its step, then start together."""
+            async with srv.async_client() as ac:
+                return await burst_with(ac)
+
+        async def burst_with(ac):
+            blocker = asyncio.ensure_future(ac.completions.create(model="tiny", prompt=PROMPTS[5], max_tokens=4,
+                                                                  temperature=1.0, seed=1))
+            assert await asyncio.to_thread(held.wait, 10)
+            reqs = [asyncio.ensure_future(ac.completions.create(model="tiny", prompt=p, max_tokens=16,
+                                                                temperature=0)) for p in PROMPTS[:4]]
+            await asyncio.to_thread(wait_for, lambda: srv.metrics()["eaglet:num_requests_waiting"] == 4, 10)
+            m0 = srv.metrics()
+            gate.set()
+            return m0, await blocker, await asyncio.gather(*reqs)
+
+        m0, blocker, rs = asyncio.run(burst())
+        assert [r.choices[0].text for r in rs] == [want[p] for p in PROMPTS[:4]]
+        assert all(r.usage.accept_length is None and r.usage.spec_decode is None for r in rs)
+        assert blocker.usage.accept_length is not None  # alone (seeded): speculated
+        m = srv.metrics()
+        assert (m["eaglet:spec_decode_num_drafts_total"] - m0["eaglet:spec_decode_num_drafts_total"]
+                == blocker.usage.spec_decode["num_drafts"])  # the burst drafted nothing
+        assert m["eaglet:spec_policy_speculating"] == 0 and m["eaglet:spec_policy_batch_size"] == 4
+        assert m["eaglet:spec_policy_setting{setting=plain}"] == 1
+        assert m["eaglet:spec_policy_setting{setting=chain:2}"] == 0
+        alone()  # the next request alone speculates again
+    assert "a batch of 4 requests starts plain (was chain:2)" in caplog.text
+    assert "a batch of 1 request starts speculating with chain:2 (was plain)" in caplog.text
+
+
+def test_a_speculating_batch_that_grows_drains_to_plain(tiny, drafter_dir, policy_record, monkeypatch, caplog):
+    """One request starts a speculating batch; 4 more arrive (load 4: plain): the batch takes no more,
+    finishes its request speculatively, and the 4 start a plain batch."""
+    sp = speculator(tiny, drafter_dir, "eagle3")  # chain:3; the policy picks chain:2 at 1
+    table, _ = load_profile_policy(str(policy_record))
+    gate = threading.Event()
+    held = gate_steps(monkeypatch, gate, sampled_only=False)
+    caplog.set_level("INFO", logger="eaglet.server")
+    want = {p: reference(tiny, None, p, 12, chat=False) for p in PROMPTS[:5]}
+    with LiveServer(Generator(tiny.model, tiny.tokenizer, sp), max_batch=4,
+                    policy=SpecPolicy(sp, table, None, "profile.json")) as srv:
+        async def go():
+            async with srv.async_client() as ac:
+                return await go_with(ac)
+
+        async def go_with(ac):
+            def send(p):
+                return asyncio.ensure_future(ac.completions.create(model="tiny", prompt=p, max_tokens=12,
+                                                                   temperature=0))
+            first = send(PROMPTS[4])
+            assert await asyncio.to_thread(held.wait, 10)
+            rest = [send(p) for p in PROMPTS[:4]]
+            await asyncio.to_thread(wait_for, lambda: srv.metrics()["eaglet:num_requests_waiting"] == 4, 10)
+            gate.set()
+            return await first, await asyncio.gather(*rest)
+
+        first, rest = asyncio.run(go())
+        assert first.choices[0].text == want[PROMPTS[4]] and first.usage.accept_length is not None
+        assert [r.choices[0].text for r in rest] == [want[p] for p in PROMPTS[:4]]
+        assert all(r.usage.accept_length is None for r in rest)
+        m = srv.metrics()
+        assert m["eaglet:spec_policy_speculating"] == 0 and m["eaglet:spec_policy_batch_size"] == 4
+        assert set(srv.engine.generators) == {"chain:2", "chain:3", None}  # chain:3: the given one
+    assert "the speculating batch (chain:2) would grow to 4 requests" in caplog.text
+    assert "a batch of 4 requests starts plain (was chain:2)" in caplog.text
+
+
+@pytest.mark.parametrize("case", ["missing", "not json", "not a profile", "no costs", "no drafter", "negative cap"])
+def test_spec_policy_flags_are_checked(tmp_path, case, capsys):
+    """Each mistake is one `eaglet: error:` line, before any model is loaded."""
+    path = {"missing": tmp_path / "nope.json",
+            "not json": tmp_path / "bad.json",
+            "not a profile": write_record(tmp_path / "bench.json", "bench", {"tok_s": 1.0}),
+            "no costs": write_record(tmp_path / "p.json", "profile", {"acceptance": {}}),
+            }.get(case, write_record(tmp_path / "ok.json", "profile", POLICY_PROFILE))
+    if case == "not json":
+        path.write_text("{not json")
+    flags = ["serve", "--model", str(tmp_path / "no-model"), "--spec", "none" if case == "no drafter" else "ngram",
+             "--spec-policy", str(path)] + (["--spec-max-batch", "-1"] if case == "negative cap" else [])
+    assert main(flags) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("eaglet: error: ") and err.count("\n") == 1, err
+    assert {"missing": "does not exist", "not json": "not JSON", "not a profile": "not a profile record",
+            "no costs": "without the costs and acceptance", "no drafter": "none is configured",
+            "negative cap": "--spec-max-batch must be >= 0"}[case] in err
