@@ -17,6 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from eaglet.config import ModelConfig, SpecConfig
 from eaglet.generate import GenerationConfig, Generator
+from eaglet.server import batcher as batcher_mod
+from eaglet.server import engine as engine_mod
 from eaglet.server.app import build_app
 from eaglet.spec.drafters.eagle3_ckpt import save_eagle3
 from eaglet.spec.drafters.eagle3_head import Eagle3Config
@@ -145,3 +147,19 @@ def reference(tiny, sp, prompt: str, max_tokens: int, chat: bool, stop=()) -> st
     ids = tok.apply_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
     [c] = Generator(tiny.model, tok, sp).generate([ids], GenerationConfig(max_tokens, stop=tuple(stop)))
     return c.text
+
+
+def gate_steps(monkeypatch, gate: threading.Event, sampled_only: bool) -> threading.Event:
+    """Batches (only sampled ones, or all) hold their steps until `gate` is set; the event returned
+    is set once a step is held (its requests admitted)."""
+    held = threading.Event()
+
+    class Gated(batcher_mod.Batcher):
+        def step(self):
+            if not (sampled_only and self.sampling.greedy):
+                held.set()
+                gate.wait(10)
+            return super().step()
+
+    monkeypatch.setattr(engine_mod, "Batcher", Gated)
+    return held

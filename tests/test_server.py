@@ -30,6 +30,7 @@ from .serving import (
     PROMPTS,
     LiveServer,
     free_port,
+    gate_steps,
     kv_empty,
     reference,
     rss_mb,
@@ -269,13 +270,7 @@ def test_bad_requests_through_the_client(plain):
 
 def test_full_queue_is_429(tiny, monkeypatch):
     gate = threading.Event()
-
-    class Gated(batcher_mod.Batcher):
-        def step(self):
-            gate.wait(10)
-            return super().step()
-
-    monkeypatch.setattr(engine_mod, "Batcher", Gated)
+    gate_steps(monkeypatch, gate, sampled_only=False)
     body = {"model": "tiny", "prompt": "the quick", "max_tokens": 4, "temperature": 0}
     with LiveServer(Generator(tiny.model, tiny.tokenizer), max_batch=1, max_queue=1) as srv:
         async def go():
@@ -297,13 +292,7 @@ def test_full_queue_is_429(tiny, monkeypatch):
 
 def test_non_streaming_client_that_leaves_is_cancelled(tiny, monkeypatch):
     gate = threading.Event()
-
-    class Gated(batcher_mod.Batcher):
-        def step(self):
-            gate.wait(10)
-            return super().step()
-
-    monkeypatch.setattr(engine_mod, "Batcher", Gated)
+    gate_steps(monkeypatch, gate, sampled_only=False)
     with LiveServer(Generator(tiny.model, tiny.tokenizer), max_batch=2) as srv:
         body = {"model": "tiny", "prompt": "the quick", "max_tokens": 200, "ignore_eos": True}
         with pytest.raises(httpx.ReadTimeout):

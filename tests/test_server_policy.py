@@ -13,12 +13,10 @@ import uvicorn
 from eaglet.cli import main
 from eaglet.config import SpecConfig
 from eaglet.generate import Generator
-from eaglet.server import batcher as batcher_mod
-from eaglet.server import engine as engine_mod
 from eaglet.server.policy import SpecPolicy, load_profile_policy
 from eaglet.spec.speculator import Speculator
 
-from .serving import PROMPTS, LiveServer, reference, speculator, wait_for
+from .serving import PROMPTS, LiveServer, gate_steps, reference, speculator, wait_for
 
 # ---- the speculation policy ---------------------------------------------------------------------
 
@@ -52,22 +50,6 @@ def serve_app(monkeypatch, flags: list[str]):
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
     assert main(["serve", *flags]) == 0
     return apps[0]
-
-
-def gate_steps(monkeypatch, gate: threading.Event, sampled_only: bool) -> threading.Event:
-    """Batches (only sampled ones, or all) hold their steps until `gate` is set; the event returned
-    is set once a step is held (its requests admitted)."""
-    held = threading.Event()
-
-    class Gated(batcher_mod.Batcher):
-        def step(self):
-            if not (sampled_only and self.sampling.greedy):
-                held.set()
-                gate.wait(10)
-            return super().step()
-
-    monkeypatch.setattr(engine_mod, "Batcher", Gated)
-    return held
 
 
 def test_the_profile_policy(policy_record):
