@@ -132,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--init-from", help="fine-tune this drafter instead of starting fresh")
     t.add_argument("--save-every", type=int, default=200)
     t.add_argument("--max-steps", type=int)
+    t.add_argument("--time-limit", type=float, metavar="SECONDS",
+                   help="checkpoint, export and stop after this long (a rerun resumes where it stopped)")
     t.add_argument("--seed", type=int, default=0)
 
     e = sub.add_parser("eval-draft", help="accept length of a drafter on a prompt set",
@@ -335,7 +337,8 @@ def cmd_train_draft(args) -> int:
     cfg = TrainConfig(data=args.data, out=args.out, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
                       max_len=args.max_len, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab,
                       intermediate_size=args.intermediate_size, init_from=args.init_from,
-                      save_every=args.save_every, max_steps=args.max_steps, seed=args.seed)
+                      save_every=args.save_every, max_steps=args.max_steps, time_limit=args.time_limit,
+                      seed=args.seed)
     loaded = load_model(args.model, args.dtype, device, tokenizer=False)
     result = Trainer(cfg, loaded.model).train()
     print(json.dumps(result))

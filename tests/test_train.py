@@ -224,6 +224,23 @@ def test_resume_repeats_the_uninterrupted_run(data, target, tmp_path, monkeypatc
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_time_limit_checkpoints_exports_and_resumes(data, target, tmp_path):
+    """--time-limit: the run stops after the step that crosses it, with a checkpoint and an export;
+    a rerun resumes the same schedule and ends where an uninterrupted run ends."""
+    whole = make_trainer(config(data[0], tmp_path / "a", max_steps=5), target)
+    whole.train()
+    first = make_trainer(config(data[0], tmp_path / "b", max_steps=5, time_limit=0.0), target)
+    r = first.train()
+    assert r["steps"] == 1 and r["steps_this_run"] == 1 and not r["finished"]
+    assert (tmp_path / "b" / "drafter" / "model.safetensors").exists()
+    rest = make_trainer(config(data[0], tmp_path / "b", max_steps=5), target)
+    assert rest.step == 1
+    r = rest.train()
+    assert r["finished"] and r["steps_this_run"] == 4 and set(r["ms_per_step"]) == {"target", "ttt_forward",
+                                                                                      "backward_step"}
+    assert [h["loss"] for h in rest.history] == [h["loss"] for h in whole.history]
+
+
 def test_checkpoint_survives_a_crash_mid_write(data, target, tmp_path, monkeypatch):
     real_save, calls = torch.save, []
 

@@ -14,7 +14,7 @@ case $phase in
     EAGLET_TEST_GGUF=$GGUF EAGLET_TEST_RECORD=$out/cuda-graphs-test-h200.json \
       python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py 2>&1 | tee "$out/cuda-graphs-test-h200.log" ;;
   smollm2)
-    python3 -m eaglet bench --model $GGUF --draft eaglet/drafters/smollm2-135m-instruct-eagle3 --prompts mtbench \
+    python3 -m eaglet bench --model $GGUF --draft ${DRAFT:-eaglet/drafters/smollm2-135m-instruct-eagle3} --prompts mtbench \
       --num-prompts ${PROMPTS:-5} --max-new-tokens ${MAXNEW:-128} --repeats 3 ${SYSTEMS:+--systems $SYSTEMS} --out "$out" ;;
   plan)  # issue 6 on the H200: profile, then plan with predicted vs measured for chains 1-7 and 2 trees
     python3 -m eaglet profile --model $GGUF --draft eaglet/drafters/smollm2-135m-instruct-eagle3 --num-prompts 8 \

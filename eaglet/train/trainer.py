@@ -47,6 +47,7 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 200
     max_steps: int | None = None  # stop early (after this many steps) — for tests and smoke runs
+    time_limit: float | None = None  # seconds: then checkpoint, export and stop; a rerun resumes the schedule
 
     def __post_init__(self):
         if self.lr <= 0 or self.epochs <= 0 or self.batch_tokens < 1 or self.ttt_steps < 1:
@@ -177,41 +178,61 @@ class Trainer:
                             scheduler=self.sched.state_dict(), step=self.step, history=self.history,
                             rng=rng_state(), config=asdict(self.cfg))
 
+    def out_of_time(self, t0: float) -> bool:
+        if self.cfg.time_limit is None:
+            return False
+        flag = torch.tensor(float(time.perf_counter() - t0 > self.cfg.time_limit), device=self.device)
+        if self.world > 1:  # every rank stops after the same step
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag)
+
     def train(self) -> dict:
         from tqdm import tqdm
 
+        from ..runtime.timer import PhaseTimer
+
         cuda = self.device.type == "cuda"
-        embed = self.target.model.embed_tokens.weight
+        if cuda:
+            torch.backends.cuda.matmul.allow_tf32 = True  # what float32 matmuls remain (a float32 target)
+        hdtype = next(self.head.parameters()).dtype  # float32; the target may be bfloat16 (its inputs follow the head)
+        embed = self.target.model.embed_tokens.weight.to(hdtype)
+        timer = PhaseTimer(self.device)
         bar = tqdm(total=self.total, initial=self.step, desc="train-draft", disable=not self.progress or self.rank)
-        t0, tokens = time.perf_counter(), 0
+        t0, tokens, padded = time.perf_counter(), 0, 0
         while self.step < self.total:
             ids, mask = collate(self.rows, self.plan[self.step * self.world + self.rank], self.cfg.max_len, self.device)
-            with torch.no_grad():  # the frozen target: taps and logits, online
+            with timer.phase("target"), torch.no_grad():  # the frozen target: taps and logits, online
                 pos = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
                 zeros = torch.zeros(ids.shape[0], dtype=torch.long, device=self.device)
                 hidden, taps = self.target(ids, pos, AppendKV(self.target.config.num_layers),
                                            AttnMeta.build(zeros, pos, ids.shape[1]), capture=self.head.cfg.aux_layers)
                 target = Targets.from_hidden(self.head, hidden, self.target.lm_head.weight)  # no (B, T, V) logits
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+                taps = taps.to(hdtype)
+            with timer.phase("ttt_forward"), torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
                 out = ttt_loss(self.head, embed, taps, target, ids, mask, self.cfg.ttt_steps, self.cfg.decay)
-            self.opt.zero_grad(set_to_none=True)
-            out.loss.backward()
-            if self.world > 1:  # data parallel: average gradients over ranks
-                for p in self.head.parameters():
-                    torch.distributed.all_reduce(p.grad)
-                    p.grad /= self.world
-            torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.grad_clip)
-            self.opt.step()
-            self.sched.step()
+            with timer.phase("backward_step"):
+                self.opt.zero_grad(set_to_none=True)
+                out.loss.backward()
+                if self.world > 1:  # data parallel: average gradients over ranks
+                    for p in self.head.parameters():
+                        torch.distributed.all_reduce(p.grad)
+                        p.grad /= self.world
+                torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.grad_clip)
+                self.opt.step()
+                self.sched.step()
             self.step += 1
-            tokens += int(mask.sum())
-            self.history.append({"step": self.step, "loss": float(out.loss.detach()), "acc": out.step_acc,
-                                 "lr": self.sched.get_last_lr()[0]})
-            bar.set_postfix(loss=f"{float(out.loss.detach()):.3f}", acc0=f"{out.step_acc[0]:.2f}",
-                            acc_last=f"{out.step_acc[-1]:.2f}")
+            tokens += int(mask.sum())  # assistant tokens
+            padded += ids.numel()
+            loss = float(out.loss.detach())  # sync (ttt_loss already synced once for its statistics)
+            self.history.append({"step": self.step, "loss": loss, "acc": out.step_acc, "lr": self.sched.get_last_lr()[0]})
+            bar.set_postfix(loss=f"{loss:.3f}", acc0=f"{out.step_acc[0]:.2f}", acc_last=f"{out.step_acc[-1]:.2f}")
             bar.update(1)
-            if self.step % self.cfg.save_every == 0 or self.step == self.total:
+            out_of_time = self.out_of_time(t0)
+            if self.step % self.cfg.save_every == 0 or self.step == self.total or out_of_time:
                 self.checkpoint()
+            if out_of_time:
+                self.log(f"time limit reached at step {self.step} of {self.total}: checkpointed; rerun to resume")
+                break
         bar.close()
         if cuda:
             torch.cuda.synchronize()
@@ -220,6 +241,9 @@ class Trainer:
         if self.rank == 0:
             export = save_eagle3(self.head, Path(self.cfg.out) / "drafter", torch.bfloat16 if cuda else torch.float32)
             (Path(self.cfg.out) / "history.json").write_text(json.dumps(self.history))
-        return {"steps": self.step, "seconds_this_run": secs, "assistant_tokens_this_run": tokens * self.world,
-                "tokens_per_s": tokens * self.world / max(secs, 1e-9), "export": str(export),
+        phases = timer.totals()
+        return {"steps": self.step, "finished": self.step == self.total,
+                "steps_this_run": phases.get("target", {}).get("count", 0), "seconds_this_run": secs,
+                "assistant_tokens_this_run": tokens * self.world, "padded_tokens_this_run": padded * self.world,
+                "tokens_per_s": tokens * self.world / max(secs, 1e-9), "ms_per_step": {k: v["ms"] / v["count"] for k, v in phases.items()}, "export": str(export),
                 "final_loss": self.history[-1]["loss"] if self.history else None}

@@ -56,7 +56,7 @@ class Targets:
 class TTTAttention:
     """Stands in for the head's KV cache during the TTT (Attention.forward hands it q, k, v): step 0
     is causal over its own keys; step k's query at index t also sees the keys of steps 1..k at t.
-    Scores and softmax in float32, like the fused SDPA kernels."""
+    Scores in the query's dtype (bfloat16 under autocast), softmax accumulated in float32."""
 
     def __init__(self):
         self.k0 = self.v0 = None  # step 0's keys and values (B, Hkv, T, D)
@@ -71,19 +71,20 @@ class TTTAttention:
             self.kd.append(k)
             self.vd.append(v)
         b, h, t, d = q.shape
-        with torch.autocast(q.device.type, enabled=False):
-            qg = q.float().view(b, k.shape[1], h // k.shape[1], t, d) * d ** -0.5  # (B, Hkv, G, T, D)
-            s = qg @ self.k0.float()[:, :, None].transpose(-1, -2)  # (B, Hkv, G, T, T)
-            s.masked_fill_(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))  # causal
-            if self.kd:
-                kd = torch.stack(self.kd, -2).float()[:, :, None]  # (B, Hkv, 1, T, k, D)
-                s = torch.cat([s, (qg.unsqueeze(-2) * kd).sum(-1)], -1)  # (B, Hkv, G, T, T + k)
-            p0, pd = s.softmax(-1).split([t, len(self.kd)], -1)
-            o = p0 @ self.v0.float()[:, :, None]  # (B, Hkv, G, T, D)
-            if self.kd:
-                vd = torch.stack(self.vd, -2).float()[:, :, None]  # (B, Hkv, 1, T, k, D)
-                o = o + (pd.unsqueeze(-1) * vd).sum(-2)
-        return o.view(b, h, t, d).to(q.dtype)
+        dev = q.device.type  # under autocast (bfloat16 on the GPU): scores and products in its dtype
+        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else q.dtype
+        qg = q.to(dt).view(b, k.shape[1], h // k.shape[1], t, d) * d ** -0.5  # (B, Hkv, G, T, D)
+        s = qg @ self.k0.to(dt)[:, :, None].transpose(-1, -2)  # (B, Hkv, G, T, T)
+        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))  # causal
+        if self.kd:
+            kd = torch.stack(self.kd, -2).to(dt)[:, :, None]  # (B, Hkv, 1, T, k, D)
+            s = torch.cat([s, (qg.unsqueeze(-2) * kd).sum(-1)], -1)  # (B, Hkv, G, T, T + k)
+        p0, pd = s.softmax(-1, dtype=torch.float32).to(dt).split([t, len(self.kd)], -1)
+        o = p0 @ self.v0.to(dt)[:, :, None]  # (B, Hkv, G, T, D)
+        if self.kd:
+            vd = torch.stack(self.vd, -2).to(dt)[:, :, None]  # (B, Hkv, 1, T, k, D)
+            o = o + (pd.unsqueeze(-1) * vd).sum(-2)
+        return o.view(b, h, t, d)
 
 
 def shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
