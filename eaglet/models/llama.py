@@ -17,6 +17,7 @@ from torch import nn
 from ..config import ModelConfig, rope_inv_freq
 from ..kvcache import KVCache
 from .attention import AttnMeta
+from .linear import Linear, linear
 
 
 class RMSNorm(nn.Module):
@@ -80,10 +81,10 @@ class Attention(nn.Module):
         h, d = config.hidden_size, config.head_dim
         self.layer, self.nh, self.nkv, self.d = layer, config.num_heads, config.num_kv_heads, d
         fin = in_features or h  # EAGLE-3's midlayer reads [embedding; hidden], 2H wide
-        self.q_proj = nn.Linear(fin, self.nh * d, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(fin, self.nkv * d, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(fin, self.nkv * d, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.nh * d, h, bias=config.o_bias)
+        self.q_proj = Linear(fin, self.nh * d, bias=config.qkv_bias)
+        self.k_proj = Linear(fin, self.nkv * d, bias=config.qkv_bias)
+        self.v_proj = Linear(fin, self.nkv * d, bias=config.qkv_bias)
+        self.o_proj = Linear(self.nh * d, h, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
@@ -101,7 +102,7 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor):
         if not self.fused:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)
         return qkv.split([self.nh * self.d, self.nkv * self.d, self.nkv * self.d], -1)
 
     def forward(self, x, cos, sin, cache: KVCache, meta: AttnMeta) -> torch.Tensor:
@@ -130,9 +131,9 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
-        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_proj = Linear(h, i, bias=bias)
+        self.up_proj = Linear(h, i, bias=bias)
+        self.down_proj = Linear(i, h, bias=bias)
         self.fused = False
 
     def fuse(self) -> None:
@@ -144,11 +145,11 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fused:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, -1)
+        gate, up = linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, -1)
         return self.down_proj(F.silu(gate) * up)
 
 
-def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def fuse_linears(linears: list[Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Concatenate the weights (and biases) of linears that read the same input into one tensor and
     make each module's parameters views of it: the state dict keeps its checkpoint names and
     shapes, and one matmul replaces several. For inference: gradients would not reach the views."""
@@ -196,7 +197,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Decoder(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:

@@ -16,6 +16,7 @@ from torch import nn
 from ...config import ModelConfig, rope_inv_freq
 from ...kvcache import KVCache
 from ...models.attention import AttnMeta
+from ...models.linear import Linear
 from ...models.llama import MLP, Attention, RMSNorm, rope_cos_sin
 
 
@@ -62,10 +63,10 @@ class Eagle3Head(nn.Module):
         super().__init__()
         c = cfg.layer
         self.cfg = cfg
-        self.fc = nn.Linear(len(cfg.aux_layers) * cfg.target_hidden_size, c.hidden_size, bias=False)
+        self.fc = Linear(len(cfg.aux_layers) * cfg.target_hidden_size, c.hidden_size, bias=False)
         self.midlayer = Eagle3Layer(cfg)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = nn.Linear(c.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.lm_head = Linear(c.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
         self.register_buffer("inv_freq", rope_inv_freq(c.rope, c.head_dim), persistent=False)

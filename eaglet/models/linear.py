@@ -1,0 +1,39 @@
+"""Every linear layer of the models goes through `linear`, so the matmul can be chosen per device.
+
+On the GPU it is F.linear (cuBLAS; bench/gpu/gemv_probe.py). On the CPU, for the few rows of a
+decode or verify step, MKL streams the weights faster as W @ xᵀ than as F.linear's x @ Wᵀ
+(bench/cpu/matmul_probe.py, record bench/results/matmul-probe-cpu-*.json: about 2x for one or two
+rows, still ahead at 64), and one row is doubled because W @ x for a single column is the slow
+GEMV again. Longer inputs (prefill) keep F.linear.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CPU_MAX_ROWS = 64  # measured: W @ xᵀ leads F.linear up to here on the CPU
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) @ weight (N, K)ᵀ + bias -> (..., N)."""
+    if weight.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    k = x.shape[-1]
+    rows = x.numel() // k
+    if rows > CPU_MAX_ROWS or rows == 0:
+        return F.linear(x, weight, bias)
+    x2 = x.reshape(rows, k)
+    if rows == 1:
+        x2 = torch.cat([x2, x2])
+    y = (weight @ x2.t()).t()[:rows].contiguous()  # (rows, N)
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state-dict names) whose forward is `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
