@@ -39,7 +39,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "lookup), draft (a smaller model), none (plain decoding)")
     s.add_argument("--draft", help="EAGLE-3 drafter directory (SGLang/SpecForge/speculators format) or, "
                                    "with --spec draft, the draft model (HF directory or .gguf)")
-    s.add_argument("--spec-steps", type=int, default=5, help="draft depth (default 5)")
+    s.add_argument("--spec-steps", type=int, default=None,
+                   help="draft depth (default 5; a chain on the CPU: 1, since there a verify of two tokens "
+                        "costs about what a decode step does and each token more costs more; see BENCHMARKS.md)")
     s.add_argument("--spec-topk", type=int, default=1, help="children per node; 1 = chain (default)")
     s.add_argument("--spec-draft-tokens", type=int, default=None,
                    help="verify budget incl. the root (a chain: steps + 1; a tree: required)")
@@ -55,7 +57,12 @@ def spec_config(args, model_path):
         method = "eagle3" if args.draft or (model_path is None and bundled_drafter()) else "none"
     if method == "none":
         return None
-    return SpecConfig(method=method, draft=args.draft, steps=args.spec_steps, topk=args.spec_topk,
+    steps = args.spec_steps
+    if steps is None:
+        from .weights.loader import resolve_device
+
+        steps = 1 if args.spec_topk == 1 and resolve_device(args.device).type == "cpu" else 5
+    return SpecConfig(method=method, draft=args.draft, steps=steps, topk=args.spec_topk,
                       draft_tokens=args.spec_draft_tokens)
 
 

@@ -157,3 +157,19 @@ def test_draft_model_that_is_the_target_is_always_accepted(capsys, model_dir):
                                              "--spec-steps", "3"))
     assert rc == 0 and out == want
     assert accept_length(err, "draft") > 3.0  # 4 per verify (3 drafts + bonus) until the budget cuts the last
+
+
+def test_default_draft_depth_follows_the_device():
+    """Unset --spec-steps: a chain of one draft on the CPU (the measured best there), else five."""
+    from eaglet.cli import build_parser, spec_config
+
+    args = build_parser().parse_args(["generate", "x", "--spec", "ngram", "--device", "cpu"])
+    assert spec_config(args, None).steps == 1
+    args = build_parser().parse_args(["generate", "x", "--spec", "ngram", "--device", "cpu", "--spec-steps", "4"])
+    assert spec_config(args, None).steps == 4
+    args = build_parser().parse_args(["generate", "x", "--device", "cpu", "--spec-topk", "4", "--spec-draft-tokens", "8",
+                                      "--spec", "ngram"])
+    assert spec_config(args, None).steps == 5  # a tree keeps its depth
+    if torch.cuda.is_available():
+        args = build_parser().parse_args(["generate", "x", "--spec", "ngram", "--device", "cuda"])
+        assert spec_config(args, None).steps == 5
