@@ -40,7 +40,7 @@ case $phase in
       --batch ${BATCH:-1024} --max-new-tokens 320 --max-prompt-tokens 512 --shard-size 2048
     ls /tmp/data | wc -l ;;
   train)
-    # STAGE=1..4 (default: every stage whose export is missing, in order); each stage checkpoints, so
+    # STAGE=1..4 (default: every stage not yet finished, in order); each stage checkpoints, so
     # a call stopped at its limit resumes. The export of the last stage is /tmp/train/drafter.
     mkdir -p ${OUT:-/tmp}/records
     for k in ${STAGE:-1 2 3 4}; do
