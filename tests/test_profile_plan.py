@@ -59,3 +59,15 @@ def test_choice_and_batch_policy():
     p["acceptance"]["chain"]["accept_per_pos"] = [0.05, 0.0, 0.0, 0.0]
     p["acceptance"]["trees"]["4"]["tau"] = {"4,16": 1.05, "4,8": 1.04, "2,8": 1.03}
     assert choose(p, 1)[0] is None  # nothing pays: don't speculate
+
+
+def test_verify_curve_measures_every_chain_length(tiny_dirs):
+    """The CPU's verify cost is not smooth in the token count, so the profile measures each chain's
+    count (1 .. steps + 1) instead of interpolating between powers of two."""
+    from eaglet.perf.profile import VERIFY_TOKENS, measure_costs
+
+    model = load_model(tiny_dirs["llama3"][0], dtype="float32", device="cpu", tokenizer=False).model
+    sp = Speculator(SpecConfig("ngram", steps=5))
+    c = measure_costs(model, sp, batch=1, context=16, topks=(1,), chain_steps=5)
+    assert set(c["verify_ms"]) == {str(n) for n in set(VERIFY_TOKENS) | {3, 5, 6}}
+    assert all(v > 0 for v in c["verify_ms"].values()) and c["decode_ms"] == c["verify_ms"]["1"]

@@ -48,7 +48,7 @@ def run_profile(args) -> int:
     topks = tuple(sorted({1} | {k for _, k, _ in trees}))
     costs = []
     for b in batch_sizes:
-        costs.append(measure_costs(loaded.model, base, b, args.context, topks))
+        costs.append(measure_costs(loaded.model, base, b, args.context, topks, args.chain_steps))
         c = costs[-1]
         print(f"batch {b}: decode {c['decode_ms']:.2f} ms | verify " + " ".join(
             f"{n}:{v:.1f}" for n, v in c["verify_ms"].items()) + " ms | draft level " + " ".join(

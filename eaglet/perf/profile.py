@@ -25,13 +25,17 @@ BUDGETS = (4, 8, 12, 16, 24, 32, 48, 64)
 
 
 @torch.inference_mode()
-def measure_costs(model, speculator: Speculator, batch: int, context: int, topks: tuple[int, ...]) -> dict:
+def measure_costs(model, speculator: Speculator, batch: int, context: int, topks: tuple[int, ...],
+                  chain_steps: int = 0) -> dict:
     """decode_ms, verify_ms{tokens}, draft_ms{topk} at `context` committed tokens, `batch` rows,
-    each as the runtime runs it: a captured CUDA graph on the GPU, eager on the CPU."""
+    each as the runtime runs it: a captured CUDA graph on the GPU, eager on the CPU. The verify
+    curve has every chain's token count (1 .. chain_steps + 1) measured, not interpolated: on the
+    CPU it is not smooth (a 6-token verify cost 71 ms where 4 and 8 tokens cost 47 and 62)."""
     p = next(model.parameters())
     dev = p.device
     graphs = dev.type == "cuda"
-    curve = forward_curve(model, VERIFY_TOKENS, context, graphs, batch=batch, repeats=7)
+    tokens = tuple(sorted(set(VERIFY_TOKENS) | set(range(1, chain_steps + 2))))
+    curve = forward_curve(model, tokens, context, graphs, batch=batch, repeats=7)
     # keys are strings, as they come back from the JSON record
     out = {"batch": batch, "context": context, "decode_ms": curve["1"], "verify_ms": curve, "draft_ms": {},
            "cuda_graphs": graphs}
