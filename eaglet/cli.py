@@ -11,8 +11,12 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import EagletError
+
+if TYPE_CHECKING:
+    from .generate import Generator
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -298,13 +302,27 @@ def cmd_generate(args) -> int:
         stats += f" | {spec.method} accept length {out.spec.accept_length:.2f}"
     print(stats, file=sys.stderr)
     if args.compare_plain and speculator is not None:
-        t0 = time.perf_counter()
-        [ref] = Generator(loaded.model, tok, graphs=not args.eager).generate([ids], gen)
-        dt_plain = time.perf_counter() - t0
-        same = "same tokens" if ref.tokens == out.tokens else "different tokens (sampling)"
-        print(f"[eaglet] plain decoding {len(ref.tokens) / dt_plain:.1f} tok/s ({same}) | speculative speedup "
-              f"{(n / dt) / (len(ref.tokens) / dt_plain):.2f}x", file=sys.stderr)
+        compare_plain(generator, Generator(loaded.model, tok, graphs=not args.eager), ids, gen, out.tokens)
     return 0
+
+
+def compare_plain(spec: Generator, plain: Generator, ids: list[int], gen, spec_tokens: list[int],
+                  repeats: int = 3) -> None:
+    """Speculative against plain decoding of the same prompt: after a plain warm-up, `repeats` runs
+    of each, alternating (both see the same machine load); median tok/s of each."""
+    import statistics
+
+    [ref] = plain.generate([ids], gen)
+    rates: dict[str, list[float]] = {"spec": [], "plain": []}
+    for _ in range(repeats):
+        for name, g in (("spec", spec), ("plain", plain)):
+            t0 = time.perf_counter()
+            [c] = g.generate([ids], gen)
+            rates[name].append(len(c.tokens) / (time.perf_counter() - t0))
+    s, p = statistics.median(rates["spec"]), statistics.median(rates["plain"])
+    same = "same tokens" if ref.tokens == spec_tokens else "different tokens (sampling)"
+    print(f"[eaglet] speculative {s:.1f} tok/s, plain {p:.1f} tok/s ({same}; medians of {repeats} alternating runs) "
+          f"| speculative speedup {s / p:.2f}x", file=sys.stderr)
 
 
 def cmd_bench(args) -> int:

@@ -1,6 +1,7 @@
 """The CLI's bad-input contract: one line on stderr starting `eaglet: error:`, no traceback, exit
 status 1. Plus the happy path of `generate` on a tiny model directory with a tokenizer, and --help."""
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -155,3 +156,12 @@ def test_help_exits_zero(capsys, argv, text):
         main(argv)
     assert e.value.code == 0
     assert text in capsys.readouterr().out
+
+
+def test_compare_plain_prints_medians_and_speedup(capsys, model_dir):
+    rc = main(["generate", "hello", "--model", str(model_dir), "--device", "cpu", "--max-new-tokens", "6",
+               "--spec", "ngram", "--compare-plain"])
+    err = capsys.readouterr().err
+    assert rc == 0
+    assert re.search(r"speculative [\d.]+ tok/s, plain [\d.]+ tok/s \(same tokens; medians of 3 alternating runs\) "
+                     r"\| speculative speedup [\d.]+x", err), err
