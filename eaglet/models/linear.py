@@ -2,8 +2,8 @@
 
 On the GPU it is F.linear (cuBLAS; bench/gpu/gemv_probe.py). On the CPU, for the few rows of a
 decode or verify step, MKL streams the weights faster as W @ xᵀ than as F.linear's x @ Wᵀ
-(bench/cpu/matmul_probe.py, record bench/results/matmul-probe-cpu-*.json: about 2x for one or two
-rows, still ahead at 64), and one row is doubled because W @ x for a single column is the slow
+(bench/cpu/matmul_probe.py, record bench/results/matmul-probe-cpu-*.json: 1.5x for one row,
+2.3x for two, still 1.4x at 64), and one row is doubled because W @ x for a single column is the slow
 GEMV again. Longer inputs (prefill) keep F.linear.
 """
 from __future__ import annotations

@@ -109,7 +109,7 @@ def phases_pass(gen, prompts, cfg, device) -> dict:
     gen.timer = PhaseTimer(device)
     gen._dec = None  # a fresh decoder, so the timer reaches it (graphs are captured again, untimed)
     gen.generate([prompts[0]], cfg)
-    gen.timer.entries.clear()
+    gen.timer.reset()
     sync(device)
     t0 = time.perf_counter()
     for ids in prompts:

@@ -198,7 +198,7 @@ class Trainer:
         embed = self.target.model.embed_tokens.weight.to(hdtype)
         timer = PhaseTimer(self.device)
         bar = tqdm(total=self.total, initial=self.step, desc="train-draft", disable=not self.progress or self.rank)
-        t0, tokens, padded = time.perf_counter(), 0, 0
+        t0, tokens, padded, first = time.perf_counter(), 0, 0, self.step
         while self.step < self.total:
             ids, mask = collate(self.rows, self.plan[self.step * self.world + self.rank], self.cfg.max_len, self.device)
             with timer.phase("target"), torch.no_grad():  # the frozen target: taps and logits, online
@@ -230,6 +230,7 @@ class Trainer:
             out_of_time = self.out_of_time(t0)
             if self.step % self.cfg.save_every == 0 or self.step == self.total or out_of_time:
                 self.checkpoint()
+                timer.totals()  # fold the CUDA events so far into sums (they would pile up otherwise)
             if out_of_time:
                 self.log(f"time limit reached at step {self.step} of {self.total}: checkpointed; rerun to resume")
                 break
@@ -243,7 +244,7 @@ class Trainer:
             (Path(self.cfg.out) / "history.json").write_text(json.dumps(self.history))
         phases = timer.totals()
         return {"steps": self.step, "finished": self.step == self.total,
-                "steps_this_run": phases.get("target", {}).get("count", 0), "seconds_this_run": secs,
+                "steps_this_run": self.step - first, "seconds_this_run": secs,
                 "assistant_tokens_this_run": tokens * self.world, "padded_tokens_this_run": padded * self.world,
                 "tokens_per_s": tokens * self.world / max(secs, 1e-9), "ms_per_step": {k: v["ms"] / v["count"] for k, v in phases.items()}, "export": str(export),
                 "final_loss": self.history[-1]["loss"] if self.history else None}
