@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3, help="timed repeats of the prompt set (median reported)")
     b.add_argument("--systems", nargs="+", metavar="NAME",
                    help="any of: transformers transformers-lookup plain plain-eager ngram eagle3-chain "
-                        "eagle3-tree (default: all)")
+                        "eagle3-tree (the default: all of these), and plain-sync eagle3-chain-sync "
+                        "eagle3-tree-sync (no lookahead: the host collects each step before the next)")
     b.add_argument("--draft", help="EAGLE-3 drafter directory (default: the bundled one of the default model)")
     b.add_argument("--chain-steps", type=int, default=5, help="draft steps of the chains (and lookup tokens)")
     b.add_argument("--tree", default="6,8,32", help="STEPS,TOPK,TOKENS of eagle3-tree")

@@ -82,9 +82,9 @@ class PlainDecoder(SlotDecoder):
     """One target forward per token (one graph per attention span)."""
 
     def __init__(self, model: CausalLM, batch: int, max_len: int, sampling: SamplingParams,
-                 graphs: bool = True, timer=None):
+                 graphs: bool = True, timer=None, lookahead: bool | None = None):
         p = next(model.parameters())
-        super().__init__(model, batch, max_len, sampling, sampling.generator(p.device), graphs, timer)
+        super().__init__(model, batch, max_len, sampling, sampling.generator(p.device), graphs, timer, lookahead)
         self.last = torch.zeros(batch, dtype=torch.long, device=p.device)  # each row's last token
 
     def _admit_run(self, lo, hi, prompts):
@@ -94,25 +94,28 @@ class PlainDecoder(SlotDecoder):
         return tok.tolist()  # sync: first tokens to the host
 
     def _decode(self) -> torch.Tensor:
-        """Feed each row's last token, sample the next; frozen rows (limit 0) do not move."""
+        """Feed each row's last token, sample the next; frozen rows (limit 0) do not move.
+        Returns (B, 2): each row's token and whether it emitted one."""
         c = self.cache
         positions = c.lens[:, None]  # (B, 1)
         meta = AttnMeta.build(c.lens, positions, c.kv_len(1), sliding_window=self.model.config.sliding_window)
         hidden, _ = self.model(self.last[:, None], positions, c, meta)
         tok = sample(self.model.logits(hidden[:, -1]), self.sampling, self.gen)  # (B,)
-        active = self.limit > 0
-        self.last.copy_(torch.where(active, tok, self.last))
+        active = (self.limit > 0).long()
+        self.last.copy_(torch.where(active > 0, tok, self.last))
         c.lens += active
-        return self.last
+        self.limit -= active
+        return torch.stack([self.last, active], 1)
 
-    def step(self, limit: list[int]) -> list[list[int]]:
-        self.set_limit(limit)
+    def _launch(self) -> torch.Tensor:
         kv = self.span_of(self.cache, 1)
         with self.phase("decode"):
-            out = self.graphs.run(("decode", kv), self._decode)
-        toks = out.tolist()  # sync: tokens must reach the host to stream and stop
-        self.cache.commit_host([1 if n > 0 else 0 for n in limit])
-        return [[t] if n > 0 else [] for t, n in zip(toks, limit)]
+            return self.graphs.run(("decode", kv), self._decode)
+
+    def _collect(self, rows, same):
+        emitted = [[tok] if active and ok else [] for (tok, active), ok in zip(rows, same)]
+        self.cache.commit_host([len(e) for e in emitted])
+        return emitted
 
 
 class Generator:
@@ -124,10 +127,10 @@ class Generator:
     collects time per phase."""
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer | None, speculator: Speculator | None = None,
-                 trace: list | None = None, graphs: bool = True, timer=None):
+                 trace: list | None = None, graphs: bool = True, timer=None, lookahead: bool | None = None):
         self.model, self.tokenizer, self.speculator = model, tokenizer, speculator
         self.trace = trace  # handed to SpecDecoder: the profiler records draft trees there
-        self.graphs, self.timer = graphs, timer
+        self.graphs, self.timer, self.lookahead = graphs, timer, lookahead
         self.context = model.config.max_position
         self.last_metrics: list[SpecMetrics] | None = None  # per sequence, of the last call
         self._dec = None  # (batch, max_len, sampling, decoder) of the last call
@@ -141,13 +144,13 @@ class Generator:
         max_len = min(-(-max_len // 128) * 128, self.context + 128)  # rounded: later calls fit too
         self._dec = None  # free the old caches first
         if self.speculator is None:
-            dec = PlainDecoder(self.model, batch, max_len, sampling, self.graphs, self.timer)
+            dec = PlainDecoder(self.model, batch, max_len, sampling, self.graphs, self.timer, self.lookahead)
         else:
             dev = next(self.model.parameters()).device
             gen = sampling.generator(dev)
             drafter = self.speculator.make(self.model, batch, max_len, sampling, gen)
             dec = SpecDecoder(self.model, drafter, self.speculator.spec, batch, max_len, sampling, gen,
-                              self.trace, self.graphs, self.timer)
+                              self.trace, self.graphs, self.timer, self.lookahead)
         self._dec = (batch, max_len, sampling, dec)
         return dec
 
@@ -169,17 +172,33 @@ class Generator:
         self.last_metrics = getattr(dec, "metrics", None)
         eos = frozenset() if gen.ignore_eos else self.eos_ids()
         seqs = [SeqState(self.tokenizer, gen.stop, eos, b) for b in budget]
-        new = dec.admit(list(range(len(prompts))), prompts)
+        rows = list(range(len(prompts)))
+        yield from self._push(seqs, dec.admit(rows, prompts))
+        dec.set_rows(rows, [s.remaining for s in seqs])
+        frozen = [s.finish_reason is not None for s in seqs]
+        ahead = 1 if dec.lookahead else 0  # steps launched before the host has the previous one
         while True:
-            for i, toks in enumerate(new):
-                for tok in toks:
-                    if seqs[i].finish_reason:
-                        break
-                    text = seqs[i].push(tok)
-                    yield TokenEvent(i, tok, text, seqs[i].finish_reason)
-            if all(s.finish_reason for s in seqs):
+            stopped = [i for i, s in enumerate(seqs) if s.finish_reason and not frozen[i]]
+            for i in stopped:
+                frozen[i] = True
+            dec.set_rows(stopped, [0] * len(stopped))  # they may have run one step past their end
+            # each step in flight emits at least one token per running row
+            launched = any(s.remaining > len(dec.in_flight) for s in seqs)
+            if launched:
+                dec.launch()
+            if not dec.in_flight:
                 return
-            new = dec.step([s.remaining for s in seqs])
+            if len(dec.in_flight) > ahead or not launched:
+                yield from self._push(seqs, dec.collect())
+
+    @staticmethod
+    def _push(seqs: list[SeqState], new: list[list[int]]) -> Iterator[TokenEvent]:
+        for i, toks in enumerate(new):
+            for tok in toks:
+                if seqs[i].finish_reason:
+                    break
+                text = seqs[i].push(tok)
+                yield TokenEvent(i, tok, text, seqs[i].finish_reason)
 
     def eos_ids(self) -> frozenset[int]:
         return frozenset(self.model.config.eos_token_ids) | (self.tokenizer.eos_ids if self.tokenizer else frozenset())

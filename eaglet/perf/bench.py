@@ -7,6 +7,9 @@ new tokens (greedy, EOS ignored so every run makes exactly that many):
   ngram                 eaglet n-gram speculation (chain)
   eagle3-chain          eaglet with the EAGLE-3 drafter, a chain of --chain-steps
   eagle3-tree           eaglet with the EAGLE-3 drafter, the --tree setting
+  plain-sync, eagle3-chain-sync, eagle3-tree-sync
+                        the same without lookahead: the host collects each step before launching
+                        the next (on request only; on the CPU every system runs that way)
 
 Per system: tok/s (median over repeats of the whole prompt set, warm-up excluded), τ, whether the
 tokens equal eaglet plain's, and for eaglet systems the time per phase (one extra pass with CUDA
@@ -29,7 +32,8 @@ from ..errors import InvalidInput
 
 DEFAULT_PROMPTS = ["What is the capital of France?", "Write a short poem about autumn leaves.",
                    "Explain in two sentences why the sky is blue."]
-SYSTEMS = ("transformers", "transformers-lookup", "plain", "plain-eager", "ngram", "eagle3-chain", "eagle3-tree")
+DEFAULT_SYSTEMS = ("transformers", "transformers-lookup", "plain", "plain-eager", "ngram", "eagle3-chain", "eagle3-tree")
+SYSTEMS = DEFAULT_SYSTEMS + ("plain-sync", "eagle3-chain-sync", "eagle3-tree-sync")
 CURVE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -70,22 +74,23 @@ def eaglet_systems(args, model, tok, names) -> dict:
 
     out = {}
     graphs = not args.eager
-    if "plain" in names:
-        out["plain"] = Generator(model, tok, graphs=graphs)
+    for name in ("plain", "plain-sync"):
+        if name in names:
+            out[name] = Generator(model, tok, graphs=graphs, lookahead=False if name.endswith("-sync") else None)
     if "plain-eager" in names:
         out["plain-eager"] = Generator(model, tok, graphs=False)
     if "ngram" in names:
         spec = SpecConfig("ngram", steps=args.chain_steps)
         out["ngram"] = Generator(model, tok, load_speculator(spec, model, args.model, compile=not args.no_compile), graphs=graphs)
-    if "eagle3-chain" in names or "eagle3-tree" in names:
+    if any(n.startswith("eagle3") for n in names):
         base = load_speculator(SpecConfig("eagle3", args.draft, steps=args.chain_steps), model, args.model,
                                compile=not args.no_compile)
-        if "eagle3-chain" in names:
-            out["eagle3-chain"] = Generator(model, tok, base, graphs=graphs)
-        if "eagle3-tree" in names:
-            s, k, n = parse_tree(args.tree)
-            spec = SpecConfig("eagle3", args.draft, steps=s, topk=k, draft_tokens=n)
-            out["eagle3-tree"] = Generator(model, tok, dataclasses.replace(base, spec=spec), graphs=graphs)
+        s, k, n = parse_tree(args.tree)
+        tree = dataclasses.replace(base, spec=SpecConfig("eagle3", args.draft, steps=s, topk=k, draft_tokens=n))
+        for name, sp in (("eagle3-chain", base), ("eagle3-tree", tree)):
+            for suffix, lookahead in (("", None), ("-sync", False)):
+                if name + suffix in names:
+                    out[name + suffix] = Generator(model, tok, sp, graphs=graphs, lookahead=lookahead)
     return out
 
 
@@ -133,7 +138,7 @@ def run_bench(args) -> dict:
     from ..weights import load_model
     from .record import write_record
 
-    names = args.systems or list(SYSTEMS)
+    names = args.systems or list(DEFAULT_SYSTEMS)
     bad = [n for n in names if n not in SYSTEMS]
     if bad:
         raise InvalidInput(f"unknown system {bad[0]!r} (choose from {', '.join(SYSTEMS)})")

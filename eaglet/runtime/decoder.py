@@ -1,15 +1,29 @@
 """What plain and speculative decoding share: the target's KV cache over `batch` slots, the graph
-runner, per-row token limits, and admitting prompts into free rows while other rows keep going
-(the server's continuous batching; Generator admits a whole batch at once).
+runner, per-row token limits, steps in flight, and admitting prompts into free rows while other
+rows keep going (the server's continuous batching; Generator admits a whole batch at once).
 
-A decoder's `step(limit)` emits at most limit[b] tokens for row b; 0 freezes the row (finished or
-free) so its cache does not move. Subclasses implement `_admit_run` (prefill a run of adjacent
-rows) and `step`.
+Each row has a token limit on the device: the tokens it may still emit. A step emits at most that
+many and subtracts what it emitted, so the host sets a row's limit only when it changes (`set_rows`:
+a new request's budget, 0 once the host sees it stop); 0 freezes the row, its cache does not move.
+
+`launch()` enqueues one step and starts its packed output on its way to the host; `collect()` waits
+for the oldest step in flight and returns each row's emitted tokens. Nothing else in a step needs the
+host, so on the GPU a caller may launch step t+1 before it collects step t (`lookahead`): the host's
+work on step t (streaming, stopping, bookkeeping) then overlaps the GPU's work on t+1 instead of
+leaving the GPU idle. A row that stops on EOS or a stop string runs one step past it; those tokens
+are dropped. A row released or re-admitted while a step was in flight gets nothing from that step
+(`epoch`). `step(limit)` is the synchronous form: set every row's limit, launch, collect.
+
+Subclasses implement `_admit_run` (prefill a run of adjacent rows), `_launch` (run one step's
+graphs, return its packed output) and `_collect` (the host's part of a step).
 """
 from __future__ import annotations
 
+from collections import deque
 from contextlib import nullcontext
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..kvcache import KVCache
@@ -32,37 +46,108 @@ def adjacent_runs(rows: list[int]) -> list[tuple[int, int, list[int]]]:
     return runs
 
 
+@dataclass
+class InFlight:
+    """A launched step: its packed output (on the host once `done` has passed) and each row's epoch
+    when it was launched."""
+    out: torch.Tensor
+    done: torch.cuda.Event | None
+    epoch: np.ndarray
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device without a sync (a fresh pinned buffer: the caching host
+    allocator reuses it only after the copy has run)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 class SlotDecoder:
+    tokens_per_step = 1  # the most tokens a row can emit in one step (spans allow for steps in flight)
+
     def __init__(self, model: CausalLM, batch: int, max_len: int, sampling: SamplingParams,
-                 generator: torch.Generator | None, graphs: bool = True, timer: PhaseTimer | None = None):
+                 generator: torch.Generator | None, graphs: bool = True, timer: PhaseTimer | None = None,
+                 lookahead: bool | None = None):
         p = next(model.parameters())
         self.model, self.sampling, self.gen, self.timer = model, sampling, generator, timer
         self.device = p.device
         self.cache = KVCache.for_model(model.config, batch, max_len, p.dtype, p.device)
         self.graphs = GraphRunner(p.device, graphs, generator)
         self.limit = torch.zeros(batch, dtype=torch.long, device=p.device)  # tokens row b may still emit
-        self._limit_host = torch.zeros(batch, dtype=torch.long, pin_memory=p.device.type == "cuda")
+        self.epoch = np.zeros(batch, dtype=np.int64)  # bumped when a row is admitted or released
+        self.live = np.zeros(batch, dtype=bool)  # rows the host last gave a limit > 0
+        self.in_flight: deque[InFlight] = deque()
+        # launch ahead of collect: on the GPU by default (on the CPU a step runs while it is launched)
+        self.lookahead = p.device.type == "cuda" if lookahead is None else lookahead
 
     @property
     def batch(self) -> int:
         return self.cache.batch
 
-    def set_limit(self, limit: list[int]) -> None:
-        """Copy this step's per-row limits to the device without a sync (pinned buffer; the previous
-        step's copy finished before that step's outputs reached the host)."""
-        self._limit_host.copy_(torch.tensor(limit, dtype=torch.long))
-        self.limit.copy_(self._limit_host, non_blocking=True)
+    def set_rows(self, rows: list[int], limits: list[int]) -> None:
+        """Set these rows' token limits (device, stream-ordered after the steps already launched)."""
+        if not rows:
+            return
+        self.live[rows] = np.asarray(limits) > 0
+        mask, value = [False] * self.batch, [0] * self.batch
+        for r, n in zip(rows, limits):
+            mask[r], value[r] = True, n
+        mask_d, value_d = to_device(mask, torch.bool, self.device), to_device(value, torch.long, self.device)
+        self.limit.copy_(torch.where(mask_d, value_d, self.limit))
 
     def span_of(self, cache: KVCache, room: int) -> int:
-        """Fix the cache's attention span for this step (part of every graph key)."""
-        cache.kv_limit = span(int(cache.host_lens.max()) + room, cache.max_len)
+        """Fix the cache's attention span for this step (part of every graph key). The host's
+        lengths lag by the steps in flight, each of which may add tokens_per_step per row."""
+        lag = len(self.in_flight) * self.tokens_per_step
+        cache.kv_limit = span(int(cache.host_lens.max()) + room + lag, cache.max_len)
         return cache.kv_limit
+
+    # ---- steps ----
+    def launch(self) -> None:
+        """Enqueue one step of every row with tokens left; its output starts for the host."""
+        out = self._launch()
+        if out.is_cuda:
+            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            host.copy_(out, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host, done = out.clone(), None
+        self.in_flight.append(InFlight(host, done, self.epoch.copy()))
+
+    def collect(self) -> list[list[int]]:
+        """Wait for the oldest step in flight; each row's emitted tokens ([] for a frozen row, and
+        for one released or re-admitted since the launch). A row the host has frozen since the
+        launch still gets its tokens (the caches hold them); `live` says whether they count."""
+        f = self.in_flight.popleft()
+        if f.done is not None:
+            f.done.synchronize()  # sync: the one per step
+        return self._collect(f.out.tolist(), (self.epoch == f.epoch).tolist())
+
+    def drain(self) -> None:
+        """Collect and drop every step in flight."""
+        while self.in_flight:
+            self.collect()
+
+    def step(self, limit: list[int]) -> list[list[int]]:
+        """One synchronous step: row b emits at most limit[b] tokens (0: frozen)."""
+        self.drain()
+        self.set_rows(list(range(self.batch)), limit)
+        self.launch()
+        return self.collect()
+
+    def _launch(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _collect(self, rows: list[list[int]], same: list[bool]) -> list[list[int]]:
+        raise NotImplementedError
 
     def phase(self, name: str):
         return self.timer.phase(name) if self.timer else nullcontext()
 
     def admit(self, rows: list[int], prompts: list[list[int]]) -> list[list[int]]:
         """Prefill prompts into the given (free) rows; returns each one's first token."""
+        self.epoch[rows] += 1
         first: list[list[int]] = [[] for _ in rows]
         for lo, hi, idx in adjacent_runs(rows):
             for i, tok in zip(idx, self._admit_run(lo, hi, [prompts[i] for i in idx])):
@@ -73,8 +158,11 @@ class SlotDecoder:
         raise NotImplementedError
 
     def release(self, rows: list[int]) -> None:
-        """Free rows at once: their cache length drops to 0."""
+        """Free rows at once: their cache length drops to 0 and they are frozen."""
+        self.epoch[rows] += 1
+        self.set_rows(rows, [0] * len(rows))
         self.cache.release(rows)
 
     def reset(self) -> None:
+        self.drain()
         self.release(list(range(self.batch)))

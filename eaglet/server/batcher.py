@@ -3,7 +3,8 @@ share one SamplingParams. Requests join free rows (`add`: their prompts are pref
 other rows keep their state), every `step` advances all running rows at once (plain: one token,
 speculative: each row its own accepted count), and a finished or cancelled request leaves at once
 (`release` frees its row's cache). Per row, stopping is what Generator.stream does: EOS, stop
-strings, the token budget.
+strings, the token budget. On the GPU a step is launched before the previous one is collected
+(the decoder's lookahead), so the engine thread's work on one step's tokens overlaps the next.
 
 It runs on the engine thread only (engine.py owns the thread, the queue and the HTTP side).
 """
@@ -104,19 +105,31 @@ class Batcher:
             metrics = self.dec.metrics
             for r in rows:
                 self.rows[r].spec_seen = copy.deepcopy(metrics[r])
-        return self._emit(dict(zip(rows, new)))
+        out = self._emit(dict(zip(rows, new)))
+        self.dec.set_rows(rows, [self.rows[r].remaining for r in rows])
+        return out
 
     def step(self) -> list[Output]:
-        """One decoder step for every running row."""
-        limit = [s.remaining if s is not None else 0 for s in self.rows]
-        new = self.dec.step(limit)
-        return self._emit({r: new[r] for r, n in enumerate(limit) if n > 0})
+        """Launch one decoder step for every running row, and hand out the tokens of the oldest
+        step in flight (with lookahead, the step launched before this one)."""
+        dec = self.dec
+        ahead = 1 if dec.lookahead else 0
+        # each step in flight brings at least one token to every running row
+        launched = any(s is not None and s.remaining > len(dec.in_flight) for s in self.rows)
+        if launched:
+            dec.launch()
+        if not dec.in_flight or (launched and len(dec.in_flight) <= ahead):
+            return []
+        new = dec.collect()
+        return self._emit({r: toks for r, toks in enumerate(new) if toks and self.rows[r] is not None})
 
     def release(self, row: int) -> None:
         if self.rows[row] is not None:
             self.rows[row].request.row = None
             self.rows[row] = None
             self.dec.release([row])
+            if not self.running:
+                self.dec.drain()  # an idle batch keeps no step in flight
 
     def _emit(self, new: dict[int, list[int]]) -> list[Output]:
         metrics = self.dec.metrics if self.speculative else None

@@ -4,7 +4,9 @@ SpecDecoder is a SlotDecoder like generate.PlainDecoder (admit, step, release), 
 streaming and stopping logic and the server's batching are shared. Each step runs three phases,
 each one CUDA graph on the GPU (the draft phase stays eager for host-side drafters): `draft` fills
 a static copy of the proposal, `verify` is one target forward over all its nodes, `accept` picks
-the accepted path and commits it to both caches. One host sync per step: the emitted tokens.
+the accepted path and commits it to both caches. One host sync per step: the emitted tokens. With a
+drafter that works on the device the next step can be launched before that sync (lookahead, see
+runtime/decoder.py); a host-side drafter (n-gram) needs the emitted tokens to propose, so it cannot.
 """
 from __future__ import annotations
 
@@ -35,9 +37,12 @@ def store(dst: DraftProposal | None, src: DraftProposal) -> DraftProposal:
 class SpecDecoder(SlotDecoder):
     def __init__(self, model: CausalLM, drafter: Drafter, spec: SpecConfig, batch: int, max_len: int,
                  sampling: SamplingParams, generator: torch.Generator | None = None, trace: list | None = None,
-                 graphs: bool = True, timer=None):
-        super().__init__(model, batch, max_len + spec.draft_tokens, sampling, generator, graphs, timer)
+                 graphs: bool = True, timer=None, lookahead: bool | None = None):
+        super().__init__(model, batch, max_len + spec.draft_tokens, sampling, generator, graphs, timer, lookahead)
         self.drafter, self.spec = drafter, spec
+        self.tokens_per_step = spec.steps + 1
+        # the profiler's trace reads the proposal of the step just collected
+        self.lookahead = self.lookahead and drafter.graphable and trace is None
         self.metrics = [SpecMetrics() for _ in range(batch)]
         self.roots = torch.zeros(batch, dtype=torch.long, device=self.device)  # each row's last emitted token
         self.prop: DraftProposal | None = None  # the verify graph's input
@@ -81,6 +86,7 @@ class SpecDecoder(SlotDecoder):
         else:
             res = sample_verify(prop, target, self.spec.steps, self.spec.topk, self.gen)
         res = res.limit(self.limit)  # never past a row's budget; 0 freezes a row
+        self.limit -= res.count
         self.cache.keep(res.path, res.count)  # only the accepted path stays
         self.drafter.commit(prop, res, taps)
         self.roots.copy_(res.bonus)
@@ -88,9 +94,10 @@ class SpecDecoder(SlotDecoder):
         reach = (prop.depth * prop.valid).amax(1, keepdim=True)  # (B, 1) deepest drafted position
         return torch.cat([res.count[:, None], drafted, reach, res.tokens, res.path], 1)  # (B, 3 + 2(D+1))
 
-    def step(self, limit: list[int]) -> list[list[int]]:
-        """One draft-verify-accept-commit round; row b emits at most limit[b] tokens (0: frozen)."""
-        self.set_limit(limit)
+    def _launch(self) -> torch.Tensor:
+        """One draft-verify-accept-commit round, enqueued."""
+        if self.trace is not None:
+            self._trace_limit = self.limit.tolist()  # sync: profiling only (no lookahead with a trace)
         key = (self.span_of(self.cache, self.room),)
         dc = getattr(self.drafter, "cache", None)
         if dc is not None:
@@ -100,18 +107,19 @@ class SpecDecoder(SlotDecoder):
         with self.phase("verify"):
             target, taps = self.graphs.run(("verify",) + key, self._verify)
         with self.phase("accept"):
-            packed = self.graphs.run(("accept",) + key, lambda: self._accept(target, taps))
-        rows = packed.tolist()  # sync: the one per step
+            return self.graphs.run(("accept",) + key, lambda: self._accept(target, taps))
+
+    def _collect(self, rows, same):
         d1 = self.spec.steps + 1
-        counts = [r[0] for r in rows]
-        emitted = [r[3:3 + r[0]] for r in rows]
+        counts = [r[0] if ok else 0 for r, ok in zip(rows, same)]
+        emitted = [r[3:3 + n] for r, n in zip(rows, counts)]
         self.cache.commit_host(counts)
         self.drafter.commit_host(emitted)
         for i, r in enumerate(rows):
-            if limit[i] > 0:
+            if counts[i] > 0 and self.live[i]:  # not a step past a stop the host has seen
                 self.metrics[i].record(accepted=r[0] - 1, draft_tokens=r[1], max_depth=r[2])
         if self.trace is not None and self.prop.score is not None:
             paths = torch.tensor([r[3 + d1:3 + 2 * d1] for r in rows])
             score, depth = (t.to("cpu", copy=True) for t in (self.prop.score, self.prop.depth))  # sync: profiling only
-            self.trace.append((score, depth, paths, counts, list(limit)))
+            self.trace.append((score, depth, paths, counts, self._trace_limit))
         return emitted

@@ -1,0 +1,85 @@
+"""Where a graphed decoding step of SmolLM2 spends its GPU time: the kernels of plain decoding and
+of an EAGLE-3 chain step, per step (count and microseconds, from torch.profiler's CUDA activity,
+which sees the kernels inside CUDA graph replays), against the wall time per step. A probe for
+choosing what to fuse next, not part of the package.
+
+  python3 bench/gpu/step_profile.py MODEL.gguf DRAFTER_DIR OUT_DIR
+"""
+import re
+import sys
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from eaglet.config import SpecConfig
+from eaglet.generate import GenerationConfig, Generator
+from eaglet.perf.record import write_record
+from eaglet.spec.speculator import load_speculator
+from eaglet.weights import load_model
+
+KINDS = [("gemm", r"gemm|gemv|cutlass|sm90_xmma|cublas|splitk"), ("attention", r"fmha|flash|attention|sdpa|cudnn"),
+         ("triton (compiled)", r"^triton_"), ("copy/index", r"index|scatter|gather|copy|cat|memcpy"),
+         ("reduce", r"reduce|argmax|max|sum|topk|sort")]
+
+
+def kind_of(name: str) -> str:
+    for k, pat in KINDS:
+        if re.search(pat, name, re.I):
+            return k
+    return "other elementwise"
+
+
+def profile_system(gen, ids, cfg, steps_of) -> dict:
+    gen.generate([ids], cfg)  # warm-up: graphs captured
+    gen.generate([ids], cfg)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = gen.generate([ids], cfg)[0]
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        gen.generate([ids], cfg)
+        torch.cuda.synchronize()
+    steps = steps_of(out)
+    kernels = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name][0] += 1
+            kernels[e.name][1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    rows = sorted(((n, c / steps, us / steps) for n, (c, us) in kernels.items()), key=lambda r: -r[2])
+    by_kind = defaultdict(lambda: [0.0, 0.0])
+    for n, c, us in rows:
+        by_kind[kind_of(n)][0] += c
+        by_kind[kind_of(n)][1] += us
+    return {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps,
+            "gpu_us_per_step": sum(r[2] for r in rows), "kernels_per_step": sum(r[1] for r in rows),
+            "by_kind": {k: {"kernels": c, "us": us} for k, (c, us) in sorted(by_kind.items(), key=lambda x: -x[1][1])},
+            "top": [{"name": n[:120], "per_step": c, "us": us} for n, c, us in rows[:25]]}
+
+
+def main(model_path: str, draft: str, out_dir: str) -> None:
+    loaded = load_model(model_path, "bfloat16", "cuda")
+    model, tok = loaded.model, loaded.tokenizer
+    ids = tok.apply_chat([{"role": "user", "content": "Explain in two sentences why the sky is blue."}])
+    cfg = GenerationConfig(max_new_tokens=128, ignore_eos=True)
+    sp = load_speculator(SpecConfig("eagle3", draft, steps=5), model, model_path)
+    results = {
+        "plain": profile_system(Generator(model, tok), ids, cfg, lambda c: len(c.tokens) - 1),
+        "eagle3-chain5": profile_system(Generator(model, tok, sp), ids, cfg, lambda c: c.spec.drafts),
+    }
+    for name, r in results.items():
+        print(f"{name}: {r['steps']} steps, wall {r['wall_ms_per_step']:.3f} ms/step, GPU {r['gpu_us_per_step']:.0f} us "
+              f"in {r['kernels_per_step']:.0f} kernels per step")
+        for k, v in r["by_kind"].items():
+            print(f"  {k:<20}{v['kernels']:7.1f} kernels {v['us']:8.1f} us")
+        for t in r["top"][:12]:
+            print(f"    {t['per_step']:6.1f} x {t['us'] / max(t['per_step'], 1e-9):6.2f} us  {t['name']}")
+    path = write_record("step-profile", {"model": model_path, "draft": draft, "max_new_tokens": 128}, results, out_dir,
+                        models={"target": loaded.path, "drafter": draft})
+    print(f"record: {path}")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

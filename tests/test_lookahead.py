@@ -1,0 +1,134 @@
+"""Lookahead (runtime/decoder.py): launching step t+1 before collecting step t changes nothing but
+timing. On the CPU a step runs while it is launched, so these tests force lookahead on and check
+what it must keep: the same tokens and finish reasons as the synchronous loop (rows that stop on
+EOS run one step past it, and those tokens are dropped), host mirrors equal to the device, and in
+the server's Batcher, rows released or admitted while a step is in flight get exactly their own
+tokens."""
+import pytest
+import torch
+
+from eaglet import GenerationConfig, Generator, load_model
+from eaglet.config import SpecConfig
+from eaglet.sampling import SamplingParams
+from eaglet.server import batcher as batcher_mod
+from eaglet.server.batcher import Batcher
+from eaglet.server.engine import Request
+from eaglet.spec.speculator import Speculator
+
+from .test_spec_greedy import random_head
+
+SPECS = {"plain": None, "chain4": dict(steps=4), "tree3x3": dict(steps=3, topk=3, draft_tokens=8)}
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dirs):
+    return load_model(tiny_dirs["llama3"][0], dtype="float32", device="cpu", tokenizer=False).model
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(s)).tolist()
+            for s, n in enumerate([4, 9, 2, 13, 6])]
+
+
+def speculator(model, name: str, perfect: bool = False) -> Speculator | None:
+    if SPECS[name] is None:
+        return None
+    spec = SpecConfig("draft" if perfect else "eagle3", **SPECS[name])
+    return Speculator(spec, draft_model=model) if perfect else Speculator(spec, head=random_head(model.config))
+
+
+def counting(gen: Generator, model, batch: int, max_len: int, sampling) -> list[int]:
+    """Make gen's decoder record how many steps were in flight after each launch."""
+    seen: list[int] = []
+    dec = gen.decoder(batch, max_len, sampling)
+    launch = dec.launch
+
+    def counted():
+        launch()
+        seen.append(len(dec.in_flight))
+    dec.launch = counted
+    return seen
+
+
+@pytest.mark.parametrize("name,perfect", [("plain", False), ("chain4", False), ("tree3x3", False),
+                                          ("chain4", True), ("tree3x3", True)])
+def test_same_tokens_and_stops_as_sync(target, prompts, name, perfect):
+    """perfect: the target drafts for itself, so steps emit several tokens and overrun by more."""
+    sync = Generator(target, None, speculator(target, name, perfect), lookahead=False)
+    ahead = Generator(target, None, speculator(target, name, perfect), lookahead=True)
+    free = sync.generate([prompts[0]], GenerationConfig(max_new_tokens=40, ignore_eos=True))[0].tokens
+    eos = free[17]  # a token that row 0 emits mid-way: rows stop on it at different steps
+    for g in (sync, ahead):
+        g.eos_ids = lambda eos=eos: frozenset({eos})
+    cfg = GenerationConfig(max_new_tokens=40)
+    seen = counting(ahead, target, len(prompts), 128, cfg.sampling)
+    want = sync.generate(prompts, cfg)
+    got = ahead.generate(prompts, cfg)
+    assert [c.tokens for c in got] == [c.tokens for c in want]
+    assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
+    assert {c.finish_reason for c in want} == {"stop", "length"}  # both ways of stopping are exercised
+    assert max(seen) == 2  # steps really were launched ahead of collection
+    dec = ahead._dec[3]
+    host = dec.cache.host_lens.copy()
+    dec.cache.sync_host()
+    assert host.tolist() == dec.cache.host_lens.tolist()  # the host mirror kept up with the device
+    if name != "plain":
+        assert [c.spec.drafts for c in got] == [c.spec.drafts for c in want]
+        assert [c.spec.accepted_per_pos for c in got] == [c.spec.accepted_per_pos for c in want]
+
+
+def test_sampled_lookahead_is_reproducible(target, prompts):
+    """Seeded sampling: lookahead draws the same random numbers in the same order."""
+    cfg = GenerationConfig(max_new_tokens=24, ignore_eos=True,
+                           sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=3))
+    outs = [Generator(target, None, speculator(target, "chain4"), lookahead=la).generate(prompts[:3], cfg)
+            for la in (False, True)]
+    assert [c.tokens for c in outs[0]] == [c.tokens for c in outs[1]]
+
+
+class Logged(batcher_mod.Sequence):
+    """A server Sequence that keeps the token ids it took."""
+
+    def push(self, tok):
+        self.__dict__.setdefault("log", []).append(tok)
+        return super().push(tok)
+
+
+@pytest.mark.parametrize("name", ["plain", "chain4"])
+def test_batcher_rows_change_while_a_step_is_in_flight(target, prompts, name, monkeypatch):
+    """Two rows, five requests: finished and cancelled rows are refilled while a step is in
+    flight; every request gets exactly the tokens it gets alone (the cancelled one a prefix)."""
+    monkeypatch.setattr(batcher_mod, "Sequence", Logged)
+    budgets = [14, 6, 9, 11, 7]
+    alone = Generator(target, None, lookahead=False)
+    want = [alone.generate([p], GenerationConfig(max_new_tokens=n, ignore_eos=True))[0].tokens
+            for p, n in zip(prompts, budgets)]
+    b = Batcher(Generator(target, None, speculator(target, name), lookahead=True), 2, 64, SamplingParams())
+    reqs = [Request(p, n, SamplingParams(), ignore_eos=True) for p, n in zip(prompts, budgets)]
+    seqs, waiting, in_flight, steps = {}, list(reqs), [], 0
+
+    def take(outputs):
+        for o in outputs:
+            seqs[id(o.seq.request)] = o.seq
+            if o.finished:
+                b.release(o.row)
+
+    while waiting or b.running:
+        if waiting and b.free_rows:
+            n = len(b.free_rows)
+            take(b.add(waiting[:n]))
+            del waiting[:n]
+        take(b.step())
+        in_flight.append(len(b.dec.in_flight))
+        steps += 1
+        if steps == 3:  # request 0's client goes away mid-stream: its row is freed and refilled
+            b.release(reqs[0].row)
+    assert max(in_flight) == 1  # a step was in flight while rows were released and admitted
+    cut = seqs[id(reqs[0])].log
+    assert 0 < len(cut) < budgets[0] and cut == want[0][:len(cut)]
+    for r, w in zip(reqs[1:], want[1:]):
+        assert seqs[id(r)].log == w and seqs[id(r)].finish_reason == "length"
+    assert not b.dec.in_flight and b.dec.cache.host_lens.sum() == 0  # idle: drained, every slot free
+    b.dec.cache.sync_host()
+    assert b.dec.cache.host_lens.sum() == 0
