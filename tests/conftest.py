@@ -98,5 +98,10 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-# the server tests' module fixtures (tests/serving.py builds on the helpers above)
-from .serving import drafter_dir, model_dir, plain, tiny  # noqa: E402, F401
+# the server tests' module fixtures (tests/serving.py builds on the helpers above); the GPU machine
+# runs tests/test_cuda_graphs.py without the server's test dependencies (openai)
+try:
+    from .serving import drafter_dir, model_dir, plain, tiny  # noqa: E402, F401
+except ModuleNotFoundError as e:
+    if e.name not in ("openai", "uvicorn", "fastapi", "httpx"):
+        raise

@@ -9,7 +9,7 @@ to slots lens[b] + pending + t and see the committed prefix plus whatever `tree_
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +19,17 @@ class AttnMeta:
     slots: torch.Tensor  # (B, T) cache slot of each new token
     mask: torch.Tensor  # (B, 1, T, S) bool: new token t may attend to cache slot s
     rows: torch.Tensor  # (B, T) the batch row of each new token (cache writes)
+    _bias: dict = field(default_factory=dict, repr=False)
+
+    def bias(self, dtype: torch.dtype, groups: int) -> torch.Tensor:
+        """The mask as SDPA's additive bias (0 or -inf) in `dtype`, each query row repeated for the
+        `groups` query heads of a kv head: (B, 1, G*T, S). Made once per forward and shared by the
+        layers; given the bool mask, SDPA converts it in every layer (three kernels each)."""
+        key = (dtype, groups)
+        if key not in self._bias:
+            m = self.mask if groups == 1 else self.mask.repeat(1, 1, groups, 1)
+            self._bias[key] = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
+        return self._bias[key]
 
     @staticmethod
     def build(lens: torch.Tensor, positions: torch.Tensor, kv_len: int, tree_mask: torch.Tensor | None = None,

@@ -39,11 +39,23 @@ class RMSNorm(nn.Module):
 
 
 class RoPE(nn.Module):
-    """Rotary embedding applied to q and k (B, H, T, D) with cos, sin (B, 1, T, D). A module (with
-    no weights) so the runtime can compile it into one kernel."""
+    """Rotary embedding of q (B, T, H, D) and k (B, T, Hkv, D) with cos, sin (B, T, 1, D), returning
+    them as attention reads them: q (B, Hkv, G*T, D), each kv head's G query heads stacked as rows
+    (head h = kv * G + g, row g * T + t), and k (B, Hkv, T, D). A module with no weights, so the
+    runtime compiles it: rotation and relayout become one kernel per tensor instead of a rotation
+    and then a copy."""
+
+    def __init__(self, groups: int):
+        super().__init__()
+        self.groups = groups
 
     def forward(self, q, k, cos, sin):
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        b, t, h, d = q.shape
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        hkv = h // self.groups
+        q = q.view(b, t, hkv, self.groups, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, self.groups * t, d)
+        return q, k.transpose(1, 2)
 
 
 class Rotary(nn.Module):
@@ -64,10 +76,10 @@ class Rotary(nn.Module):
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    """positions (B, T) -> cos, sin (B, 1, T, D) in HF's rotate-half layout."""
+    """positions (B, T) -> cos, sin (B, T, 1, D) in HF's rotate-half layout."""
     freqs = positions[..., None].float() * inv_freq  # (B, T, D/2)
     emb = torch.cat([freqs, freqs], -1)  # (B, T, D)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    return emb.cos().to(dtype)[:, :, None], emb.sin().to(dtype)[:, :, None]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -89,7 +101,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
-        self.rope = RoPE()
+        self.rope = RoPE(self.nh // self.nkv)
         self.fused = False
 
     def fuse(self) -> None:
@@ -113,17 +125,16 @@ class Attention(nn.Module):
         v = v.view(b, t, self.nkv, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
-        q, k = self.rope(q, k, cos, sin)
+        q, k = self.rope(q, k, cos, sin)  # (B, Hkv, G*T, D), (B, Hkv, T, D)
+        v = v.transpose(1, 2)
         if hasattr(cache, "attend"):  # training (train/ttt.py): the stand-in computes the attention itself
-            return self.o_proj(cache.attend(q, k, v).transpose(1, 2).reshape(b, t, self.nh * self.d))
+            o = cache.attend(q.view(b, self.nh, t, self.d), k, v)  # (B, H, T, D)
+            return self.o_proj(o.transpose(1, 2).reshape(b, t, self.nh * self.d))
         keys, vals = cache.update(self.layer, meta.slots, k, v, meta.mask.shape[-1], meta.rows)  # (B, Hkv, S, D)
         # grouped-query attention as plain attention over the kv heads: each kv head's G query heads
-        # become G*T query rows (mask rows repeated), which the fused SDPA kernels accept with a mask
+        # are G*T query rows (mask rows repeated), which the fused SDPA kernels accept with a mask
         g = self.nh // self.nkv
-        q = q.reshape(b, self.nkv, g * t, self.d)  # (B, Hkv, G*T, D)
-        mask = meta.mask if g == 1 else meta.mask.repeat(1, 1, g, 1)  # (B, 1, G*T, S)
-        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)  # (B, Hkv, G*T, D)
+        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=meta.bias(q.dtype, g))  # (B, Hkv, G*T, D)
         return self.o_proj(o.reshape(b, self.nh, t, self.d).transpose(1, 2).reshape(b, t, self.nh * self.d))
 
 
