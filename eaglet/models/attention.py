@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..runtime.compile import fusable
+
 
 @dataclass
 class AttnMeta:
@@ -27,8 +29,7 @@ class AttnMeta:
         layers; given the bool mask, SDPA converts it in every layer (three kernels each)."""
         key = (dtype, groups)
         if key not in self._bias:
-            m = self.mask if groups == 1 else self.mask.repeat(1, 1, groups, 1)
-            self._bias[key] = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
+            self._bias[key] = additive_bias(self.mask, groups, dtype)
         return self._bias[key]
 
     @staticmethod
@@ -39,21 +40,35 @@ class AttnMeta:
         tree_mask: (B, T, pending + T) bool, new token t sees block entry u (its ancestors and itself
         in a tree); None means causal over the new tokens and every pending entry visible.
         """
-        bsz, t = positions.shape
-        u = pending + t
-        dev = positions.device
-        ar_t = torch.arange(t, device=dev)
-        slots = lens[:, None] + pending + ar_t  # (B, T)
-        if tree_mask is None:
-            tree_mask = (ar_t[:, None] + pending >= torch.arange(u, device=dev)[None, :]).expand(bsz, t, u)
-        s = torch.arange(kv_len, device=dev)
-        rel = s[None, :] - lens[:, None]  # (B, S) offset of slot s inside the uncommitted block
-        in_block = (rel >= 0) & (rel < u)
-        seen = tree_mask.gather(2, rel.clamp(0, u - 1)[:, None, :].expand(bsz, t, kv_len))  # (B, T, S)
-        mask = (rel < 0)[:, None, :] | (in_block[:, None, :] & seen)
-        if sliding_window is not None:  # trees are not combined with windows: block keys use their slot
-            key_pos = torch.where((rel >= pending) & in_block,
-                                  positions.gather(1, (rel - pending).clamp(0, t - 1)), s[None, :])  # (B, S)
-            mask &= (positions[:, :, None] - key_pos[:, None, :]) < sliding_window
-        rows = torch.arange(bsz, device=dev)[:, None].expand(bsz, t)
-        return AttnMeta(slots=slots, mask=mask[:, None], rows=rows)
+        return AttnMeta(*attention_mask(lens, positions, kv_len, tree_mask, pending, sliding_window))
+
+
+@fusable
+def attention_mask(lens: torch.Tensor, positions: torch.Tensor, kv_len: int, tree_mask: torch.Tensor | None,
+                   pending: int, sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AttnMeta.build's tensors: slots (B, T), mask (B, 1, T, S), rows (B, T)."""
+    bsz, t = positions.shape
+    u = pending + t
+    dev = positions.device
+    ar_t = torch.arange(t, device=dev)
+    slots = lens[:, None] + pending + ar_t  # (B, T)
+    if tree_mask is None:
+        tree_mask = (ar_t[:, None] + pending >= torch.arange(u, device=dev)[None, :]).expand(bsz, t, u)
+    s = torch.arange(kv_len, device=dev)
+    rel = s[None, :] - lens[:, None]  # (B, S) offset of slot s inside the uncommitted block
+    in_block = (rel >= 0) & (rel < u)
+    seen = tree_mask.gather(2, rel.clamp(0, u - 1)[:, None, :].expand(bsz, t, kv_len))  # (B, T, S)
+    mask = (rel < 0)[:, None, :] | (in_block[:, None, :] & seen)
+    if sliding_window is not None:  # trees are not combined with windows: block keys use their slot
+        key_pos = torch.where((rel >= pending) & in_block,
+                              positions.gather(1, (rel - pending).clamp(0, t - 1)), s[None, :])  # (B, S)
+        mask = mask & ((positions[:, :, None] - key_pos[:, None, :]) < sliding_window)
+    rows = torch.arange(bsz, device=dev)[:, None].expand(bsz, t)
+    return slots, mask[:, None], rows
+
+
+@fusable
+def additive_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (B, 1, T, S) as an additive bias (0 or -inf), rows repeated: (B, 1, G*T, S)."""
+    m = mask if groups == 1 else mask.repeat(1, 1, groups, 1)
+    return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, float("-inf"))

@@ -1,23 +1,57 @@
-"""Where torch.compile is applied, and only there: on the GPU, the elementwise pieces of every
-layer (RMSNorm with its fused residual add, RoPE on q and k, the MLP's gate-up / SiLU·mul / down)
-each become one generated kernel instead of five to ten small ones. Matmuls and attention stay
-cuBLAS and SDPA. Decoding at small batch is bound by kernel count, not bytes, so this is where
-the time goes (BENCHMARKS.md has the measurement). Shapes are dynamic, so one compile serves
-every batch size and token count; the CUDA graphs are captured around the compiled kernels."""
+"""Where torch.compile is applied, and only there (on the GPU):
+
+- modules: the elementwise pieces of every layer (RMSNorm with its fused residual add, RoPE with
+  the grouped-query relayout, the MLP's gate-up / SiLU·mul / down) each become one generated kernel
+  instead of five to ten small ones. Matmuls and attention stay cuBLAS and SDPA.
+- functions marked `@fusable`: the index arithmetic around the model (attention masks, greedy
+  acceptance), dozens of tiny kernels per speculation step each, become a few.
+
+Decoding at small batch is bound by kernel count, not bytes, so this is where the time goes
+(BENCHMARKS.md has the measurements). Shapes are dynamic, so one compile serves every batch size
+and token count; the CUDA graphs are captured around the compiled kernels. On the CPU, or with
+`--no-compile`, everything runs as written.
+"""
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
 
-from ..models.llama import MLP, RMSNorm, RoPE
+_functions_on = False  # set once a model is compiled for the GPU
+
+
+def fusable(fn):
+    """Run `fn` (a pure function of tensors and ints) compiled when its first argument is on the
+    GPU and compilation is on; as written otherwise."""
+    compiled = None
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        nonlocal compiled
+        if _functions_on and args[0].is_cuda:
+            if compiled is None:
+                compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+            return compiled(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return run
+
+
+def enable_functions(on: bool = True) -> None:
+    global _functions_on
+    _functions_on = on
 
 
 def compile_kernels(model: nn.Module) -> int:
-    """Compile the fusable modules of `model` in place (CUDA only); returns how many."""
+    """Compile the fusable modules of `model` in place (CUDA only) and turn `@fusable` functions on;
+    returns how many modules."""
+    from ..models.llama import MLP, RMSNorm, RoPE
+
     if next(model.parameters()).device.type != "cuda":
         return 0
     # one entry per (module code, specialization: size-1 dims, residual or not), shared by all layers
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    enable_functions()
     n = 0
     for m in model.modules():
         if isinstance(m, (RMSNorm, RoPE, MLP)):

@@ -1,5 +1,5 @@
 """Acceptance: which drafted nodes the target agrees with, and the bonus token. Pure functions of
-the proposal and the target's outputs; imports nothing from the engine.
+the proposal and the target's outputs; imports nothing from the engine (but the compile switch).
 
 - greedy: the longest root-to-leaf path whose every token is the target's argmax at its parent,
   then the target's argmax after the last accepted node (the bonus).
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..runtime.compile import fusable
 from ..sampling import sample_probs
 from .tree import DraftProposal
 
@@ -35,32 +36,42 @@ class VerifyResult:
 
 
 def _finish(prop: DraftProposal, path: list[torch.Tensor], count: torch.Tensor, bonus: torch.Tensor) -> VerifyResult:
-    path_t = torch.stack(path, 1)  # (B, D+1)
-    drafted = prop.tokens.gather(1, path_t)  # (B, D+1): root, then accepted drafts
+    return VerifyResult(*emitted_path(prop.tokens, torch.stack(path, 1), count, bonus))
+
+
+def emitted_path(tokens: torch.Tensor, path: torch.Tensor, count: torch.Tensor, bonus: torch.Tensor):
+    """VerifyResult's fields from the accepted path (B, D+1) of node indices, root first."""
+    drafted = tokens.gather(1, path)  # (B, D+1): root, then accepted drafts
     emitted = torch.cat([drafted[:, 1:], drafted[:, :1]], 1)  # shift left: drafts after the root
-    ar = torch.arange(path_t.shape[1], device=path_t.device)[None]
+    ar = torch.arange(path.shape[1], device=path.device)[None]
     emitted = torch.where(ar == (count - 1)[:, None], bonus[:, None], emitted)
-    return VerifyResult(path=path_t, count=count, tokens=emitted, bonus=bonus)
+    return path, count, emitted, bonus
 
 
 def greedy_verify(prop: DraftProposal, target_argmax: torch.Tensor, max_depth: int) -> VerifyResult:
     """target_argmax (B, N): the target's argmax next token at every node."""
-    b = prop.tokens.shape[0]
-    dev = prop.tokens.device
+    return VerifyResult(*greedy_accept(prop.tokens, prop.parents, prop.valid, target_argmax, max_depth))
+
+
+@fusable
+def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, target_argmax: torch.Tensor,
+                  max_depth: int):
+    b = tokens.shape[0]
+    dev = tokens.device
     cur = torch.zeros(b, dtype=torch.long, device=dev)
     alive = torch.ones(b, dtype=torch.bool, device=dev)
     count = torch.ones(b, dtype=torch.long, device=dev)
     path = [cur]
     for _ in range(max_depth):
         want = target_argmax.gather(1, cur[:, None])  # (B, 1)
-        match = (prop.parents == cur[:, None]) & (prop.tokens == want) & prop.valid  # (B, N)
+        match = (parents == cur[:, None]) & (tokens == want) & valid  # (B, N)
         ok = match.any(1) & alive
         nxt = match.to(torch.uint8).argmax(1)  # first matching child
         cur = torch.where(ok, nxt, cur)
         path.append(torch.where(ok, nxt, torch.zeros_like(nxt)))
-        count += ok
+        count = count + ok
         alive = ok
-    return _finish(prop, path, count, target_argmax.gather(1, cur[:, None])[:, 0])
+    return emitted_path(tokens, torch.stack(path, 1), count, target_argmax.gather(1, cur[:, None])[:, 0])
 
 
 def sample_verify(prop: DraftProposal, p: torch.Tensor, max_depth: int, max_children: int,

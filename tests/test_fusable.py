@@ -1,0 +1,51 @@
+"""The functions runtime/compile.py compiles on the GPU (`@fusable`) trace whole (fullgraph, dynamic
+shapes) and compute what they compute as written: checked here with the CPU backend."""
+import pytest
+import torch
+
+from eaglet.models.attention import additive_bias, attention_mask
+from eaglet.spec.verify import greedy_accept
+
+
+def compiled(fn):
+    torch._dynamo.reset()
+    return torch.compile(fn.__wrapped__, dynamic=True, fullgraph=True)
+
+
+def test_attention_mask_compiled_equals_eager():
+    g = torch.Generator().manual_seed(0)
+    fn = compiled(attention_mask)
+    for bsz, t, pending, kv_len, window in [(2, 1, 0, 16, None), (3, 4, 2, 24, None), (2, 5, 0, 32, 6)]:
+        lens = torch.randint(0, kv_len - pending - t, (bsz,), generator=g)
+        positions = lens[:, None] + pending + torch.arange(t)
+        trees = [None] if window else [None, torch.rand(bsz, t, pending + t, generator=g) < 0.5]
+        for tree in trees:
+            want = attention_mask.__wrapped__(lens, positions, kv_len, tree, pending, window)
+            got = fn(lens, positions, kv_len, tree, pending, window)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+    mask = torch.rand(2, 1, 3, 16, generator=g) < 0.5
+    for groups in (1, 3):
+        assert torch.equal(compiled(additive_bias)(mask, groups, torch.float32),
+                           additive_bias.__wrapped__(mask, groups, torch.float32))
+
+
+@pytest.mark.parametrize("n,depth", [(6, 5), (8, 3)])
+def test_greedy_accept_compiled_equals_eager(n, depth):
+    g = torch.Generator().manual_seed(n)
+    fn = compiled(greedy_accept)
+    for _ in range(3):
+        bsz, vocab = 4, 5  # a small vocabulary: drafts often match the target
+        tokens = torch.randint(0, vocab, (bsz, n), generator=g)
+        parents = torch.cat([torch.full((bsz, 1), -1), torch.stack([torch.randint(0, i, (bsz,), generator=g)
+                                                                    for i in range(1, n)], 1)], 1)
+        valid = torch.rand(bsz, n, generator=g) < 0.9
+        valid[:, 0] = True
+        target = torch.randint(0, vocab, (bsz, n), generator=g)
+        for b in range(bsz):  # the target agrees with most drafted children
+            for i in range(1, n):
+                if torch.rand(1, generator=g) < 0.7:
+                    target[b, parents[b, i]] = tokens[b, i]
+        want = greedy_accept.__wrapped__(tokens, parents, valid, target, depth)
+        got = fn(tokens, parents, valid, target, depth)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert want[1].max() > 1  # some row accepted a draft
