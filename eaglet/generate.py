@@ -79,7 +79,8 @@ class SeqState:
 
 
 class PlainDecoder(SlotDecoder):
-    """One target forward per token (one graph per attention span)."""
+    """One target forward per token (one graph per row bucket and attention span)."""
+    row_tensors = ("limit", "last")
 
     def __init__(self, model: CausalLM, batch: int, max_len: int, sampling: SamplingParams,
                  graphs: bool = True, timer=None, lookahead: bool | None = None):
@@ -110,7 +111,7 @@ class PlainDecoder(SlotDecoder):
     def _launch(self) -> torch.Tensor:
         kv = self.span_of(self.cache, 1)
         with self.phase("decode"):
-            return self.graphs.run(("decode", kv), self._decode)
+            return self.graphs.run(("decode", self.batch, kv), self._decode)
 
     def _collect(self, rows, same):
         emitted = [[tok] if active and ok else [] for (tok, active), ok in zip(rows, same)]

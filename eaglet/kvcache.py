@@ -1,7 +1,8 @@
 """Preallocated KV cache for a batch of sequences (slots), with the operations speculation needs.
 
-Layout: one tensor for K and one for V, each (layers, batch, kv_heads, max_len, head_dim), so a
-layer's view is directly what attention reads. Each row b has a committed length `lens[b]` on the
+Layout: one tensor `kv` (layers, 2, batch, kv_heads, max_len, head_dim); `k` and `v` are its two
+halves, so a layer's view of each is directly what attention reads, and a forward writes a
+layer's new keys and values together, in one indexed store. Each row b has a committed length `lens[b]` on the
 device and its mirror `host_lens[b]` on the host (so attention spans are known without a sync).
 A forward writes its T new tokens into slots lens[b] .. lens[b]+T-1 (see AttnMeta) without
 committing them; the caller then commits all of them (`advance`), only an accepted subset
@@ -21,9 +22,8 @@ import torch
 class KVCache:
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
-        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv = torch.zeros(num_layers, 2, batch, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.k, self.v = self.kv[:, 0], self.kv[:, 1]  # (layers, batch, kv_heads, max_len, head_dim) each
         self.lens = torch.zeros(batch, dtype=torch.long, device=device)  # committed tokens per row
         self.host_lens = np.zeros(batch, dtype=np.int64)  # the same on the host
         self.max_len = max_len
@@ -40,15 +40,15 @@ class KVCache:
     def view(self, lo: int, hi: int) -> "KVCache":
         """Rows lo..hi-1 as a cache of their own; writes and commits land in this cache."""
         c = object.__new__(KVCache)
-        c.k, c.v, c.lens, c.host_lens = self.k[:, lo:hi], self.v[:, lo:hi], self.lens[lo:hi], self.host_lens[lo:hi]
+        c.kv, c.lens, c.host_lens = self.kv[:, :, lo:hi], self.lens[lo:hi], self.host_lens[lo:hi]
+        c.k, c.v = c.kv[:, 0], c.kv[:, 1]
         c.max_len, c.kv_limit = self.max_len, None
         return c
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
-        """Store new keys/values. slots: (B, T) cache indices; k, v: (B, Hkv, T, D); rows: (B, T)
-        the row index of each (AttnMeta builds it once per forward)."""
-        self.k[layer][rows, :, slots] = k.transpose(1, 2)  # indexed view is (B, T, Hkv, D)
-        self.v[layer][rows, :, slots] = v.transpose(1, 2)
+    def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store new keys and values. slots: (B, T) cache indices; kv: (B, T, 2, Hkv, D), keys then
+        values; rows: (B, T) the row index of each (AttnMeta builds it once per forward)."""
+        self.kv[layer][:, rows, :, slots] = kv  # the indexed view is (B, T, 2, Hkv, D)
 
     def kv_len(self, new: int) -> int:
         """Cache slots a forward of `new` more tokens (pending ones included) must attend over."""
@@ -56,10 +56,10 @@ class KVCache:
             return self.kv_limit
         return int(self.host_lens.max()) + new
 
-    def update(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int,
-               rows: torch.Tensor):
-        """Write new keys/values, return this layer's first kv_len slots to attend over."""
-        self.write(layer, slots, k, v, rows)
+    def update(self, layer: int, slots: torch.Tensor, kv: torch.Tensor, kv_len: int, rows: torch.Tensor):
+        """Write new keys/values (B, T, 2, Hkv, D), return this layer's first kv_len slots of keys
+        and of values to attend over, (B, Hkv, kv_len, D) each."""
+        self.write(layer, slots, kv, rows)
         b = slots.shape[0]
         return self.k[layer, :b, :, :kv_len], self.v[layer, :b, :, :kv_len]
 
@@ -84,9 +84,8 @@ class KVCache:
         src = self.lens[:, None] + src_off  # (B, M)
         dst = self.lens[:, None] + ar
         b = torch.arange(bsz, device=index.device)[:, None].expand_as(src)
-        for t in (self.k, self.v):
-            moved = t[:, b, :, src]  # (B, M, L, Hkv, D): gathered before any write
-            t[:, b, :, dst] = moved
+        moved = self.kv[:, :, b, :, src]  # (B, M, L, 2, Hkv, D): gathered before any write
+        self.kv[:, :, b, :, dst] = moved
         self.lens += count
 
     def commit_host(self, counts: list[int] | np.ndarray) -> None:
@@ -121,8 +120,7 @@ class AppendKV:
         self.k: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self.v: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
 
-    def update(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int,
-               rows: torch.Tensor | None = None):
-        self.k[layer].append(k)
-        self.v[layer].append(v)
+    def update(self, layer: int, slots: torch.Tensor, kv: torch.Tensor, kv_len: int, rows: torch.Tensor | None = None):
+        self.k[layer].append(kv[:, :, 0].transpose(1, 2))  # (B, Hkv, T, D)
+        self.v[layer].append(kv[:, :, 1].transpose(1, 2))
         return torch.cat(self.k[layer], 2)[:, :, :kv_len], torch.cat(self.v[layer], 2)[:, :, :kv_len]

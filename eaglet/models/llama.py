@@ -40,22 +40,22 @@ class RMSNorm(nn.Module):
 
 class RoPE(nn.Module):
     """Rotary embedding of q (B, T, H, D) and k (B, T, Hkv, D) with cos, sin (B, T, 1, D), returning
-    them as attention reads them: q (B, Hkv, G*T, D), each kv head's G query heads stacked as rows
-    (head h = kv * G + g, row g * T + t), and k (B, Hkv, T, D). A module with no weights, so the
-    runtime compiles it: rotation and relayout become one kernel per tensor instead of a rotation
-    and then a copy."""
+    what attention and the cache take: q (B, Hkv, G*T, D), each kv head's G query heads stacked as
+    rows (head h = kv * G + g, row g * T + t), and keys with values (B, T, 2, Hkv, D). A module with
+    no weights, so the runtime compiles it: rotation and relayout become one kernel per output
+    instead of a rotation and then a copy."""
 
     def __init__(self, groups: int):
         super().__init__()
         self.groups = groups
 
-    def forward(self, q, k, cos, sin):
+    def forward(self, q, k, v, cos, sin):
         b, t, h, d = q.shape
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         hkv = h // self.groups
         q = q.view(b, t, hkv, self.groups, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, self.groups * t, d)
-        return q, k.transpose(1, 2)
+        return q, torch.stack([k, v], 2)
 
 
 class Rotary(nn.Module):
@@ -125,12 +125,12 @@ class Attention(nn.Module):
         v = v.view(b, t, self.nkv, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(q, k, cos, sin)  # (B, Hkv, G*T, D), (B, Hkv, T, D)
-        v = v.transpose(1, 2)
+        q, kv = self.rope(q, k, v, cos, sin)  # (B, Hkv, G*T, D), (B, T, 2, Hkv, D)
         if hasattr(cache, "attend"):  # training (train/ttt.py): the stand-in computes the attention itself
+            k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # (B, Hkv, T, D)
             o = cache.attend(q.view(b, self.nh, t, self.d), k, v)  # (B, H, T, D)
             return self.o_proj(o.transpose(1, 2).reshape(b, t, self.nh * self.d))
-        keys, vals = cache.update(self.layer, meta.slots, k, v, meta.mask.shape[-1], meta.rows)  # (B, Hkv, S, D)
+        keys, vals = cache.update(self.layer, meta.slots, kv, meta.mask.shape[-1], meta.rows)  # (B, Hkv, S, D)
         # grouped-query attention as plain attention over the kv heads: each kv head's G query heads
         # are G*T query rows (mask rows repeated), which the fused SDPA kernels accept with a mask
         g = self.nh // self.nkv

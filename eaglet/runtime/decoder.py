@@ -14,11 +14,17 @@ leaving the GPU idle. A row that stops on EOS or a stop string runs one step pas
 are dropped. A row released or re-admitted while a step was in flight gets nothing from that step
 (`epoch`). `step(limit)` is the synchronous form: set every row's limit, launch, collect.
 
+A step runs only over rows 0..k-1, k the smallest bucket (1, 2, 4, ..., batch) that holds every
+row with tokens left (`rows_in_use`): a server with room for 64 requests and one running steps one
+row, not 64. `prefix(k)` is the decoder over those rows: the same storage, sliced (`row_tensors`,
+the caches), with its own graphs.
+
 Subclasses implement `_admit_run` (prefill a run of adjacent rows), `_launch` (run one step's
 graphs, return its packed output) and `_collect` (the host's part of a step).
 """
 from __future__ import annotations
 
+import copy
 from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -62,8 +68,17 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
+def row_buckets(batch: int) -> list[int]:
+    """The row counts steps run over: powers of two below `batch`, then `batch`."""
+    out = [1]
+    while out[-1] * 2 < batch:
+        out.append(out[-1] * 2)
+    return out + [batch] if batch > 1 else out
+
+
 class SlotDecoder:
     tokens_per_step = 1  # the most tokens a row can emit in one step (spans allow for steps in flight)
+    row_tensors: tuple[str, ...] = ("limit",)  # per-row device state of a step (sliced by prefix)
 
     def __init__(self, model: CausalLM, batch: int, max_len: int, sampling: SamplingParams,
                  generator: torch.Generator | None, graphs: bool = True, timer: PhaseTimer | None = None,
@@ -77,6 +92,7 @@ class SlotDecoder:
         self.epoch = np.zeros(batch, dtype=np.int64)  # bumped when a row is admitted or released
         self.live = np.zeros(batch, dtype=bool)  # rows the host last gave a limit > 0
         self.in_flight: deque[InFlight] = deque()
+        self._views: dict[int, SlotDecoder] = {}  # prefix(k) for each k used
         # launch ahead of collect: on the GPU by default (on the CPU a step runs while it is launched)
         self.lookahead = p.device.type == "cuda" if lookahead is None else lookahead
 
@@ -102,10 +118,32 @@ class SlotDecoder:
         cache.kv_limit = span(int(cache.host_lens.max()) + room + lag, cache.max_len)
         return cache.kv_limit
 
+    # ---- rows in use ----
+    def rows_in_use(self) -> int:
+        """The bucket of rows a step must cover: every row the host has given tokens to emit."""
+        live = np.flatnonzero(self.live)
+        n = int(live[-1]) + 1 if len(live) else 1
+        return next(b for b in row_buckets(self.batch) if b >= n)
+
+    def prefix(self, k: int) -> "SlotDecoder":
+        """This decoder over rows 0..k-1 (made once per k; it shares this one's storage)."""
+        if k == self.batch:
+            return self
+        if k not in self._views:
+            self._views[k] = self._make_view(k)
+        return self._views[k]
+
+    def _make_view(self, k: int) -> "SlotDecoder":
+        v = copy.copy(self)
+        for name in self.row_tensors:
+            setattr(v, name, getattr(self, name)[:k])
+        v.cache = self.cache.view(0, k)
+        return v
+
     # ---- steps ----
     def launch(self) -> None:
         """Enqueue one step of every row with tokens left; its output starts for the host."""
-        out = self._launch()
+        out = self.prefix(self.rows_in_use())._launch()
         if out.is_cuda:
             host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
             host.copy_(out, non_blocking=True)
@@ -122,7 +160,9 @@ class SlotDecoder:
         f = self.in_flight.popleft()
         if f.done is not None:
             f.done.synchronize()  # sync: the one per step
-        return self._collect(f.out.tolist(), (self.epoch == f.epoch).tolist())
+        rows = f.out.tolist()
+        rows += [[0] * len(rows[0])] * (self.batch - len(rows))  # rows past the step's prefix: frozen
+        return self._collect(rows, (self.epoch == f.epoch).tolist())
 
     def drain(self) -> None:
         """Collect and drop every step in flight."""

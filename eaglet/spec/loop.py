@@ -35,6 +35,7 @@ def store(dst: DraftProposal | None, src: DraftProposal) -> DraftProposal:
 
 
 class SpecDecoder(SlotDecoder):
+    row_tensors = ("limit", "roots")
     def __init__(self, model: CausalLM, drafter: Drafter, spec: SpecConfig, batch: int, max_len: int,
                  sampling: SamplingParams, generator: torch.Generator | None = None, trace: list | None = None,
                  graphs: bool = True, timer=None, lookahead: bool | None = None):
@@ -50,6 +51,15 @@ class SpecDecoder(SlotDecoder):
         # cache slots one step may touch past the committed length, target and drafter
         self.room = spec.draft_tokens
         self.drafter_room = spec.steps + 1 + spec.steps * spec.topk + 1
+
+    def rows_in_use(self) -> int:
+        # a drafter that cannot work on a prefix of the rows (no `rows`) steps the whole batch
+        return super().rows_in_use() if hasattr(self.drafter, "rows") else self.batch
+
+    def _make_view(self, k: int) -> "SpecDecoder":
+        v = super()._make_view(k)
+        v.drafter, v.prop = self.drafter.rows(k), None  # the view's proposal buffers are its own
+        return v
 
     def _admit_run(self, lo, hi, prompts):
         h, taps = prefill(self.model, self.cache.view(lo, hi), prompts, capture=self.drafter.taps)  # (b, H)
@@ -98,7 +108,7 @@ class SpecDecoder(SlotDecoder):
         """One draft-verify-accept-commit round, enqueued."""
         if self.trace is not None:
             self._trace_limit = self.limit.tolist()  # sync: profiling only (no lookahead with a trace)
-        key = (self.span_of(self.cache, self.room),)
+        key = (self.batch, self.span_of(self.cache, self.room))
         dc = getattr(self.drafter, "cache", None)
         if dc is not None:
             key += (self.span_of(dc, self.drafter_room),)

@@ -39,3 +39,7 @@ class Drafter(Protocol):
 
     def release(self, rows: list[int]) -> None:
         """The rows' sequences are gone; their state is free."""
+
+    def rows(self, k: int) -> "Drafter":
+        """The drafter over rows 0..k-1 only (sharing this one's state): what a step over the first
+        k rows of the batch proposes with and commits to."""

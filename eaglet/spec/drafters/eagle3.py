@@ -20,6 +20,7 @@ from .expand import NeuralDrafter
 
 class Eagle3Drafter(NeuralDrafter):
     feeds_state = True
+    row_tensors = NeuralDrafter.row_tensors + ("pend_feats",)
 
     def __init__(self, head: Eagle3Head, target: CausalLM, spec: SpecConfig, sampling: SamplingParams,
                  batch: int, max_len: int, embed: torch.Tensor | None = None, generator=None):

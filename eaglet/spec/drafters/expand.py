@@ -15,6 +15,8 @@ attending to the committed prefix and its own ancestors.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from ...config import SpecConfig
@@ -26,6 +28,7 @@ from ..tree import DraftProposal, chain, select_tree
 
 class NeuralDrafter:
     graphable = True
+    row_tensors: tuple[str, ...] = ("root_h", "pend_ids", "pend_count")  # sliced by rows()
     feeds_state = False  # True: draft steps take their parent's hidden state (EAGLE-3)
     window: int | None = None  # the drafter's sliding attention window, if any
 
@@ -68,6 +71,14 @@ class NeuralDrafter:
         return q
 
     # ---- state ----
+    def rows(self, k: int) -> "NeuralDrafter":
+        """This drafter over rows 0..k-1: the same storage, sliced."""
+        v = copy.copy(self)
+        for name in self.row_tensors:
+            setattr(v, name, getattr(self, name)[:k])
+        v.cache = self.cache.view(0, k)
+        return v
+
     def _run_block(self, cache: KVCache, ids, feats) -> torch.Tensor:
         positions = cache.lens[:, None] + torch.arange(ids.shape[1], device=ids.device)  # (B, T)
         meta = AttnMeta.build(cache.lens, positions, cache.kv_len(ids.shape[1]), sliding_window=self.window)

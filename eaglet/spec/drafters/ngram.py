@@ -72,15 +72,18 @@ class NgramDrafter:
         for r in rows:
             self.hist[r] = []
 
+    def rows(self, k: int) -> "NgramDrafter":
+        return self  # propose drafts for as many rows as it is given roots
+
     def propose(self, roots: torch.Tensor) -> DraftProposal:
         n = self.spec.draft_tokens
-        b = len(self.hist)
+        b = roots.shape[0]
         tokens = torch.zeros(b, n, dtype=torch.long)
         parents = torch.zeros(b, n, dtype=torch.long)
         valid = torch.zeros(b, n, dtype=torch.bool)
         parents[:, 0] = -1
         valid[:, 0] = True
-        for i, hist in enumerate(self.hist):
+        for i, hist in enumerate(self.hist[:b]):
             conts = find_continuations(hist, self.spec, 1 if self.spec.is_chain else self.spec.topk)
             toks, pars = build_trie(conts, n)
             tokens[i, 1:1 + len(toks)] = torch.tensor(toks, dtype=torch.long)
