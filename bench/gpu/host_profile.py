@@ -1,0 +1,54 @@
+"""Where the host's time goes while eaglet decodes SmolLM2 on the GPU (plain and an EAGLE-3 chain):
+cProfile over a few generate calls after warm-up, the top functions by own time, and how much of
+the wall time the host spent waiting for the GPU (CUDA event synchronize). A probe, not part of
+the package.
+
+  python3 bench/gpu/host_profile.py MODEL.gguf DRAFTER_DIR OUT_DIR
+"""
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import torch
+
+from eaglet.config import SpecConfig
+from eaglet.generate import GenerationConfig, Generator
+from eaglet.spec.speculator import load_speculator
+from eaglet.weights import load_model
+
+
+def main(model_path: str, draft: str, out_dir: str) -> None:
+    loaded = load_model(model_path, "bfloat16", "cuda")
+    model, tok = loaded.model, loaded.tokenizer
+    ids = tok.apply_chat([{"role": "user", "content": "Explain in two sentences why the sky is blue."}])
+    cfg = GenerationConfig(max_new_tokens=128, ignore_eos=True)
+    sp = load_speculator(SpecConfig("eagle3", draft, steps=5), model, model_path)
+    report = []
+    for name, gen in (("plain", Generator(model, tok)), ("eagle3-chain5", Generator(model, tok, sp))):
+        for _ in range(3):
+            gen.generate([ids], cfg)
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        for _ in range(5):
+            gen.generate([ids], cfg)
+        torch.cuda.synchronize()
+        prof.disable()
+        wall = time.perf_counter() - t0
+        s = io.StringIO()
+        st = pstats.Stats(prof, stream=s)
+        waits = sum(v[2] for k, v in st.stats.items() if k[2] in ("synchronize", "tolist"))
+        st.sort_stats("tottime").print_stats(28)
+        report.append(f"== {name}: wall {wall * 1e3:.1f} ms for 5 x 128 tokens (under cProfile); "
+                      f"waiting in synchronize/tolist {waits * 1e3:.1f} ms\n{s.getvalue()}")
+    text = "\n".join(report)
+    print(text)
+    with open(f"{out_dir}/host-profile.txt", "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
