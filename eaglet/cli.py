@@ -233,8 +233,9 @@ def add_serve_parsers(sub) -> None:
                          "chooses for its size (the largest profiled batch size <= the requests it starts with); "
                          "the setting replaces --spec-steps/--spec-topk/--spec-draft-tokens")
     sv.add_argument("--spec-max-batch", type=int, metavar="N",
-                    help="speculate only in batches that start with at most N requests, decode plain above "
-                         "(default 8 without --spec-policy, no cap with it; 0: never speculate)")
+                    help="speculate only in batches that start with at most N requests (the load), decode "
+                         "plain above (default 1 without --spec-policy: measured, speculation paid only for a "
+                         "lone request, BENCHMARKS.md; no cap with a profile; 0: never speculate)")
     sv.add_argument("--eager", action="store_true", help="no CUDA graphs")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -472,7 +473,7 @@ def cmd_serve(args) -> int:
         if profiled and profiled != spec.method:
             print(f"[eaglet] warning: {args.spec_policy} profiled the {profiled} drafter; serving {spec.method}",
                   file=sys.stderr)
-    max_spec = args.spec_max_batch if args.spec_max_batch is not None or table else 8
+    max_spec = args.spec_max_batch if args.spec_max_batch is not None or table else 1
     loaded = load_model(args.model, args.dtype, args.device)
     if loaded.tokenizer is None:
         raise EagletError(f"{loaded.path}: the model directory has no tokenizer files")

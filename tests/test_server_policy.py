@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 import pytest
 import uvicorn
@@ -13,6 +14,7 @@ import uvicorn
 from eaglet.cli import main
 from eaglet.config import SpecConfig
 from eaglet.generate import Generator
+from eaglet.server.engine import LOAD_WINDOW, LoadMeter
 from eaglet.server.policy import SpecPolicy, load_profile_policy
 from eaglet.spec.speculator import Speculator
 
@@ -123,6 +125,7 @@ def test_spec_policy_speculates_alone_and_serves_a_burst_plain(tiny, model_dir, 
         assert m["eaglet:spec_policy_speculating"] == 0 and m["eaglet:spec_policy_batch_size"] == 4
         assert m["eaglet:spec_policy_setting{setting=plain}"] == 1
         assert m["eaglet:spec_policy_setting{setting=chain:2}"] == 0
+        time.sleep(LOAD_WINDOW + 0.1)  # the policy remembers the burst's load this long
         alone()  # the next request alone speculates again
     assert "a batch of 4 requests starts plain (was chain:2)" in caplog.text
     assert "a batch of 1 request starts speculating with chain:2 (was plain)" in caplog.text
@@ -183,3 +186,16 @@ def test_spec_policy_flags_are_checked(tmp_path, case, capsys):
     assert {"missing": "does not exist", "not json": "not JSON", "not a profile": "not a profile record",
             "no costs": "without the costs and acceptance", "no drafter": "none is configured",
             "negative cap": "--spec-max-batch must be >= 0"}[case] in err
+
+
+def test_load_meter_keeps_the_peak_of_its_window():
+    m = LoadMeter(window=2.0)
+    assert m.peak(0.0) == 0
+    for t, n in [(0.0, 1), (0.5, 16), (1.0, 3), (1.5, 0)]:
+        m.note(n, t)
+    assert m.peak(1.6) == 16  # closed-loop clients between batches: the burst is remembered
+    assert m.peak(2.4) == 16
+    assert m.peak(2.6) == 3  # the 16 left the window; the 3 at 1.0 is now the largest
+    assert m.peak(3.2) == 0
+    m.note(2, 4.0)
+    assert m.peak(4.0) == 2

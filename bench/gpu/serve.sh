@@ -11,9 +11,10 @@ out=${OUT:-/tmp}/records
 mkdir -p "$out"
 gunzip -c /tmp/stage/sharegpt_first_turns.json.gz > /tmp/sharegpt.json
 PORT=8031
-for spec in eagle3 none; do
+for spec in ${SPECS:-eagle3 none}; do
+  draft=; [ $spec = eagle3 ] && draft="--draft eaglet/drafters/smollm2-135m-instruct-eagle3"
   python3 -m eaglet serve --model $GGUF --port $PORT --max-batch ${MAX_BATCH:-64} --max-model-len 1024 --spec $spec \
-    --log-level warning &
+    $draft --log-level warning &
   server=$!
   for i in $(seq 180); do  # model load and compile: up to 3 minutes
     python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health')" 2>/dev/null && break

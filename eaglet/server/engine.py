@@ -14,8 +14,11 @@ heads the queue nothing more joins, the batch drains, and a Batcher for the new 
 A request with a seed runs alone in a fresh one-row batch, so the same seed gives the same text.
 
 Speculation (policy.py): a batch decodes plain or with one speculation setting, chosen by the
-SpecPolicy when the batch starts from the requests it starts with (those admitted plus those of
-its group still waiting, capped at its rows). An idle batch whose choice would now differ is
+SpecPolicy when the batch starts from the load: the requests it starts with (those admitted plus
+those of its group still waiting, capped at its rows), or the most requests the server held at
+once in the last LOAD_WINDOW seconds if that is more. Clients that send their next request when
+the last one ends leave a moment with few requests between batches; by the instant count alone a
+batch would start speculating there and soon have to drain. An idle batch whose choice would now differ is
 replaced by a new one. A speculating batch that requests wait to join stops taking them when the
 grown batch (running + waiting of its group, capped) is one the policy decodes plain: it drains,
 and a plain batch starts with everyone waiting. Each setting has its own Generator (one model),
@@ -49,6 +52,29 @@ from .policy import PLAIN, SpecPolicy, setting_name
 from .protocol import APIError
 
 log = logging.getLogger("eaglet.server")
+LOAD_WINDOW = 2.0  # seconds the policy remembers a load peak for
+
+
+class LoadMeter:
+    """The most requests (running + waiting) seen at once over the last `window` seconds."""
+
+    def __init__(self, window: float = LOAD_WINDOW):
+        self.window = window
+        self.samples: deque[tuple[float, int]] = deque()  # (time, count), counts decreasing
+
+    def note(self, n: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        while self.samples and self.samples[-1][1] <= n:  # a later, larger count outlives smaller ones
+            self.samples.pop()
+        self.samples.append((now, n))
+        while self.samples[0][0] < now - self.window:
+            self.samples.popleft()
+
+    def peak(self, now: float | None = None) -> int:
+        now = time.monotonic() if now is None else now
+        while self.samples and self.samples[0][0] < now - self.window:
+            self.samples.popleft()
+        return self.samples[0][1] if self.samples else 0
 
 
 @dataclass(eq=False)
@@ -100,6 +126,7 @@ class Engine:
         self.cancels: list[Request] = []
         self.batcher: Batcher | None = None
         self.outbox: list[tuple[Request, Chunk, bool]] = []  # engine thread: chunks to send this iteration
+        self.load = LoadMeter()  # engine thread, under the lock
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="eaglet-engine", daemon=True)
         metrics.kv(0, slots * max_len)
@@ -191,6 +218,7 @@ class Engine:
                 if self.stopping:
                     return
                 cancels, self.cancels = self.cancels, []
+                self.load.note(len(self.waiting) + (self.batcher.running if self.batcher else 0))
                 group, admit, setting, n = self._take()
                 self.metrics.waiting.labels(self.metrics.name).set(len(self.waiting))
             for req in cancels:
@@ -231,7 +259,7 @@ class Engine:
                 return None, [], None, 0
             free = len(self.batcher.free_rows)
             return None, [self.waiting.popleft() for _ in range(min(free, run))], None, 0
-        n = min(self.slots, run)
+        n = min(self.slots, max(run, self.load.peak()))
         setting = self.policy.choose(n)
         group = None if same and setting == self.setting and not self.draining else head
         free = self.slots if group is not None else len(self.batcher.free_rows)
