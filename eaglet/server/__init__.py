@@ -1,3 +1,4 @@
 """The OpenAI-compatible HTTP server (`eaglet serve`): protocol.py (request and response models, the
 OpenAI error shape), batcher.py (the decoding core: rows of one decoder), engine.py (the engine
-thread, its bounded queue and cancellation), metrics.py (Prometheus), app.py (FastAPI routes, SSE)."""
+thread, its bounded queue and cancellation), policy.py (speculate or not per batch), metrics.py
+(Prometheus), app.py (FastAPI routes, SSE), commands.py (`eaglet serve`, `eaglet bench-serve`)."""

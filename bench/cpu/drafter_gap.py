@@ -1,0 +1,77 @@
+"""Why τ is lower than the training accuracy suggests: on the same MT-bench continuations, the
+drafter's training-time-test accuracy per step (what train-draft reports on its batches) next to
+the acceptance the speculation loop measures, and how often the target's choice is outside the
+draft vocabulary (never draftable, and not counted by the training accuracy). A probe, CPU.
+
+  .venv/bin/python bench/cpu/drafter_gap.py [--num-prompts 16] [--max-new-tokens 128] [--out bench/results]
+"""
+import argparse
+
+import torch
+
+from eaglet.config import SpecConfig
+from eaglet.datasets import mtbench_prompts
+from eaglet.generate import GenerationConfig, Generator
+from eaglet.models.attention import AttnMeta
+from eaglet.kvcache import AppendKV
+from eaglet.perf.record import write_record
+from eaglet.spec.speculator import bundled_drafter, load_speculator
+from eaglet.train.ttt import Targets, ttt_loss
+from eaglet.weights import load_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    loaded = load_model(None, "float32", "cpu")
+    model, tok = loaded.model, loaded.tokenizer
+    prompts = [tok.apply_chat([{"role": "user", "content": p}]) for p in mtbench_prompts()[:args.num_prompts]]
+    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    plain = Generator(model, tok).generate(prompts, cfg)
+
+    sp = load_speculator(SpecConfig("eagle3", str(bundled_drafter()), steps=5), model)
+    spec = Generator(model, tok, sp).generate(prompts, cfg)
+    assert [c.tokens for c in spec] == [c.tokens for c in plain]
+    drafts = sum(c.spec.drafts for c in spec)
+    acc_pos = [sum(c.spec.accepted_per_pos[i] for c in spec if len(c.spec.accepted_per_pos) > i) for i in range(5)]
+    cond = [acc_pos[0] / drafts] + [acc_pos[i] / max(acc_pos[i - 1], 1) for i in range(1, 5)]
+
+    head = sp.head
+    seqs = [p + c.tokens for p, c in zip(prompts, plain)]
+    t = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), t, dtype=torch.long)
+    mask = torch.zeros(len(seqs), t, dtype=torch.bool)
+    for i, (p, s) in enumerate(zip(prompts, seqs)):
+        ids[i, :len(s)] = torch.tensor(s)
+        mask[i, len(p):len(s)] = True
+    with torch.no_grad():
+        pos = torch.arange(t).expand_as(ids)
+        hidden, taps = model(ids, pos, AppendKV(model.config.num_layers), AttnMeta.build(torch.zeros(len(seqs), dtype=torch.long), pos, t),
+                             capture=head.cfg.aux_layers)
+        target = Targets.from_hidden(head, hidden, model.lm_head.weight)
+        out = ttt_loss(head, model.model.embed_tokens.weight, taps, target, ids, mask, steps=5)
+        full_arg = model.logits(hidden).argmax(-1)
+    # target choices for the generated tokens (at t the target picks x[t+1]): draftable or not
+    pick = mask[:, 1:]
+    in_vocab = head.t2d[full_arg[:, :-1][pick]].float().mean().item()
+    res = {"prompts": len(prompts), "new_tokens": sum(len(c.tokens) for c in plain),
+           "spec_chain5": {"drafts": drafts, "accept_length": (sum(len(c.tokens) for c in spec) - len(spec)) / drafts,
+                           "accepted_per_pos": acc_pos, "p_accept_first": cond[0],
+                           "p_accept_given_previous": cond},
+           "ttt_step_accuracy": out.step_acc, "ttt_positions_step0": out.tokens,
+           "target_choice_in_draft_vocab": in_vocab}
+    print(f"loop: τ {res['spec_chain5']['accept_length']:.2f}, P(accept 1st) {cond[0]:.3f}, "
+          f"P(accept k | k-1) {[round(c, 3) for c in cond]}")
+    print(f"TTT accuracy per step on the same text: {[round(a, 3) for a in out.step_acc]} "
+          f"(positions whose target choice is draftable: {in_vocab:.3f})")
+    path = write_record("drafter-gap", vars(args), res, args.out, models={"target": loaded.path,
+                                                                          "drafter": str(bundled_drafter())})
+    print(f"record: {path}")
+
+
+if __name__ == "__main__":
+    main()

