@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import eaglet.train.trainer as trainer_mod
 from eaglet.config import SpecConfig
+from eaglet.errors import InvalidInput
 from eaglet.generate import GenerationConfig, Generator
 from eaglet.kvcache import KVCache
 from eaglet.models.attention import AttnMeta
@@ -344,3 +345,19 @@ def test_targets_from_hidden_equal_those_from_logits(target):
     assert torch.equal(a.in_vocab, b.in_vocab) and 0 < int(a.in_vocab.sum()) < 21  # both kinds occur
     full = Eagle3Head(Eagle3Config.for_target(target.config))  # the whole vocabulary: everything is draftable
     assert bool(Targets.from_hidden(full, hidden, target.lm_head.weight).in_vocab.all())
+
+
+def test_several_data_directories_are_read_together(data, target, tmp_path):
+    """--data A B: the rows of both directories, in that order; a directory without shards is named."""
+    d, rows = data
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "shard-00000.jsonl").write_text((d / "shard-00000.jsonl").read_text())
+    (b / "shard-00000.jsonl").write_text((d / "shard-00001.jsonl").read_text())
+    tr = make_trainer(TrainConfig(data=(str(a), str(b)), out=str(tmp_path / "out"), draft_vocab=64), target)
+    assert tr.rows == rows
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(InvalidInput, match="empty: no shard"):
+        make_trainer(TrainConfig(data=(str(a), str(empty)), out=str(tmp_path / "out2")), target)

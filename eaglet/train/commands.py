@@ -31,7 +31,9 @@ def add_train_parsers(sub) -> None:
                                    "resumable checkpoints; exports the SGLang format to OUT/drafter. "
                                    "Data parallel under torchrun.")
     add_model_args(t)
-    t.add_argument("--data", required=True, help="directory written by `eaglet data`")
+    t.add_argument("--data", required=True, nargs="+", metavar="DIR",
+                   help="directory written by `eaglet data`; several are read together (say, greedy and "
+                        "sampled replies to the same prompts)")
     t.add_argument("--out", required=True, help="output directory (a rerun resumes from its latest checkpoint)")
     t.add_argument("--epochs", type=float, default=1.0)
     t.add_argument("--lr", type=float, default=1e-4)
@@ -89,7 +91,7 @@ def cmd_train_draft(args) -> int:
         if torch.cuda.is_available():
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
             torch.cuda.set_device(device)
-    cfg = TrainConfig(data=args.data, out=args.out, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
+    cfg = TrainConfig(data=args.data[0] if len(args.data) == 1 else tuple(args.data), out=args.out, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
                       max_len=args.max_len, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab,
                       intermediate_size=args.intermediate_size, init_from=args.init_from,
                       save_every=args.save_every, max_steps=args.max_steps, time_limit=args.time_limit,

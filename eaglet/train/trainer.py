@@ -31,7 +31,7 @@ from .vocab import coverage, draft_vocab
 
 @dataclass(frozen=True)
 class TrainConfig:
-    data: str
+    data: str | tuple[str, ...]  # one `eaglet data` directory, or several read together
     out: str
     epochs: float = 1.0
     lr: float = 1e-4
@@ -129,9 +129,12 @@ class Trainer:
         self.rank = int(os.environ.get("RANK", "0"))
         p = next(target.parameters())
         self.device = p.device
-        rows = read_shards(cfg.data)
-        if not rows:
-            raise InvalidInput(f"{cfg.data}: no shard-*.jsonl training data (run `eaglet data` first)")
+        rows = []
+        for d in (cfg.data,) if isinstance(cfg.data, str) else cfg.data:
+            got = read_shards(d)
+            if not got:
+                raise InvalidInput(f"{d}: no shard-*.jsonl training data (run `eaglet data` first)")
+            rows += got
         self.rows = rows
         self.plan = batch_plan([min(len(r["input_ids"]), cfg.max_len) for r in rows], cfg)
         self.total = len(self.plan) // self.world
