@@ -12,7 +12,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from .errors import EagletError
+from .errors import EagletError, InvalidInput
 from .server.commands import add_serve_parsers, cmd_bench_serve, cmd_serve
 from .train.commands import add_train_parsers, cmd_data, cmd_eval_draft, cmd_train_draft
 
@@ -241,7 +241,6 @@ def cmd_plan(args) -> int:
         from .perf.plan_cmd import plan_from_profile
 
         return plan_from_profile(args)
-    from .errors import InvalidInput
     from .perf.external import accept_length_from_metrics, fetch_metrics
     from .perf.planner import external_verdict
 
@@ -292,12 +291,18 @@ COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "data": cmd_data, "tra
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        out = getattr(args, "out", None)  # every --out names a directory: refuse a file before any work
+        if isinstance(out, str) and os.path.exists(out) and not os.path.isdir(out):
+            raise InvalidInput(f"--out {out}: exists and is not a directory")
         return COMMANDS[args.command.replace("_", "-")](args)
     except EagletError as e:
         print(f"eaglet: error: {e}", file=sys.stderr)
         return 1
     except FileNotFoundError as e:
         print(f"eaglet: error: {e.filename or e}: no such file", file=sys.stderr)
+        return 1
+    except OSError as e:  # permissions, a full disk, a file where a directory should be
+        print(f"eaglet: error: {e.filename + ': ' if e.filename else ''}{e.strerror or e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\neaglet: interrupted", file=sys.stderr)

@@ -165,3 +165,26 @@ def test_compare_plain_prints_medians_and_speedup(capsys, model_dir):
     assert rc == 0
     assert re.search(r"speculative [\d.]+ tok/s, plain [\d.]+ tok/s \(same tokens; medians of 3 alternating runs\) "
                      r"\| speculative speedup [\d.]+x", err), err
+
+
+@pytest.mark.parametrize("argv", [["bench", "--device", "cpu"], ["profile", "--device", "cpu"],
+                                  ["eval-draft", "--device", "cpu"], ["train-draft", "--data", "d"],
+                                  ["data"], ["bench-serve"]])
+def test_out_that_is_a_file_is_refused_before_any_work(capsys, tmp_path, argv):
+    """Every --out is a directory; a file there is one error line, before a model is loaded."""
+    f = tmp_path / "results"
+    f.write_text("not a directory")
+    assert main(argv + ["--out", str(f)]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == f"eaglet: error: --out {f}: exists and is not a directory"
+
+
+def test_os_errors_are_one_line(capsys, tmp_path, monkeypatch):
+    """An OSError that is not a missing file (here: permission denied) is one line, no traceback."""
+    import eaglet.cli as cli_mod
+
+    def denied(args):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "x"))
+    monkeypatch.setitem(cli_mod.COMMANDS, "compare", denied)
+    assert main(["compare", "a.json", "b.json"]) == 1
+    assert capsys.readouterr().err.strip() == f"eaglet: error: {tmp_path / 'x'}: Permission denied"

@@ -13,7 +13,8 @@ new tokens (greedy, EOS ignored so every run makes exactly that many):
 
 Per system: tok/s (median over repeats of the whole prompt set, warm-up excluded), τ, whether the
 tokens equal eaglet plain's, and for eaglet systems the time per phase (one extra pass with CUDA
-events: draft, verify, accept+commit, and the rest). Ratios against eaglet plain, transformers and
+events: draft, verify, accept+commit or decode, the prompts' prefill spread over the steps, and
+the rest). Ratios against eaglet plain, transformers and
 the memory roofline (weight bytes over the measured copy bandwidth). Prints a table, writes one
 JSON record and a PNG plot made from it.
 
@@ -124,7 +125,7 @@ def phases_pass(gen, prompts, cfg, device) -> dict:
     totals = gen.timer.totals()
     gen.timer = None
     gen._dec = None
-    steps = max(v["count"] for v in totals.values())
+    steps = max(v["count"] for k, v in totals.items() if k != "prefill")
     ms = {k: v["ms"] / steps for k, v in totals.items()}
     ms["other"] = wall_ms / steps - sum(ms.values())
     return {"steps": steps, "ms_per_step": ms}
@@ -217,14 +218,14 @@ def print_table(results, device, dtype, n_new, n_prompts, repeats) -> None:
     print(f"device={device.type} dtype={str(dtype).split('.')[-1]} new tokens={n_new} prompts={n_prompts} "
           f"repeats={repeats}")
     print(f"{'system':<22}{'tok/s':>9}{'τ':>6}{'x plain':>9}{'x HF':>8}{'x roof':>8}  same   "
-          f"{'ms/step: draft':>15}{'verify':>8}{'accept':>8}{'decode':>8}{'other':>8}")
+          f"{'ms/step: draft':>15}{'verify':>8}{'accept':>8}{'decode':>8}{'prefill':>8}{'other':>8}")
     for name, r in results["systems"].items():
         ph = r.get("phases", {}).get("ms_per_step", {})
         cell = lambda k: f"{ph[k]:8.3f}" if k in ph else f"{'':8}"  # noqa: E731
         ratio = lambda k, w, d: f"{r[k]:{w}.{d}f}" if k in r else f"{'-':>{w}}"  # noqa: E731
         print(f"{name:<22}{r['tok_s']:9.1f}{r.get('accept_length', 1.0):6.2f}{ratio('vs_eaglet_plain', 9, 2)}"
               f"{ratio('vs_transformers', 8, 2)}{ratio('vs_roofline', 8, 3)}  {r.get('tokens_equal_plain', '-'):<6}"
-              f"{cell('draft'):>15}{cell('verify')}{cell('accept')}{cell('decode')}{cell('other')}")
+              f"{cell('draft'):>15}{cell('verify')}{cell('accept')}{cell('decode')}{cell('prefill')}{cell('other')}")
     if results.get("roofline"):
         rf = results["roofline"]
         print(f"roofline: {rf['bytes_per_token'] / 1e6:.1f} MB per token at {rf['bandwidth_gb_s']:.0f} GB/s "
@@ -244,7 +245,7 @@ def plot_bench(results: dict, path):
     a.invert_yaxis()
     left = [0.0] * len(names)
     for phase, color in (("draft", "tab:orange"), ("verify", "tab:green"), ("accept", "tab:red"),
-                         ("decode", "tab:purple"), ("other", "tab:gray")):
+                         ("decode", "tab:purple"), ("prefill", "tab:brown"), ("other", "tab:gray")):
         vals = []
         for n in names:
             r = results["systems"][n]

@@ -189,9 +189,10 @@ class SlotDecoder:
         """Prefill prompts into the given (free) rows; returns each one's first token."""
         self.epoch[rows] += 1
         first: list[list[int]] = [[] for _ in rows]
-        for lo, hi, idx in adjacent_runs(rows):
-            for i, tok in zip(idx, self._admit_run(lo, hi, [prompts[i] for i in idx])):
-                first[i] = [tok]
+        with self.phase("prefill"):
+            for lo, hi, idx in adjacent_runs(rows):
+                for i, tok in zip(idx, self._admit_run(lo, hi, [prompts[i] for i in idx])):
+                    first[i] = [tok]
         return first
 
     def _admit_run(self, lo: int, hi: int, prompts: list[list[int]]) -> list[int]:
