@@ -12,19 +12,14 @@ import sys
 import time
 
 import torch
+from step_profile import setup  # this folder is on the path when run as a script
 
-from eaglet.config import SpecConfig
-from eaglet.generate import GenerationConfig, Generator
-from eaglet.spec.speculator import load_speculator
-from eaglet.weights import load_model
+from eaglet.generate import Generator
 
 
 def main(model_path: str, draft: str, out_dir: str) -> None:
-    loaded = load_model(model_path, "bfloat16", "cuda")
+    loaded, ids, cfg, sp = setup(model_path, draft)
     model, tok = loaded.model, loaded.tokenizer
-    ids = tok.apply_chat([{"role": "user", "content": "Explain in two sentences why the sky is blue."}])
-    cfg = GenerationConfig(max_new_tokens=128, ignore_eos=True)
-    sp = load_speculator(SpecConfig("eagle3", draft, steps=5), model, model_path)
     report = []
     for name, gen in (("plain", Generator(model, tok)), ("eagle3-chain5", Generator(model, tok, sp))):
         for _ in range(3):

@@ -59,12 +59,18 @@ def profile_system(gen, ids, cfg, steps_of) -> dict:
             "top": [{"name": n[:120], "per_step": c, "us": us} for n, c, us in rows[:25]]}
 
 
-def main(model_path: str, draft: str, out_dir: str) -> None:
+def setup(model_path: str, draft: str):
+    """SmolLM2 in bfloat16 on the GPU, one chat prompt, 128 new tokens, the EAGLE-3 chain of 5 (shared
+    with host_profile.py): (loaded model, prompt ids, GenerationConfig, Speculator)."""
     loaded = load_model(model_path, "bfloat16", "cuda")
-    model, tok = loaded.model, loaded.tokenizer
-    ids = tok.apply_chat([{"role": "user", "content": "Explain in two sentences why the sky is blue."}])
+    ids = loaded.tokenizer.apply_chat([{"role": "user", "content": "Explain in two sentences why the sky is blue."}])
     cfg = GenerationConfig(max_new_tokens=128, ignore_eos=True)
-    sp = load_speculator(SpecConfig("eagle3", draft, steps=5), model, model_path)
+    return loaded, ids, cfg, load_speculator(SpecConfig("eagle3", draft, steps=5), loaded.model, model_path)
+
+
+def main(model_path: str, draft: str, out_dir: str) -> None:
+    loaded, ids, cfg, sp = setup(model_path, draft)
+    model, tok = loaded.model, loaded.tokenizer
     results = {
         "plain": profile_system(Generator(model, tok), ids, cfg, lambda c: len(c.tokens) - 1),
         "eagle3-chain5": profile_system(Generator(model, tok, sp), ids, cfg, lambda c: c.spec.drafts),

@@ -76,6 +76,16 @@ def row_buckets(batch: int) -> list[int]:
     return out + [batch] if batch > 1 else out
 
 
+def row_prefix(obj, k: int):
+    """A shallow copy of a decoder or drafter over rows 0..k-1: its `row_tensors` and its `cache`
+    sliced (views: writes land in the original's storage)."""
+    v = copy.copy(obj)
+    for name in obj.row_tensors:
+        setattr(v, name, getattr(obj, name)[:k])
+    v.cache = obj.cache.view(0, k)
+    return v
+
+
 class SlotDecoder:
     tokens_per_step = 1  # the most tokens a row can emit in one step (spans allow for steps in flight)
     row_tensors: tuple[str, ...] = ("limit",)  # per-row device state of a step (sliced by prefix)
@@ -134,11 +144,7 @@ class SlotDecoder:
         return self._views[k]
 
     def _make_view(self, k: int) -> "SlotDecoder":
-        v = copy.copy(self)
-        for name in self.row_tensors:
-            setattr(v, name, getattr(self, name)[:k])
-        v.cache = self.cache.view(0, k)
-        return v
+        return row_prefix(self, k)
 
     # ---- steps ----
     def launch(self) -> None:

@@ -15,13 +15,12 @@ attending to the committed prefix and its own ancestors.
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from ...config import SpecConfig
 from ...kvcache import KVCache
 from ...models.attention import AttnMeta
+from ...runtime.decoder import row_prefix
 from ...sampling import SamplingParams, sample_probs, target_probs
 from ..tree import DraftProposal, chain, select_tree
 
@@ -73,11 +72,7 @@ class NeuralDrafter:
     # ---- state ----
     def rows(self, k: int) -> "NeuralDrafter":
         """This drafter over rows 0..k-1: the same storage, sliced."""
-        v = copy.copy(self)
-        for name in self.row_tensors:
-            setattr(v, name, getattr(self, name)[:k])
-        v.cache = self.cache.view(0, k)
-        return v
+        return row_prefix(self, k)
 
     def _run_block(self, cache: KVCache, ids, feats) -> torch.Tensor:
         positions = cache.lens[:, None] + torch.arange(ids.shape[1], device=ids.device)  # (B, T)
