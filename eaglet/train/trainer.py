@@ -190,13 +190,22 @@ class Trainer:
         return bool(flag)
 
     def train(self) -> dict:
+        """Train to the end of the schedule (or the time limit); returns the run's figures. On the
+        GPU, float32 matmuls that remain (a float32 target) use TF32 for the run, then as before."""
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        try:
+            return self._train()
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+
+    def _train(self) -> dict:
         from tqdm import tqdm
 
         from ..runtime.timer import PhaseTimer
 
         cuda = self.device.type == "cuda"
         if cuda:
-            torch.backends.cuda.matmul.allow_tf32 = True  # what float32 matmuls remain (a float32 target)
+            torch.backends.cuda.matmul.allow_tf32 = True  # restored by train()
         hdtype = next(self.head.parameters()).dtype  # float32; the target may be bfloat16 (its inputs follow the head)
         embed = self.target.model.embed_tokens.weight.to(hdtype)
         timer = PhaseTimer(self.device)
