@@ -102,8 +102,9 @@ class PlainDecoder(SlotDecoder):
         meta = AttnMeta.build(c.lens, positions, c.kv_len(1), sliding_window=self.model.config.sliding_window)
         hidden, _ = self.model(self.last[:, None], positions, c, meta)
         tok = sample(self.model.logits(hidden[:, -1]), self.sampling, self.gen)  # (B,)
-        active = (self.limit > 0).long()
-        self.last.copy_(torch.where(active > 0, tok, self.last))
+        on = self.limit > 0
+        active = on.long()
+        self.last.copy_(torch.where(on, tok, self.last))
         c.lens += active
         self.limit -= active
         return torch.stack([self.last, active], 1)
@@ -176,21 +177,13 @@ class Generator:
         rows = list(range(len(prompts)))
         yield from self._push(seqs, dec.admit(rows, prompts))
         dec.set_rows(rows, [s.remaining for s in seqs])
-        frozen = [s.finish_reason is not None for s in seqs]
-        ahead = 1 if dec.lookahead else 0  # steps launched before the host has the previous one
         while True:
-            stopped = [i for i, s in enumerate(seqs) if s.finish_reason and not frozen[i]]
-            for i in stopped:
-                frozen[i] = True
-            dec.set_rows(stopped, [0] * len(stopped))  # they may have run one step past their end
-            # each step in flight emits at least one token per running row
-            launched = any(s.remaining > len(dec.in_flight) for s in seqs)
-            if launched:
-                dec.launch()
-            if not dec.in_flight:
+            stopped = [i for i, s in enumerate(seqs) if s.finish_reason and dec.live[i]]
+            dec.set_rows(stopped, [0] * len(stopped))  # with lookahead they ran one step past their end
+            new = dec.advance([s.remaining for s in seqs])
+            if new is None:
                 return
-            if len(dec.in_flight) > ahead or not launched:
-                yield from self._push(seqs, dec.collect())
+            yield from self._push(seqs, new)
 
     @staticmethod
     def _push(seqs: list[SeqState], new: list[list[int]]) -> Iterator[TokenEvent]:

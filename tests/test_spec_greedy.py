@@ -6,6 +6,7 @@ step by step against the plain output: each verify step must emit exactly the pl
 along the deepest path of the proposed tree that follows it, then the bonus token (cut only by the
 token budget), and the speculation metrics must add up to what the steps did.
 """
+import copy
 from collections import Counter
 
 import pytest
@@ -23,24 +24,32 @@ SHAPES = {"chain3": dict(steps=3), "chain5": dict(steps=5), "tree3x3": dict(step
 
 
 class Recorder:
-    """Wraps a drafter; keeps each step's proposals and emitted tokens on the host."""
+    """Wraps a drafter; keeps each step's proposals and emitted tokens on the host. A step over the
+    first k rows (rows(k)) records its k rows' proposals; rows past them have none (None)."""
 
     def __init__(self, inner):
         self.inner, self.taps, self.graphable, self.steps = inner, inner.taps, False, []
+        self.last = [None]  # the latest proposal, shared with the row views
+
+    def rows(self, k):
+        v = copy.copy(self)
+        v.inner = self.inner.rows(k)
+        return v
 
     def start(self, lo, hi, prompts, taps, first):
         self.inner.start(lo, hi, prompts, taps, first)
 
     def propose(self, roots):
-        self.prop = self.inner.propose(roots)
-        return self.prop
+        self.last[0] = self.inner.propose(roots)
+        return self.last[0]
 
     def commit(self, prop, res, taps):
         self.inner.commit(prop, res, taps)
 
     def commit_host(self, emitted):
-        p = self.prop
-        self.steps.append((p.tokens.tolist(), p.parents.tolist(), p.valid.tolist(), emitted))
+        p = self.last[0]
+        pad = [None] * (len(emitted) - p.tokens.shape[0])
+        self.steps.append((p.tokens.tolist() + pad, p.parents.tolist() + pad, p.valid.tolist() + pad, emitted))
         self.inner.commit_host(emitted)
 
     def release(self, rows):
@@ -70,9 +79,10 @@ def replay(steps, row: int, ref: list[int]) -> list[tuple[int, int, int, int]]:
     pos, out = 0, []  # ref[pos] is the root of the next step
     for tokens, parents, valid, emitted in steps:
         tokens, parents, valid, emitted = tokens[row], parents[row], valid[row], emitted[row]
-        if pos + 1 == len(ref):  # finished: a frozen row emits nothing
+        if pos + 1 == len(ref):  # finished: a frozen row emits nothing (and may be past the step's rows)
             assert emitted == []
             continue
+        assert tokens is not None, "a running row was left out of the step"
         assert tokens[0] == ref[pos] and parents[0] == -1
         want = ref[pos + 1:]
         depth = path_depth(tokens, parents, valid, want)
@@ -158,7 +168,7 @@ def test_equals_plain_greedy(tiny, small_draft, drafter, shape):
           "ngram": Recording(spec), "draft": Recording(spec, draft_model=small_draft)}[drafter]
     outs, rows = run_checked(model, prompts, ref, sp)
     drafted = {t for tokens, _, valid, _ in sp.rec.steps for tr, vr in zip(tokens, valid)
-               for t, v in zip(tr[1:], vr[1:]) if v}
+               if tr is not None for t, v in zip(tr[1:], vr[1:]) if v}
     if drafter == "eagle3-vocab":  # drafts are mapped from the draft vocabulary to target ids
         assert drafted <= set(vocab.tolist()) and not drafted <= set(range(48))
     if drafter == "ngram":  # a random tiny model falls into loops, which n-gram lookup predicts
@@ -208,7 +218,7 @@ def test_eagle3_commit_path_with_acceptance(tiny):
     torch.nn.init.zeros_(head.lm_head.weight)
     sp = Recording(SpecConfig("eagle3", steps=3), head=head)
     outs, rows = run_checked(model, prompts, ref, sp)
-    assert all(tr[1:] == [top] * 3 for tokens, *_ in sp.rec.steps for tr in tokens)
+    assert all(tr[1:] == [top] * 3 for tokens, *_ in sp.rec.steps for tr in tokens if tr is not None)
     assert sum(c.spec.accepted_tokens for c in outs) >= 20 and max(s[0] for r in rows for s in r) == 3
 
 

@@ -15,12 +15,13 @@ import torch
 from step_profile import setup  # this folder is on the path when run as a script
 
 from eaglet.generate import Generator
+from eaglet.perf.record import write_record
 
 
 def main(model_path: str, draft: str, out_dir: str) -> None:
     loaded, ids, cfg, sp = setup(model_path, draft)
     model, tok = loaded.model, loaded.tokenizer
-    report = []
+    report, results = [], {}
     for name, gen in (("plain", Generator(model, tok)), ("eagle3-chain5", Generator(model, tok, sp))):
         for _ in range(3):
             gen.generate([ids], cfg)
@@ -35,14 +36,17 @@ def main(model_path: str, draft: str, out_dir: str) -> None:
         wall = time.perf_counter() - t0
         s = io.StringIO()
         st = pstats.Stats(prof, stream=s)
-        waits = sum(v[2] for k, v in st.stats.items() if k[2] in ("synchronize", "tolist"))
+        # builtins are named like "<function Event.synchronize at 0x...>": match by substring
+        waits = sum(v[2] for k, v in st.stats.items() if "synchronize" in k[2] or "tolist" in k[2])
         st.sort_stats("tottime").print_stats(28)
         report.append(f"== {name}: wall {wall * 1e3:.1f} ms for 5 x 128 tokens (under cProfile); "
                       f"waiting in synchronize/tolist {waits * 1e3:.1f} ms\n{s.getvalue()}")
-    text = "\n".join(report)
-    print(text)
-    with open(f"{out_dir}/host-profile.txt", "w") as f:
-        f.write(text)
+        results[name] = {"wall_ms": wall * 1e3, "wait_ms": waits * 1e3, "wait_share": waits / wall,
+                         "top_by_own_time": s.getvalue()}
+    print("\n".join(report))
+    path = write_record("host-profile", {"model": model_path, "draft": draft, "max_new_tokens": 128, "runs": 5},
+                        results, out_dir, models={"target": loaded.path, "drafter": draft})
+    print(f"record: {path}")
 
 
 if __name__ == "__main__":

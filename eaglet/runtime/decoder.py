@@ -170,6 +170,21 @@ class SlotDecoder:
         rows += [[0] * len(rows[0])] * (self.batch - len(rows))  # rows past the step's prefix: frozen
         return self._collect(rows, (self.epoch == f.epoch).tolist())
 
+    def advance(self, remaining: list[int]) -> list[list[int]] | None:
+        """One turn of a decode loop, given the tokens each row still wants (0: stopped or free).
+        Launches a step if some row may want one beyond the steps in flight (each brings at least
+        one token to every running row), then collects the oldest step once the lookahead allows,
+        or at once when nothing was launched. Returns that step's tokens per row, an empty list
+        per row while the pipeline fills, and None when nothing is left to run."""
+        launched = any(n > len(self.in_flight) for n in remaining)
+        if launched:
+            self.launch()
+        if not self.in_flight:
+            return None
+        if launched and len(self.in_flight) <= (1 if self.lookahead else 0):
+            return [[] for _ in range(self.batch)]
+        return self.collect()
+
     def drain(self) -> None:
         """Collect and drop every step in flight."""
         while self.in_flight:

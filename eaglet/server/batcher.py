@@ -112,15 +112,7 @@ class Batcher:
     def step(self) -> list[Output]:
         """Launch one decoder step for every running row, and hand out the tokens of the oldest
         step in flight (with lookahead, the step launched before this one)."""
-        dec = self.dec
-        ahead = 1 if dec.lookahead else 0
-        # each step in flight brings at least one token to every running row
-        launched = any(s is not None and s.remaining > len(dec.in_flight) for s in self.rows)
-        if launched:
-            dec.launch()
-        if not dec.in_flight or (launched and len(dec.in_flight) <= ahead):
-            return []
-        new = dec.collect()
+        new = self.dec.advance([s.remaining if s is not None else 0 for s in self.rows]) or []
         return self._emit({r: toks for r, toks in enumerate(new) if toks and self.rows[r] is not None})
 
     def release(self, row: int) -> None:

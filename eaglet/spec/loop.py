@@ -53,8 +53,8 @@ class SpecDecoder(SlotDecoder):
         self.drafter_room = spec.steps + 1 + spec.steps * spec.topk + 1
 
     def rows_in_use(self) -> int:
-        # a drafter that cannot work on a prefix of the rows (no `rows`) steps the whole batch
-        return super().rows_in_use() if hasattr(self.drafter, "rows") else self.batch
+        # the profiler's trace records whole-batch proposals (and reads them in _collect)
+        return self.batch if self.trace is not None else super().rows_in_use()
 
     def _make_view(self, k: int) -> "SpecDecoder":
         v = super()._make_view(k)
