@@ -12,6 +12,7 @@ import torch
 
 from eaglet.cli import main
 from eaglet.datasets import humaneval_prompts, mtbench_prompts, normalize, read_sharegpt
+from eaglet.errors import InvalidInput
 from eaglet.tokenizer import Tokenizer
 from eaglet.train.regen import (
     RegenConfig,
@@ -208,6 +209,19 @@ def test_killed_regeneration_resumes(regenerated, target, tok, source, tmp_path,
     ids = [r["id"] for r in rows]
     assert len(ids) == len(set(ids)) and set(ids) == {c for c in source[2] if c != "conv-long"}
     assert rows == read_shards(regenerated[0])  # the same as the uninterrupted run, row for row
+
+
+def test_first_shard_extends_another_directory(regenerated, target, tok, source, tmp_path):
+    """first_shard=2 writes shards 2 and 3 only, row for row those of the full run: together with
+    an earlier directory holding shards 0 and 1, nothing is missing or repeated."""
+    meta = regenerate(rcfg(tmp_path, source, first_shard=2), target, tok, **QUIET)
+    assert sorted(p.name for p in tmp_path.glob("shard-*")) == ["shard-00002.jsonl", "shard-00003.jsonl"]
+    full = regenerated[0]
+    assert read_shards(tmp_path) == [json.loads(line) for k in (2, 3)
+                                     for line in (full / f"shard-{k:05d}.jsonl").read_text().splitlines()]
+    assert meta["first_shard"] == 2
+    with pytest.raises(InvalidInput, match="only 4 shards"):
+        regenerate(rcfg(tmp_path, source, first_shard=4), target, tok, **QUIET)
 
 
 # ---- the commands -------------------------------------------------------------------------------

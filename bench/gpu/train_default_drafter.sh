@@ -7,6 +7,9 @@
 #   bash bench/gpu/train_default_drafter.sh train   # EAGLE-3 TTT training in 4 stages, export to /tmp/train/drafter
 #   bash bench/gpu/train_default_drafter.sh eval    # τ on MT-bench and HumanEval, chain and tree
 #   bash bench/gpu/train_default_drafter.sh fetch   # the export into $OUT, split into 15 MB parts
+# A fifth stage fine-tunes the bundled drafter on the prompts it never saw (shards 19..27):
+#   bash bench/gpu/train_default_drafter.sh more      # their replies, greedy and sampled at T 0.8
+#   bash bench/gpu/train_default_drafter.sh finetune  # --init-from the bundled drafter, then eval, fetch
 phase=$1
 if [ "$phase" = prepare ]; then
   mkdir -p .gpudata && grep -qx '/.gpudata/' .git/info/exclude || echo '/.gpudata/' >> .git/info/exclude
@@ -39,6 +42,22 @@ case $phase in
       --source /tmp/sharegpt.json --turns ${TURNS:-all} --limit ${LIMIT:-38912} \
       --batch ${BATCH:-1024} --max-new-tokens 320 --max-prompt-tokens 512 --shard-size 2048
     ls /tmp/data | wc -l ;;
+  more)
+    turns=/tmp/stage/sharegpt_user_turns.json.gz; [ -f $turns ] || turns=.gpudata/sharegpt_user_turns.json.gz
+    [ -f /tmp/sharegpt.json ] || gunzip -c $turns > /tmp/sharegpt.json
+    for t in 0 0.8; do
+      time timeout ${DATA_SECONDS:-290} python3 -m eaglet data --model $GGUF --dtype bfloat16 --out /tmp/more-t$t \
+        --source /tmp/sharegpt.json --turns all --first-shard 19 --temperature $t \
+        --batch ${BATCH:-1024} --max-new-tokens 320 --max-prompt-tokens 512 --shard-size 2048
+      ls /tmp/more-t$t | wc -l
+    done ;;
+  finetune)
+    mkdir -p ${OUT:-/tmp}/records
+    python3 -m eaglet train-draft --model $GGUF --dtype bfloat16 --data /tmp/more-t0 /tmp/more-t0.8 --out /tmp/train5 \
+      --init-from ${INIT:-eaglet/drafters/smollm2-135m-instruct-eagle3} --epochs ${EPOCHS:-1} --lr 2e-4 --seed 4 \
+      --batch-tokens 32768 --max-len 1024 --draft-vocab 16384 --save-every 200 --time-limit ${TRAIN_SECONDS:-400} || exit 1
+    cp /tmp/train5/train-draft-*.json ${OUT:-/tmp}/records/
+    ln -sfn /tmp/train5 /tmp/train ;;
   train)
     # STAGE=1..4 (default: every stage not yet finished, in order); each stage checkpoints, so
     # a call stopped at its limit resumes. The export of the last stage is /tmp/train/drafter.

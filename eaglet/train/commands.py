@@ -23,6 +23,9 @@ def add_train_parsers(sub) -> None:
     d.add_argument("--max-prompt-tokens", type=int, default=512)
     d.add_argument("--temperature", type=float, default=0.0)
     d.add_argument("--shard-size", type=int, default=512)
+    d.add_argument("--first-shard", type=int, default=0, metavar="K",
+                   help="start at shard K (with the same --limit/--shard-size, extends an earlier run's "
+                        "data in a new directory)")
     d.add_argument("--turns", choices=["first", "all"], default="first",
                    help="first user turn of each conversation, or every user turn as its own prompt")
 
@@ -70,7 +73,8 @@ def cmd_data(args) -> int:
 
     cfg = RegenConfig(out=Path(args.out), source=args.source, limit=args.limit, batch=args.batch,
                       max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                      temperature=args.temperature, shard_size=args.shard_size, turns=args.turns)
+                      temperature=args.temperature, shard_size=args.shard_size, turns=args.turns,
+                      first_shard=args.first_shard)
     loaded = load_model(args.model, args.dtype, args.device)
     meta = regenerate(cfg, loaded.model, loaded.tokenizer)
     print(json.dumps({k: v for k, v in meta.items() if k != "settings"}))

