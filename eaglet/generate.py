@@ -88,11 +88,11 @@ class PlainDecoder(SlotDecoder):
         super().__init__(model, batch, max_len, sampling, sampling.generator(p.device), graphs, timer, lookahead)
         self.last = torch.zeros(batch, dtype=torch.long, device=p.device)  # each row's last token
 
-    def _admit_run(self, lo, hi, prompts):
-        h, _ = prefill(self.model, self.cache.view(lo, hi), prompts)  # (b, H)
+    def _prefill(self, batch):
+        h, _ = prefill(self.model, self.cache, batch)  # (b, H)
         tok = sample(self.model.logits(h), self.sampling, self.gen)  # (b,)
-        self.last[lo:hi] = tok
-        return tok.tolist()  # sync: first tokens to the host
+        self.last.index_copy_(0, batch.rows, tok)
+        return tok
 
     def _decode(self) -> torch.Tensor:
         """Feed each row's last token, sample the next; frozen rows (limit 0) do not move.

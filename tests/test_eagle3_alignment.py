@@ -8,6 +8,7 @@ from eaglet.config import SpecConfig
 from eaglet.kvcache import AppendKV, KVCache
 from eaglet.models.attention import AttnMeta
 from eaglet.sampling import SamplingParams
+from eaglet.spec.drafters.base import start_rows
 from eaglet.spec.drafters.eagle3 import Eagle3Drafter
 from eaglet.spec.drafters.eagle3_head import Eagle3Config, Eagle3Head
 from eaglet.train import ttt
@@ -52,7 +53,7 @@ def test_training_and_engine_feed_the_head_alike(tiny_dirs):
         _, taps = target(torch.tensor([prompt]), pos, cache, AttnMeta.build(cache.lens, pos, t + 1),
                          capture=head.cfg.aux_layers)
         drafter = Eagle3Drafter(head, target, SpecConfig("eagle3", steps=steps), SamplingParams(), 1, 64)
-        drafter.start(0, 1, [prompt], taps, ids[0, t + 1: t + 2])
+        start_rows(drafter, [0], [prompt], taps, ids[0, t + 1: t + 2])
         root_logits, state = drafter.catch_up()
         assert torch.allclose(root_logits, train_logits[0][0, t], atol=1e-5), f"step 0 at t={t}"
         # deeper steps: feed the true next tokens as drafts, like the training-time test does

@@ -36,8 +36,11 @@ class Recorder:
         v.inner = self.inner.rows(k)
         return v
 
-    def start(self, lo, hi, prompts, taps, first):
-        self.inner.start(lo, hi, prompts, taps, first)
+    def start(self, batch, taps, first):
+        self.inner.start(batch, taps, first)
+
+    def start_host(self, rows, prompts, first):
+        self.inner.start_host(rows, prompts, first)
 
     def propose(self, roots):
         self.last[0] = self.inner.propose(roots)

@@ -7,6 +7,7 @@ import torch
 from eaglet.config import SpecConfig
 from eaglet.models.attention import AttnMeta
 from eaglet.sampling import SamplingParams
+from eaglet.spec.drafters.base import start_rows
 from eaglet.spec.drafters.ngram import NgramDrafter, build_trie, find_continuations
 from eaglet.spec.loop import SpecDecoder
 from eaglet.spec.tree import DraftProposal, ancestor_mask, chain, select_tree
@@ -155,7 +156,10 @@ class FixedTree:
     def __init__(self, tokens: torch.Tensor, parents: list[int]):
         self.tokens, self.parents = tokens, torch.tensor([parents] * len(tokens))
 
-    def start(self, lo, hi, prompts, taps, first):
+    def start(self, batch, taps, first):
+        pass
+
+    def start_host(self, rows, prompts, first):
         pass
 
     def propose(self, roots):
@@ -263,7 +267,7 @@ def test_build_trie_merges_prefixes_breadth_first():
 
 def test_ngram_drafter_pads_its_proposal():
     drafter = NgramDrafter(ngram(steps=2, topk=2), 1)
-    drafter.start(0, 1, [[4, 5, 6, 4, 5, 7, 4]], None, torch.tensor([5]))  # history ... 4, 5
+    start_rows(drafter, [0], [[4, 5, 6, 4, 5, 7, 4]], None, torch.tensor([5]))  # history ... 4, 5
     prop = drafter.propose(torch.tensor([5]))
     # matches of [4, 5] (most recent first): then 7, 4 and then 6, 4; draft_tokens 4 = root + 3
     assert prop.tokens[0].tolist() == [5, 7, 6, 4] and prop.parents[0].tolist() == [-1, 0, 0, 1]

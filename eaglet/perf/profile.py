@@ -15,6 +15,7 @@ from ..generate import GenerationConfig, Generator
 from ..kvcache import KVCache
 from ..models.attention import AttnMeta
 from ..sampling import SamplingParams
+from ..spec.drafters.base import start_rows
 from ..spec.metrics import SpecMetrics
 from ..runtime.graphs import GraphRunner, span
 from ..spec.speculator import Speculator
@@ -55,7 +56,7 @@ def measure_costs(model, speculator: Speculator, batch: int, context: int, topks
                           draft_tokens=None if k == 1 else levels + 1)
         drafter = dataclasses.replace(speculator, spec=spec).make(model, batch, context + 8 + levels * k,
                                                                   SamplingParams(), None)
-        drafter.start(0, batch, [ids[b].tolist() for b in range(batch)], taps, ids[:, -1])
+        start_rows(drafter, list(range(batch)), [ids[b].tolist() for b in range(batch)], taps, ids[:, -1])
         saved = drafter.save_state() if hasattr(drafter, "save_state") else None  # n-gram: host history only
         if saved is not None:
             drafter.cache.kv_limit = span(context + 2 * levels * (k + 1), drafter.cache.max_len)

@@ -19,8 +19,12 @@ row with tokens left (`rows_in_use`): a server with room for 64 requests and one
 row, not 64. `prefix(k)` is the decoder over those rows: the same storage, sliced (`row_tensors`,
 the caches), with its own graphs.
 
-Subclasses implement `_admit_run` (prefill a run of adjacent rows), `_launch` (run one step's
-graphs, return its packed output) and `_collect` (the host's part of a step).
+Admitting prompts is one graphed prefill of any set of free rows (models/prefill.py), keyed by the
+number of prompts and their padded length.
+
+Subclasses implement `_prefill` (the device part of an admission: prefill, first token),
+`_admitted` (its host part), `_launch` (run one step's graphs, return its packed output) and
+`_collect` (the host's part of a step).
 """
 from __future__ import annotations
 
@@ -34,22 +38,10 @@ import torch
 
 from ..kvcache import KVCache
 from ..models.llama import CausalLM
+from ..models.prefill import PromptBatch, prompt_bucket
 from ..sampling import SamplingParams
 from .graphs import GraphRunner, span
 from .timer import PhaseTimer
-
-
-def adjacent_runs(rows: list[int]) -> list[tuple[int, int, list[int]]]:
-    """Group row indices into runs of adjacent rows: (lo, hi, positions of those rows in `rows`)."""
-    order = sorted(range(len(rows)), key=rows.__getitem__)
-    runs: list[tuple[int, int, list[int]]] = []
-    for i in order:
-        if runs and rows[i] == runs[-1][1]:
-            lo, hi, idx = runs[-1]
-            runs[-1] = (lo, hi + 1, idx + [i])
-        else:
-            runs.append((rows[i], rows[i] + 1, [i]))
-    return runs
 
 
 @dataclass
@@ -103,6 +95,7 @@ class SlotDecoder:
         self.live = np.zeros(batch, dtype=bool)  # rows the host last gave a limit > 0
         self.in_flight: deque[InFlight] = deque()
         self._views: dict[int, SlotDecoder] = {}  # prefix(k) for each k used
+        self._prompts: dict[tuple[int, int], PromptBatch] = {}  # each prefill graph's input buffers
         # launch ahead of collect: on the GPU by default (on the CPU a step runs while it is launched)
         self.lookahead = p.device.type == "cuda" if lookahead is None else lookahead
 
@@ -207,17 +200,26 @@ class SlotDecoder:
         return self.timer.phase(name) if self.timer else nullcontext()
 
     def admit(self, rows: list[int], prompts: list[list[int]]) -> list[list[int]]:
-        """Prefill prompts into the given (free) rows; returns each one's first token."""
+        """Prefill prompts into the given free rows; returns each one's first token."""
+        if self.cache.host_lens[rows].any():
+            raise RuntimeError(f"admit: rows {rows} are not free")
         self.epoch[rows] += 1
-        first: list[list[int]] = [[] for _ in rows]
+        shape = (len(rows), prompt_bucket(max(map(len, prompts)), self.cache.max_len))
+        if shape not in self._prompts:
+            self._prompts[shape] = PromptBatch.alloc(*shape, self.device)
+        batch = self._prompts[shape].fill(prompts, rows)
         with self.phase("prefill"):
-            for lo, hi, idx in adjacent_runs(rows):
-                for i, tok in zip(idx, self._admit_run(lo, hi, [prompts[i] for i in idx])):
-                    first[i] = [tok]
-        return first
+            first = self.graphs.run(("prefill",) + shape, lambda: self._prefill(batch)).tolist()  # sync: first tokens
+        self.cache.host_lens[rows] = [len(p) for p in prompts]
+        self._admitted(rows, prompts, first)
+        return [[t] for t in first]
 
-    def _admit_run(self, lo: int, hi: int, prompts: list[list[int]]) -> list[int]:
+    def _prefill(self, batch: PromptBatch) -> torch.Tensor:
+        """The device part of admitting `batch` (graph-safe): each prompt's first token (b,)."""
         raise NotImplementedError
+
+    def _admitted(self, rows: list[int], prompts: list[list[int]], first: list[int]) -> None:
+        """The host part of an admission, once the first tokens are known."""
 
     def release(self, rows: list[int]) -> None:
         """Free rows at once: their cache length drops to 0 and they are frozen."""

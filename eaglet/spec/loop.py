@@ -61,13 +61,17 @@ class SpecDecoder(SlotDecoder):
         v.drafter, v.prop = self.drafter.rows(k), None  # the view's proposal buffers are its own
         return v
 
-    def _admit_run(self, lo, hi, prompts):
-        h, taps = prefill(self.model, self.cache.view(lo, hi), prompts, capture=self.drafter.taps)  # (b, H)
+    def _prefill(self, batch):
+        h, taps = prefill(self.model, self.cache, batch, capture=self.drafter.taps)  # (b, H)
         first = sample(self.model.logits(h), self.sampling, self.gen)  # (b,)
-        self.roots[lo:hi] = first
-        self.drafter.start(lo, hi, prompts, taps, first)
-        self.metrics[lo:hi] = [SpecMetrics() for _ in prompts]
-        return first.tolist()  # sync: first tokens to the host
+        self.roots.index_copy_(0, batch.rows, first)
+        self.drafter.start(batch, taps, first)
+        return first
+
+    def _admitted(self, rows, prompts, first):
+        self.drafter.start_host(rows, prompts, first)
+        for r in rows:
+            self.metrics[r] = SpecMetrics()
 
     def release(self, rows: list[int]) -> None:
         super().release(rows)

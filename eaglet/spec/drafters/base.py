@@ -1,7 +1,8 @@
 """The drafter protocol: what the speculation loop asks of every drafter.
 
-Rows of the batch are slots. The loop calls `start` when prompts are admitted into rows lo..hi-1
-(after the target's prefill of those rows), then per step `propose` (a tree rooted at each row's
+Rows of the batch are slots. The loop calls `start` when prompts are admitted into free rows
+(on the device, inside the target's prefill graph) and `start_host` once the first tokens are on
+the host; then per step `propose` (a tree rooted at each row's
 last emitted token) and, after verification, `commit` with what was accepted, on the device,
 followed by `commit_host` with the emitted tokens once they are on the host. A drafter keeps its
 own state (caches, token history) consistent with the target's committed sequence.
@@ -15,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from ...models.prefill import PromptBatch
 from ..tree import DraftProposal
 from ..verify import VerifyResult
 
@@ -23,10 +25,12 @@ class Drafter(Protocol):
     taps: tuple[int, ...]  # target layers whose input residual stream the drafter reads; () if none
     graphable: bool
 
-    def start(self, lo: int, hi: int, prompts: list[list[int]], taps: torch.Tensor | None,
-              first: torch.Tensor) -> None:
-        """Rows lo..hi-1 got new prompts (host), the target's taps over them right-padded
-        (hi-lo, T, k*H) or None, and each one's first sampled token (hi-lo,)."""
+    def start(self, batch: PromptBatch, taps: torch.Tensor | None, first: torch.Tensor) -> None:
+        """Free rows batch.rows got the prompts of `batch` (device, graph-safe), with the target's
+        taps over them (b, T, k*H) or None, and each one's first sampled token (b,)."""
+
+    def start_host(self, rows: list[int], prompts: list[list[int]], first: list[int]) -> None:
+        """The same admission on the host."""
 
     def propose(self, roots: torch.Tensor) -> DraftProposal:
         """A draft tree for each row, rooted at roots (B,) (the last emitted tokens)."""
@@ -43,3 +47,12 @@ class Drafter(Protocol):
     def rows(self, k: int) -> "Drafter":
         """The drafter over rows 0..k-1 only (sharing this one's state): what a step over the first
         k rows of the batch proposes with and commits to."""
+
+
+def start_rows(drafter: Drafter, rows: list[int], prompts: list[list[int]], taps: torch.Tensor | None,
+               first: torch.Tensor) -> None:
+    """Admit prompts into a drafter outside the decoder (tools, tests): start and start_host.
+    taps are over the prompts right-padded to the longest."""
+    dev = first.device
+    drafter.start(PromptBatch.of(prompts, rows, dev, t=None if taps is None else taps.shape[1]), taps, first)
+    drafter.start_host(rows, prompts, first.tolist())

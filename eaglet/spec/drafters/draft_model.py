@@ -26,11 +26,12 @@ class DraftModelDrafter(NeuralDrafter):
         super().__init__(spec, sampling, target.config.vocab_size, generator, cache, draft.config.hidden_size)
         self.model, self.window = draft, draft.config.sliding_window
 
-    def prompt_inputs(self, prompts, taps, first):
-        seqs = [p + [t] for p, t in zip(prompts, first.tolist())]  # sync: once per admitted prompt
-        t = max(map(len, seqs))
-        ids = torch.tensor([s + [0] * (t - len(s)) for s in seqs], device=first.device)  # (b, T)
-        return ids, None, [len(s) for s in seqs]
+    def prompt_inputs(self, batch, taps, first):
+        ids = torch.cat([batch.ids, batch.ids[:, :1]], 1).scatter(1, batch.lens[:, None], first[:, None])  # prompt, first
+        return ids, None, batch.lens + 1
+
+    def prompt_counts(self, prompts):
+        return [len(p) + 1 for p in prompts]
 
     def absorb(self, cache, ids, feats, positions, meta):
         hidden, _ = self.model(ids, positions, cache, meta)

@@ -46,15 +46,13 @@ class Eagle3Drafter(NeuralDrafter):
         out = q.new_zeros(*q.shape[:-1], self.vocab_size)
         return out.index_copy_(-1, self.d2t_ids, q)
 
-    def prompt_inputs(self, prompts, taps, first):
-        b, t = taps.shape[:2]
-        dev = first.device
-        ids = torch.zeros(b, t, dtype=torch.long, device=dev)
-        for i, p in enumerate(prompts):  # token at t+1 for each position t; the first sample last
-            ids[i, : len(p) - 1] = torch.tensor(p[1:], device=dev)
-        lens = torch.tensor([len(p) for p in prompts], device=dev)
-        ids[torch.arange(b, device=dev), lens - 1] = first
-        return ids, self.head.fc(taps), [len(p) for p in prompts]
+    def prompt_inputs(self, batch, taps, first):
+        # the token at t+1 for each position t, the first sample at the last (the rest is padding)
+        ids = torch.cat([batch.ids[:, 1:], batch.ids[:, :1]], 1).scatter(1, (batch.lens - 1)[:, None], first[:, None])
+        return ids, self.head.fc(taps), batch.lens
+
+    def prompt_counts(self, prompts):
+        return [len(p) for p in prompts]
 
     def pending_feats(self):
         return self.pend_feats

@@ -20,6 +20,7 @@ import torch
 from ...config import SpecConfig
 from ...kvcache import KVCache
 from ...models.attention import AttnMeta
+from ...models.prefill import FreshRows, PromptBatch, fresh_meta
 from ...runtime.decoder import row_prefix
 from ...sampling import SamplingParams, sample_probs, target_probs
 from ..tree import DraftProposal, chain, select_tree
@@ -55,8 +56,12 @@ class NeuralDrafter:
         mask (B, K, pending + K) over the uncommitted block. Returns (logits (B, K, Vd), states)."""
         raise NotImplementedError
 
-    def prompt_inputs(self, prompts: list[list[int]], taps, first) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
-        """What a newly admitted prompt feeds: ids (b, T), features or None, and counts per row."""
+    def prompt_inputs(self, batch: PromptBatch, taps, first) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """What newly admitted prompts feed (device): ids (b, T'), features or None, and counts (b,)."""
+        raise NotImplementedError
+
+    def prompt_counts(self, prompts: list[list[int]]) -> list[int]:
+        """The same counts on the host."""
         raise NotImplementedError
 
     def pending_feats(self) -> torch.Tensor | None:
@@ -79,13 +84,17 @@ class NeuralDrafter:
         meta = AttnMeta.build(cache.lens, positions, cache.kv_len(ids.shape[1]), sliding_window=self.window)
         return self.absorb(cache, ids, feats, positions, meta)
 
-    def start(self, lo, hi, prompts, taps, first) -> None:
-        ids, feats, counts = self.prompt_inputs(prompts, taps, first)
-        view = self.cache.view(lo, hi)
-        h = self._run_block(view, ids, feats)  # (b, T, H)
-        view.advance(counts)
-        self.root_h[lo:hi] = h[torch.arange(hi - lo, device=h.device), torch.tensor(counts, device=h.device) - 1]
-        self.pend_count[lo:hi] = 0
+    def start(self, batch, taps, first) -> None:
+        ids, feats, counts = self.prompt_inputs(batch, taps, first)
+        b, t = ids.shape
+        positions, meta = fresh_meta(b, t, ids.device, self.window)
+        h = self.absorb(FreshRows(self.cache, batch.rows), ids, feats, positions, meta)  # (b, T, H)
+        self.cache.lens.index_copy_(0, batch.rows, counts)
+        self.root_h.index_copy_(0, batch.rows, h.gather(1, (counts - 1)[:, None, None].expand(b, 1, h.shape[-1]))[:, 0])
+        self.pend_count.index_fill_(0, batch.rows, 0)
+
+    def start_host(self, rows, prompts, first) -> None:
+        self.cache.host_lens[rows] = self.prompt_counts(prompts)
 
     def commit(self, prop, res, taps) -> None:
         self.pend_ids.copy_(res.tokens)

@@ -58,8 +58,12 @@ class NgramDrafter:
         self.spec = spec
         self.hist: list[list[int]] = [[] for _ in range(batch)]
 
-    def start(self, lo, hi, prompts, taps, first) -> None:
-        self.hist[lo:hi] = [list(p) + [t] for p, t in zip(prompts, first.tolist())]  # sync: once per prompt
+    def start(self, batch, taps, first) -> None:
+        pass  # everything happens on the host
+
+    def start_host(self, rows, prompts, first) -> None:
+        for r, p, t in zip(rows, prompts, first):
+            self.hist[r] = list(p) + [t]
 
     def commit(self, prop, res, taps) -> None:
         pass
