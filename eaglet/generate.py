@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import InvalidInput
-from .models.attention import AttnMeta
 from .models.llama import CausalLM
 from .models.prefill import prefill
 from .sampling import SamplingParams, sample
@@ -94,30 +93,11 @@ class PlainDecoder(SlotDecoder):
         self.last.index_copy_(0, batch.rows, tok)
         return tok
 
-    def _decode(self) -> torch.Tensor:
-        """Feed each row's last token, sample the next; frozen rows (limit 0) do not move.
-        Returns (B, 2): each row's token and whether it emitted one."""
-        c = self.cache
-        positions = c.lens[:, None]  # (B, 1)
-        meta = AttnMeta.build(c.lens, positions, c.kv_len(1), sliding_window=self.model.config.sliding_window)
-        hidden, _ = self.model(self.last[:, None], positions, c, meta)
-        tok = sample(self.model.logits(hidden[:, -1]), self.sampling, self.gen)  # (B,)
-        on = self.limit > 0
-        active = on.long()
-        self.last.copy_(torch.where(on, tok, self.last))
-        c.lens += active
-        self.limit -= active
-        return torch.stack([self.last, active], 1)
-
     def _launch(self) -> torch.Tensor:
-        kv = self.span_of(self.cache, 1)
-        with self.phase("decode"):
-            return self.graphs.run(("decode", self.batch, kv), self._decode)
+        return self._launch_plain(self.last)
 
     def _collect(self, rows, same):
-        emitted = [[tok] if active and ok else [] for (tok, active), ok in zip(rows, same)]
-        self.cache.commit_host([len(e) for e in emitted])
-        return emitted
+        return self._collect_plain(rows, same)
 
 
 class Generator:

@@ -157,3 +157,45 @@ def test_steps_cover_only_rows_in_use(target, prompts, name, monkeypatch):
     assert set(sizes) == {1}
     assert b.dec.prefix(1).batch == 1 and b.dec.prefix(1).cache.k.data_ptr() == b.dec.cache.k.data_ptr()
     assert seq.log == want
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_batcher_turns_plain_mid_sequence(target, prompts, lookahead, monkeypatch):
+    """A speculating batch turns plain after 3 steps (a step in flight with lookahead), then takes
+    in a new request: every request gets exactly its greedy tokens, the first one's drafts stop
+    at the switch, and after the batch ends its decoder speculates again."""
+    monkeypatch.setattr(batcher_mod, "Sequence", Logged)
+    alone = Generator(target, None, lookahead=False)
+    want = [alone.generate([p], GenerationConfig(max_new_tokens=20, ignore_eos=True))[0].tokens for p in prompts[:3]]
+    gen = Generator(target, None, speculator(target, "chain4"), lookahead=lookahead)
+    b = Batcher(gen, 3, 64, SamplingParams())
+    reqs = [Request(p, 20, SamplingParams(), ignore_eos=True) for p in prompts[:3]]
+    seqs = {}
+
+    def take(outputs):
+        for o in outputs:
+            seqs[id(o.seq.request)] = o.seq
+            if o.finished:
+                b.release(o.row)
+
+    take(b.add(reqs[:2]))
+    for _ in range(3):
+        take(b.step())
+    assert len(b.dec.in_flight) == (1 if lookahead else 0)
+    drafts = b.dec.metrics[0].drafts
+    take(b.to_plain())
+    assert not b.dec.in_flight and b.dec.metrics[0].drafts == drafts + (1 if lookahead else 0)
+    take(b.add(reqs[2:]))
+    while b.running:
+        take(b.step())
+    assert [seqs[id(r)].log for r in reqs] == want
+    assert b.dec.metrics[0].drafts == drafts + (1 if lookahead else 0)  # no drafting after the switch
+    assert b.dec.metrics[2].drafts == 0
+    again = Batcher(gen, 3, 64, SamplingParams())  # the same decoder, reset: speculating again
+    assert again.dec is b.dec and not again.dec.plain
+    again.add([Request(prompts[3], 8, SamplingParams(), ignore_eos=True)])
+    while again.running:
+        for o in again.step():
+            if o.finished:
+                again.release(o.row)
+    assert again.dec.metrics[0].drafts > 0

@@ -37,9 +37,10 @@ import numpy as np
 import torch
 
 from ..kvcache import KVCache
+from ..models.attention import AttnMeta
 from ..models.llama import CausalLM
 from ..models.prefill import PromptBatch, prompt_bucket
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, sample
 from .graphs import GraphRunner, span
 from .timer import PhaseTimer
 
@@ -192,6 +193,32 @@ class SlotDecoder:
 
     def _launch(self) -> torch.Tensor:
         raise NotImplementedError
+
+    def _launch_plain(self, last: torch.Tensor) -> torch.Tensor:
+        """Enqueue one plain step, each row fed its token in `last` (one graph per row bucket and
+        attention span); returns (B, 2): each row's token and whether it emitted one."""
+        kv = self.span_of(self.cache, 1)
+        with self.phase("decode"):
+            return self.graphs.run(("decode", self.batch, kv), lambda: self._decode(last))
+
+    def _decode(self, last: torch.Tensor) -> torch.Tensor:
+        """Feed each row's last token, sample the next; frozen rows (limit 0) do not move."""
+        c, model = self.cache, self.model
+        positions = c.lens[:, None]  # (B, 1)
+        meta = AttnMeta.build(c.lens, positions, c.kv_len(1), sliding_window=model.config.sliding_window)
+        hidden, _ = model(last[:, None], positions, c, meta)
+        tok = sample(model.logits(hidden[:, -1]), self.sampling, self.gen)  # (B,)
+        on = self.limit > 0
+        active = on.long()
+        last.copy_(torch.where(on, tok, last))
+        c.lens += active
+        self.limit -= active
+        return torch.stack([last, active], 1)
+
+    def _collect_plain(self, rows: list[list[int]], same: list[bool]) -> list[list[int]]:
+        emitted = [[tok] if active and ok else [] for (tok, active), ok in zip(rows, same)]
+        self.cache.commit_host([len(e) for e in emitted])
+        return emitted
 
     def _collect(self, rows: list[list[int]], same: list[bool]) -> list[list[int]]:
         raise NotImplementedError

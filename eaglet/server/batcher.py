@@ -115,6 +115,16 @@ class Batcher:
         new = self.dec.advance([s.remaining if s is not None else 0 for s in self.rows]) or []
         return self._emit({r: toks for r, toks in enumerate(new) if toks and self.rows[r] is not None})
 
+    def to_plain(self) -> list[Output]:
+        """Decode the running rows and those that join plain from now on (a speculative decoder,
+        which has no way back until the batch ends); the tokens of the steps that were in flight."""
+        merged: dict[int, list[int]] = {}
+        for new in self.dec.to_plain():
+            for r, toks in enumerate(new):
+                if toks and self.rows[r] is not None:
+                    merged.setdefault(r, []).extend(toks)
+        return self._emit(merged)
+
     def release(self, row: int) -> None:
         if self.rows[row] is not None:
             self.rows[row].request.row = None

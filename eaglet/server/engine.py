@@ -18,11 +18,12 @@ SpecPolicy when the batch starts from the load: the requests it starts with (tho
 those of its group still waiting, capped at its rows), or the most requests the server held at
 once in the last LOAD_WINDOW seconds if that is more. Clients that send their next request when
 the last one ends leave a moment with few requests between batches; by the instant count alone a
-batch would start speculating there and soon have to drain. An idle batch whose choice would now differ is
-replaced by a new one. A speculating batch that requests wait to join stops taking them when the
-grown batch (running + waiting of its group, capped) is one the policy decodes plain: it drains,
-and a plain batch starts with everyone waiting. Each setting has its own Generator (one model),
-so its decoder and CUDA graphs are reused the next time it is chosen.
+batch would start speculating there. An idle batch whose choice would now differ is replaced by a
+new one. When requests wait to join a speculating batch and the grown batch (running + waiting of
+its group, capped) is one the policy decodes plain, the batch turns plain where it stands (its
+decoder decodes plain on the same cache, SpecDecoder.to_plain) and takes them in: nobody waits
+for the speculating requests to finish. Each setting has its own Generator (one model), so its
+decoder and CUDA graphs are reused the next time it is chosen.
 
 Failures: an error in one row's output fails that request alone; an error in a step fails the
 requests of that batch (the decoder's state is shared) and the engine starts a new batch; any
@@ -120,7 +121,7 @@ class Engine:
         self.generators: dict[str | None, Generator] = {None if own is None else setting_name(own.spec): generator}
         self.setting: str | None = None  # the current batch's setting
         self.chosen = False  # a batch has started (self.setting means something)
-        self.draining = False  # the current batch takes no more requests (the policy wants plain)
+        self.switch = False  # the speculating batch turns plain before the next admission
         self.cond = threading.Condition()
         self.waiting: deque[Request] = deque()
         self.cancels: list[Request] = []
@@ -220,10 +221,14 @@ class Engine:
                 cancels, self.cancels = self.cancels, []
                 self.load.note(len(self.waiting) + (self.batcher.running if self.batcher else 0))
                 group, admit, setting, n = self._take()
+                switch, self.switch = self.switch, False
                 self.metrics.waiting.labels(self.metrics.name).set(len(self.waiting))
             for req in cancels:
                 if req.row is not None and self.batcher is not None:
                     self.batcher.release(req.row)
+            if switch and self.batcher is not None:
+                running = [s.request for s in self.batcher.rows if s is not None]
+                self._guarded(self.batcher.to_plain, running, drop_batch=True)
             if admit:
                 self._guarded(partial(self._admit, group, admit, setting, n), admit, drop_batch=False)
             if self.batcher is not None and self.batcher.running:
@@ -249,19 +254,19 @@ class Engine:
             run += 1
         same = self.batcher is not None and self.batcher.sampling == head
         if not idle:
-            if not same or self.draining:
+            if not same:
                 return None, [], None, 0  # the current batch drains first
             load = min(self.slots, self.batcher.running + run)
             if self.setting is not None and self.policy.choose(load) is None:
-                log.info("the speculating batch (%s) would grow to %d requests, a size the policy decodes plain: "
-                         "it takes no more requests and drains", self.setting, load)
-                self.draining = True
-                return None, [], None, 0
+                log.info("the speculating batch (%s) grows to %d requests, a size the policy decodes plain: "
+                         "it turns plain", self.setting, load)
+                self.switch, self.setting = True, None
+                self.metrics.policy(None, load)
             free = len(self.batcher.free_rows)
             return None, [self.waiting.popleft() for _ in range(min(free, run))], None, 0
         n = min(self.slots, max(run, self.load.peak()))
         setting = self.policy.choose(n)
-        group = None if same and setting == self.setting and not self.draining else head
+        group = None if same and setting == self.setting else head
         free = self.slots if group is not None else len(self.batcher.free_rows)
         return group, [self.waiting.popleft() for _ in range(min(free, run))], setting, n
 
@@ -275,7 +280,7 @@ class Engine:
                 log.info("a batch of %d request%s starts %s%s", n, "" if n == 1 else "s",
                          "plain" if setting is None else f"speculating with {setting}",
                          f" (was {self.setting or PLAIN})" if self.chosen else "")
-            self.setting, self.chosen, self.draining = setting, True, False
+            self.setting, self.chosen = setting, True
         if n:  # a batch starts (or an idle one restarts with the same choice)
             self.metrics.policy(setting, n)
         return self.batcher.add(admit)
@@ -330,7 +335,7 @@ class Engine:
                 self.batcher.release(o.row)
                 chunk.finish_reason = o.seq.finish_reason
                 chunk.completion_tokens = o.seq.count
-                chunk.spec = o.seq.spec if self.batcher.speculative else None
+                chunk.spec = o.seq.spec if self.batcher.speculative and o.seq.spec.drafts else None
                 m.request_success.labels(name, chunk.finish_reason).inc()
                 m.e2e.labels(name).observe(t - req.arrival)
                 if o.seq.count > 1:

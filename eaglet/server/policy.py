@@ -1,10 +1,10 @@
 """Which decoding a batch uses: plain, or speculation with one setting ("chain:S" / "tree:S,K,N"),
 chosen from how many requests the batch holds when it starts.
 
-Rows cannot move between a plain and a speculative decoder without a new prefill, so the engine
-asks when it starts a batch (and, for a speculating batch, whenever requests wait to join it: if
-the grown batch is one the policy decodes plain, it stops taking requests, drains, and a plain
-batch takes over).
+The engine asks when it starts a batch, and for a speculating batch whenever requests wait to
+join it: if the grown batch is one the policy decodes plain, the batch turns plain where it stands
+(a speculative decoder decodes plain on its own cache; the way back needs a new batch, since the
+drafter has missed the plain steps).
 
 - With a profile (`eaglet serve --spec-policy RECORD`): the planner's batch_policy, per measured
   batch size; a batch of n requests follows the largest measured size <= n (the smallest measured

@@ -7,6 +7,10 @@ a static copy of the proposal, `verify` is one target forward over all its nodes
 the accepted path and commits it to both caches. One host sync per step: the emitted tokens. With a
 drafter that works on the device the next step can be launched before that sync (lookahead, see
 runtime/decoder.py); a host-side drafter (n-gram) needs the emitted tokens to propose, so it cannot.
+
+`to_plain()` turns a decoder with running rows to plain decoding on the same cache (the server's
+policy, when a speculating batch grows): the rows keep their sequences, the drafter is left behind
+until `reset`.
 """
 from __future__ import annotations
 
@@ -51,6 +55,20 @@ class SpecDecoder(SlotDecoder):
         # cache slots one step may touch past the committed length, target and drafter
         self.room = spec.draft_tokens
         self.drafter_room = spec.steps + 1 + spec.steps * spec.topk + 1
+        self.plain = False  # decoding plain since to_plain(), until reset()
+
+    def to_plain(self) -> list[list[list[int]]]:
+        """Decode plain from the next step on. Collects the steps in flight first (they are
+        speculative) and returns their tokens per row, oldest step first."""
+        done = [self.collect() for _ in range(len(self.in_flight))]
+        self.plain, self.tokens_per_step = True, 1
+        self._views.clear()  # views copy the mode when made
+        return done
+
+    def reset(self) -> None:
+        super().reset()
+        self.plain, self.tokens_per_step = False, self.spec.steps + 1
+        self._views.clear()
 
     def rows_in_use(self) -> int:
         # the profiler's trace records whole-batch proposals (and reads them in _collect)
@@ -109,7 +127,9 @@ class SpecDecoder(SlotDecoder):
         return torch.cat([res.count[:, None], drafted, reach, res.tokens, res.path], 1)  # (B, 3 + 2(D+1))
 
     def _launch(self) -> torch.Tensor:
-        """One draft-verify-accept-commit round, enqueued."""
+        """One draft-verify-accept-commit round, enqueued (a plain step after to_plain)."""
+        if self.plain:
+            return self._launch_plain(self.roots)
         if self.trace is not None:
             self._trace_limit = self.limit.tolist()  # sync: profiling only (no lookahead with a trace)
         key = (self.batch, self.span_of(self.cache, self.room))
@@ -124,6 +144,8 @@ class SpecDecoder(SlotDecoder):
             return self.graphs.run(("accept",) + key, lambda: self._accept(target, taps))
 
     def _collect(self, rows, same):
+        if self.plain:
+            return self._collect_plain(rows, same)
         d1 = self.spec.steps + 1
         counts = [r[0] if ok else 0 for r, ok in zip(rows, same)]
         emitted = [r[3:3 + n] for r, n in zip(rows, counts)]
