@@ -236,10 +236,13 @@ class SlotDecoder:
             self._prompts[shape] = PromptBatch.alloc(*shape, self.device)
         batch = self._prompts[shape].fill(prompts, rows)
         with self.phase("prefill"):
-            first = self.graphs.run(("prefill",) + shape, lambda: self._prefill(batch)).tolist()  # sync: first tokens
+            first = self.graphs.run(self._prefill_key(shape), lambda: self._prefill(batch)).tolist()  # sync: first tokens
         self.cache.host_lens[rows] = [len(p) for p in prompts]
         self._admitted(rows, prompts, first)
         return [[t] for t in first]
+
+    def _prefill_key(self, shape: tuple[int, int]) -> tuple:
+        return ("prefill",) + shape
 
     def _prefill(self, batch: PromptBatch) -> torch.Tensor:
         """The device part of admitting `batch` (graph-safe): each prompt's first token (b,)."""

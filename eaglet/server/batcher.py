@@ -141,7 +141,7 @@ class Batcher:
             try:
                 text, n = seq.push_all(toks)
                 delta = None
-                if metrics is not None:
+                if metrics is not None and metrics[r].drafts != seq.spec_seen.drafts:  # it drafted
                     delta = spec_delta(metrics[r], seq.spec_seen)
                     seq.spec.merge(delta)
                     seq.spec_seen = copy.deepcopy(metrics[r])

@@ -266,7 +266,9 @@ class Engine:
             return None, [self.waiting.popleft() for _ in range(min(free, run))], None, 0
         n = min(self.slots, max(run, self.load.peak()))
         setting = self.policy.choose(n)
-        group = None if same and setting == self.setting else head
+        # a batch that turned plain keeps its speculative decoder only while it runs
+        keep = same and setting == self.setting and (setting is not None or not self.batcher.speculative)
+        group = None if keep else head
         free = self.slots if group is not None else len(self.batcher.free_rows)
         return group, [self.waiting.popleft() for _ in range(min(free, run))], setting, n
 

@@ -79,15 +79,20 @@ class SpecDecoder(SlotDecoder):
         v.drafter, v.prop = self.drafter.rows(k), None  # the view's proposal buffers are its own
         return v
 
+    def _prefill_key(self, shape):
+        return ("prefill", self.plain) + shape
+
     def _prefill(self, batch):
-        h, taps = prefill(self.model, self.cache, batch, capture=self.drafter.taps)  # (b, H)
+        h, taps = prefill(self.model, self.cache, batch, capture=() if self.plain else self.drafter.taps)  # (b, H)
         first = sample(self.model.logits(h), self.sampling, self.gen)  # (b,)
         self.roots.index_copy_(0, batch.rows, first)
-        self.drafter.start(batch, taps, first)
+        if not self.plain:  # after to_plain the drafter is left behind
+            self.drafter.start(batch, taps, first)
         return first
 
     def _admitted(self, rows, prompts, first):
-        self.drafter.start_host(rows, prompts, first)
+        if not self.plain:
+            self.drafter.start_host(rows, prompts, first)
         for r in rows:
             self.metrics[r] = SpecMetrics()
 
