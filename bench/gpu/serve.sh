@@ -1,33 +1,43 @@
 #!/usr/bin/env bash
 # Issue 7's bar on the H200: `eaglet serve` on SmolLM2 with its speculation policy (the default
-# drafter; speculating in batches that start with at most --spec-max-batch requests) against
-# `--spec none`, each at concurrency 1, 4, 16 and 64 with `eaglet bench-serve` (ShareGPT first
-# turns, 128 tokens, EOS ignored). Each level runs twice; the first (graph capture) is not recorded.
+# drafter; speculating in batches of at most --spec-max-batch requests) against `--spec none`, at
+# concurrency 1, 4, 16 and 64 with `eaglet bench-serve` (ShareGPT first turns, 128 tokens, EOS
+# ignored). Both servers run at once (an idle one waits on a condition variable) and each level
+# alternates between them: a warm-up run of each (not recorded: graph captures), then policy,
+# none, policy, none, so both see the same state of the shared machine.
 #   bash bench/gpu/serve.sh            (needs the model and sharegpt_first_turns.json.gz staged,
 #                                       and the fastapi/uvicorn/pydantic/httpx wheels in .whl)
+# With $OUT set (the GPU machine) the records come back as one tar, $OUT/serve-records.tar.
 source "$(dirname "$0")/setup.sh"
 set +e
 out=${OUT:-/tmp}/records
 mkdir -p "$out"
 gunzip -c /tmp/stage/sharegpt_first_turns.json.gz > /tmp/sharegpt.json
-PORT=8031
-for spec in ${SPECS:-eagle3 none}; do
+declare -A PORT=([eagle3]=8031 [none]=8032)
+pids=()
+for spec in eagle3 none; do
   draft=; [ $spec = eagle3 ] && draft="--draft eaglet/drafters/smollm2-135m-instruct-eagle3"
-  python3 -m eaglet serve --model $GGUF --port $PORT --max-batch ${MAX_BATCH:-64} --max-model-len 1024 --spec $spec \
-    $draft --log-level warning &
-  server=$!
-  for i in $(seq 180); do  # model load and compile: up to 3 minutes
-    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health')" 2>/dev/null && break
-    kill -0 $server 2>/dev/null || { echo "serve exited"; break; }
+  python3 -m eaglet serve --model $GGUF --port ${PORT[$spec]} --max-batch ${MAX_BATCH:-64} --max-model-len 1024 \
+    --spec $spec $draft --log-level warning &
+  pids+=($!)
+done
+for spec in eagle3 none; do
+  for i in $(seq 240); do  # model load and compile: up to 4 minutes
+    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:${PORT[$spec]}/health')" 2>/dev/null && break
     sleep 1
   done
-  bs() { python3 -m eaglet bench-serve --url http://127.0.0.1:$PORT --prompts /tmp/sharegpt.json --max-tokens 128 \
-           --ignore-eos --max-prompt-chars 600 --seed 0 --no-progress "$@"; }
-  for c in ${CONC:-1 4 16 64}; do
-    echo "== spec $spec, concurrency $c"
-    n=$(( c * 4 > 8 ? c * 4 : 8 ))
-    bs --num-requests $n --concurrency $c > /dev/null
-    bs --num-requests $n --concurrency $c --out "$out" | tail -12
-  done
-  kill $server; wait $server 2>/dev/null
 done
+bs() { python3 -m eaglet bench-serve --url http://127.0.0.1:${PORT[$1]} --prompts /tmp/sharegpt.json --max-tokens 128 \
+         --ignore-eos --max-prompt-chars 600 --seed 0 --no-progress "${@:2}"; }
+for c in ${CONC:-1 4 16 64}; do
+  n=$(( c * 8 > 32 ? c * 8 : 32 ))
+  for spec in eagle3 none; do bs $spec --num-requests $n --concurrency $c > /dev/null; done
+  for round in 1 2; do
+    for spec in eagle3 none; do
+      echo "== spec $spec, concurrency $c, round $round"
+      bs $spec --num-requests $n --concurrency $c --out "$out" | grep -E "throughput|TTFT|TPOT|accept|record"
+    done
+  done
+done
+kill "${pids[@]}"; wait 2>/dev/null
+[ -n "$OUT" ] && tar -C "$out" -cf "$OUT/serve-records.tar" . && rm -rf "$out"
