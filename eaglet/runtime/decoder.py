@@ -39,9 +39,9 @@ import torch
 from ..kvcache import KVCache
 from ..models.attention import AttnMeta
 from ..models.llama import CausalLM
-from ..models.prefill import PromptBatch, prompt_bucket
+from ..models.prefill import MIN_BUCKET, PromptBatch, prompt_bucket
 from ..sampling import SamplingParams, sample
-from .graphs import GraphRunner, span
+from .graphs import SPAN, GraphRunner, span
 from .timer import PhaseTimer
 
 
@@ -59,6 +59,11 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     allocator reuses it only after the copy has run)."""
     t = torch.tensor(values, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def warm_prompt(n: int) -> list[int]:
+    """A prompt of n tokens for warm-up (what it says does not matter)."""
+    return [(i % 50) + 1 for i in range(n)]
 
 
 def row_buckets(batch: int) -> list[int]:
@@ -258,5 +263,42 @@ class SlotDecoder:
         self.cache.release(rows)
 
     def reset(self) -> None:
+        self.free_all()
+
+    def free_all(self) -> None:
+        """Drop the steps in flight and free every row."""
         self.drain()
         self.release(list(range(self.batch)))
+
+    # ---- warm-up ----
+    def warmup(self, rows: int | None = None, prompt_tokens: int = 1024) -> int:
+        """Capture, before serving, the graphs that requests would otherwise meet cold (each key's
+        first call runs eagerly, its second captures; GPU only, nothing to do without graphs):
+        a prefill of one prompt of every padded length up to `prompt_tokens`, and for every row
+        bucket up to `rows` (default: all) and every attention span, a prefill and two steps.
+        Leaves every row free. Returns how many graphs it captured."""
+        if not self.graphs.enabled:
+            return 0
+        before = self.graphs.captured
+        self.free_all()
+        cap = self.cache.max_len - self.tokens_per_step * 3  # room for two steps and one in flight
+        t = MIN_BUCKET
+        while t <= min(prompt_tokens, cap):
+            for _ in range(2):
+                self.admit([0], [warm_prompt(t)])
+                self.release([0])
+            t *= 2
+        for k in row_buckets(self.batch):
+            if k > (rows or self.batch):
+                break
+            for s in range(SPAN, self.cache.max_len + 1, SPAN):
+                n = s - SPAN + 1  # the longest row's prompt: the steps' span is s
+                if n > cap:
+                    break
+                self.admit([0], [warm_prompt(n)])
+                if k > 1:
+                    self.admit(list(range(1, k)), [warm_prompt(1)] * (k - 1))
+                for _ in range(2):
+                    self.step([2] * k + [0] * (self.batch - k))
+                self.free_all()
+        return self.graphs.captured - before

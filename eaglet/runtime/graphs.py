@@ -19,7 +19,10 @@ from collections.abc import Callable, Hashable
 import torch
 
 
-def span(n: int, cap: int, bucket: int = 128) -> int:
+SPAN = 128  # attention spans are multiples of this
+
+
+def span(n: int, cap: int, bucket: int = SPAN) -> int:
     """The attention span used for a step that needs `n` cache slots: rounded up to `bucket` (so
     one captured graph serves many steps), never past the cache's `cap`."""
     return min(cap, -(-n // bucket) * bucket)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager, suppress
 
@@ -94,6 +96,10 @@ def build_app(generator: Generator, model_name: str, max_batch: int = 8, max_que
     @asynccontextmanager
     async def lifespan(app):
         if not engine.thread.is_alive():
+            t0 = time.perf_counter()
+            if n := engine.warmup():
+                print(f"[eaglet] warm-up: {n} CUDA graphs captured in {time.perf_counter() - t0:.1f} s",
+                      file=sys.stderr)
             engine.start()
         yield
         engine.shutdown()

@@ -56,6 +56,11 @@ log = logging.getLogger("eaglet.server")
 LOAD_WINDOW = 2.0  # seconds the policy remembers a load peak for
 
 
+def graphs_on(generator: Generator) -> bool:
+    """Whether the generator's decoders run CUDA graphs (on the GPU, unless --eager)."""
+    return generator.graphs and next(generator.model.parameters()).device.type == "cuda"
+
+
 class LoadMeter:
     """The most requests (running + waiting) seen at once over the last `window` seconds."""
 
@@ -131,6 +136,24 @@ class Engine:
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="eaglet-engine", daemon=True)
         metrics.kv(0, slots * max_len)
+
+    def warmup(self) -> int:
+        """Before the first request (GPU, graphs on): capture the CUDA graphs of every decoder the
+        policy can choose, for greedy requests, so no request meets a graph's eager first call
+        (SlotDecoder.warmup). A setting chosen for batches of up to n requests is warmed for n
+        rows, and for every row in plain mode (its batch may grow and turn plain). Returns how
+        many graphs were captured."""
+        if not graphs_on(self.generator):
+            return 0
+        rows: dict[str | None, int] = {}  # setting -> the largest batch it is chosen for
+        for n in range(1, self.slots + 1):
+            rows[self.policy.choose(n)] = n
+        captured = 0
+        with torch.inference_mode():
+            for setting, n in rows.items():
+                dec = self._generator(setting).decoder(self.slots, self.max_len, SamplingParams())
+                captured += dec.warmup() if setting is None else dec.warmup(rows=n, plain_rows=self.slots)
+        return captured
 
     # ---- HTTP side (event loop) -----------------------------------------------------------------
 

@@ -70,6 +70,16 @@ class SpecDecoder(SlotDecoder):
         self.plain, self.tokens_per_step = False, self.spec.steps + 1
         self._views.clear()
 
+    def warmup(self, rows: int | None = None, prompt_tokens: int = 1024, plain_rows: int = 0) -> int:
+        """SlotDecoder.warmup's speculative steps for up to `rows` rows, then, when `plain_rows`
+        is given, its plain ones for up to that many (a server batch that grows turns plain)."""
+        n = super().warmup(rows, prompt_tokens)
+        if plain_rows and self.graphs.enabled:
+            self.to_plain()
+            n += super().warmup(plain_rows, prompt_tokens)
+            self.reset()
+        return n
+
     def rows_in_use(self) -> int:
         # the profiler's trace records whole-batch proposals (and reads them in _collect)
         return self.batch if self.trace is not None else super().rows_in_use()

@@ -1,0 +1,137 @@
+"""Graph warm-up before serving (SlotDecoder.warmup, Engine.warmup), checked on the CPU with a
+graph runner that records keys instead of capturing: after the warm-up, every graph a run of
+requests meets has already been called twice (so it was captured), and the decoder is left
+exactly as a fresh one (every row free; the same tokens afterwards)."""
+from collections import Counter
+
+import pytest
+import torch
+
+from eaglet import load_model
+from eaglet.config import SpecConfig
+from eaglet.generate import PlainDecoder
+from eaglet.runtime.graphs import GraphRunner
+from eaglet.sampling import SamplingParams
+from eaglet.server.batcher import Batcher
+from eaglet.server.engine import Request
+from eaglet.spec.loop import SpecDecoder
+from eaglet.spec.speculator import Speculator
+
+from .test_spec_greedy import random_head
+
+
+class Recording(GraphRunner):
+    """A runner that counts calls per key: a key called twice would have been captured."""
+
+    def __init__(self):
+        super().__init__(torch.device("cpu"), enabled=False)
+        self.enabled, self.calls = True, Counter()
+
+    def run(self, key, body, graph=True):
+        if graph:
+            self.calls[key] += 1
+        return body()
+
+    @property
+    def captured(self) -> int:
+        return sum(n >= 2 for n in self.calls.values())
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dirs):
+    return load_model(tiny_dirs["llama3"][0], dtype="float32", device="cpu", tokenizer=False).model
+
+
+def make(target, kind: str):
+    if kind == "plain":
+        dec = PlainDecoder(target, 4, 300, SamplingParams(), graphs=False)
+    else:
+        sp = Speculator(SpecConfig("eagle3", steps=3), head=random_head(target.config))
+        dec = SpecDecoder(target, sp.make(target, 4, 300, SamplingParams(), None), sp.spec, 4, 300,
+                          SamplingParams(), graphs=False)
+    dec.graphs = Recording()
+    return dec
+
+
+class Gen:
+    """What Batcher needs of a Generator, around a prepared decoder."""
+    def __init__(self, dec):
+        self.dec, self.tokenizer, self.speculator = dec, None, None
+
+    def eos_ids(self):
+        return frozenset()
+
+    def decoder(self, *a):
+        self.dec.reset()
+        return self.dec
+
+
+def serve(dec, plan: list[tuple[int, int]]) -> None:
+    """Requests (prompt length, max tokens), each admitted alone as soon as a row is free."""
+    b = Batcher(Gen(dec), dec.batch, 300, SamplingParams())
+    waiting = [Request([(7 * i + j) % 100 + 3 for j in range(n)], m, SamplingParams(), ignore_eos=True)
+               for i, (n, m) in enumerate(plan)]
+    while waiting or b.running:
+        if waiting and b.free_rows:
+            b.add([waiting.pop(0)])
+        for o in b.step():
+            if o.finished:
+                b.release(o.row)
+
+
+PLAN = [(40, 30), (150, 20), (5, 60), (120, 12), (33, 40), (200, 30), (9, 9)]
+
+
+@pytest.mark.parametrize("kind", ["plain", "eagle3"])
+def test_warmup_covers_what_requests_meet(target, kind):
+    dec = make(target, kind)
+    n = dec.warmup(plain_rows=4) if kind == "eagle3" else dec.warmup()
+    assert n == dec.graphs.captured > 0
+    assert not dec.in_flight and not dec.live.any() and dec.cache.host_lens.sum() == 0
+    assert int(dec.cache.lens.sum()) == 0 and not getattr(dec, "plain", False)
+    warm = {k for k, c in dec.graphs.calls.items() if c >= 2}
+    dec.graphs.calls.clear()
+    serve(dec, PLAN)
+    met = set(dec.graphs.calls)
+    assert met and met <= warm, sorted(met - warm)
+
+
+def test_warmup_changes_no_tokens(target):
+    """A warmed-up decoder generates what a fresh one does."""
+    prompts, n = [[5, 9, 2, 7], [3] * 20], 15
+    outs = []
+    for dec in (PlainDecoder(target, 4, 300, SamplingParams(), graphs=False), make(target, "plain")):
+        if isinstance(dec.graphs, Recording):
+            assert dec.warmup() > 0
+        toks = dec.admit([0, 1], prompts)
+        while any(len(t) < n for t in toks):
+            for r, new in enumerate(dec.step([n - len(t) for t in toks] + [0, 0])[:2]):
+                toks[r] += new
+        outs.append(toks)
+    assert outs[0] == outs[1] and len(outs[0][0]) == n
+
+
+def test_engine_warms_every_decoder_its_policy_can_choose(target, monkeypatch):
+    """Speculation for batches of 1 (the default policy): the speculative decoder is warmed for one
+    row, and in plain mode for every row bucket; the plain decoder for every row bucket. The
+    batches the engine starts later get those same decoders."""
+    from eaglet import Generator
+    from eaglet.runtime import decoder as decoder_mod
+    from eaglet.server import engine as engine_mod
+    from eaglet.server.metrics import ServerMetrics
+    from eaglet.server.policy import SpecPolicy
+
+    monkeypatch.setattr(decoder_mod, "GraphRunner", lambda *a, **k: Recording())
+    monkeypatch.setattr(engine_mod, "graphs_on", lambda g: True)
+    sp = Speculator(SpecConfig("eagle3", steps=3), head=random_head(target.config))
+    eng = engine_mod.Engine(Generator(target, None, sp), 4, 8, 300, ServerMetrics("warm"), SpecPolicy(sp, max_batch=1))
+    assert eng.warmup() > 0
+    assert set(eng.generators) == {"chain:3", None}
+    with torch.inference_mode():  # as on the engine thread, where batches start
+        spec = eng.generators["chain:3"].decoder(4, 300, SamplingParams())
+        plain = eng.generators[None].decoder(4, 300, SamplingParams())
+    warm = lambda d: {k for k, n in d.graphs.calls.items() if n >= 2}  # noqa: E731
+    assert {k[1] for k in warm(spec) if k[0] in ("draft", "verify", "accept")} == {1}
+    assert {k[1] for k in warm(spec) if k[0] == "decode"} == {1, 2, 4} == {k[1] for k in warm(plain) if k[0] == "decode"}
+    assert ("prefill", True, 1, 64) in warm(spec) and ("prefill", False, 1, 64) in warm(spec)
+    assert ("prefill", 1, 256) in warm(plain) and not spec.plain
