@@ -20,7 +20,8 @@ row, not 64. `prefix(k)` is the decoder over those rows: the same storage, slice
 the caches), with its own graphs.
 
 Admitting prompts is one graphed prefill of any set of free rows (models/prefill.py), keyed by the
-number of prompts and their padded length.
+number of prompts and their padded length. `warmup()` runs the common keys twice before a server
+takes requests, so none meets a graph's eager first call.
 
 Subclasses implement `_prefill` (the device part of an admission: prefill, first token),
 `_admitted` (its host part), `_launch` (run one step's graphs, return its packed output) and
