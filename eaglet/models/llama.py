@@ -43,7 +43,8 @@ class RoPE(nn.Module):
     what attention and the cache take: q (B, Hkv, G*T, D), each kv head's G query heads stacked as
     rows (head h = kv * G + g, row g * T + t), and keys with values (B, T, 2, Hkv, D). A module with
     no weights, so the runtime compiles it: rotation and relayout become one kernel per output
-    instead of a rotation and then a copy."""
+    instead of a rotation and then a copy. With one token (decoding) q's heads are already in
+    that order, so q, k and v go into one tensor, one kernel, and both results are views of it."""
 
     def __init__(self, groups: int):
         super().__init__()
@@ -54,6 +55,9 @@ class RoPE(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         hkv = h // self.groups
+        if t == 1:
+            out = torch.cat([q, k, v], 2)  # (B, 1, H + 2 Hkv, D)
+            return out[:, 0, :h].view(b, hkv, self.groups, d), out[:, :, h:].view(b, 1, 2, hkv, d)
         q = q.view(b, t, hkv, self.groups, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, self.groups * t, d)
         return q, torch.stack([k, v], 2)
 
