@@ -49,3 +49,20 @@ def test_greedy_accept_compiled_equals_eager(n, depth):
         got = fn(tokens, parents, valid, target, depth)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
         assert want[1].max() > 1  # some row accepted a draft
+
+
+def test_rope_module_compiled_equals_eager():
+    """RoPE as compile_kernels compiles it on the GPU (dynamic shapes, one graph): at one token its
+    q and kv are views of one buffer; at several, the grouped relayout. Both as written."""
+    from eaglet.models.llama import RoPE
+
+    g = torch.Generator().manual_seed(0)
+    torch._dynamo.reset()
+    rope = RoPE(groups=3)
+    fn = torch.compile(rope.forward, dynamic=True, fullgraph=True)
+    for bsz, t in [(1, 1), (3, 1), (2, 5), (1, 7)]:
+        q, k, v = (torch.randn(bsz, t, n, 8, generator=g) for n in (6, 2, 2))
+        cos, sin = (torch.randn(bsz, t, 1, 8, generator=g) for _ in range(2))
+        want, got = rope(q, k, v, cos, sin), fn(q, k, v, cos, sin)
+        assert [w.shape for w in want] == [(bsz, 2, 3 * t, 8), (bsz, t, 2, 2, 8)]
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, want))
