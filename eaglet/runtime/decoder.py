@@ -272,12 +272,13 @@ class SlotDecoder:
         self.release(list(range(self.batch)))
 
     # ---- warm-up ----
-    def warmup(self, rows: int | None = None, prompt_tokens: int = 1024) -> int:
+    def warmup(self, rows: int | None = None, prompt_tokens: int = 1024, max_span: int = 2048) -> int:
         """Capture, before serving, the graphs that requests would otherwise meet cold (each key's
         first call runs eagerly, its second captures; GPU only, nothing to do without graphs):
         a prefill of one prompt of every padded length up to `prompt_tokens`, and for every row
-        bucket up to `rows` (default: all) and every attention span, a prefill and two steps.
-        Leaves every row free. Returns how many graphs it captured."""
+        bucket up to `rows` (default: all) and every attention span up to `max_span`, a prefill
+        and two steps (longer spans, rarer and costlier to warm, are captured when met). Leaves
+        every row free. Returns how many graphs it captured."""
         if not self.graphs.enabled:
             return 0
         before = self.graphs.captured
@@ -292,7 +293,7 @@ class SlotDecoder:
         for k in row_buckets(self.batch):
             if k > (rows or self.batch):
                 break
-            for s in range(SPAN, self.cache.max_len + 1, SPAN):
+            for s in range(SPAN, min(self.cache.max_len, max_span) + 1, SPAN):
                 n = s - SPAN + 1  # the longest row's prompt: the steps' span is s
                 if n > cap:
                     break
