@@ -40,4 +40,4 @@ for c in ${CONC:-1 4 16 64}; do
   done
 done
 kill "${pids[@]}"; wait 2>/dev/null
-[ -n "$OUT" ] && tar -C "$out" -cf "$OUT/serve-records.tar" . && rm -rf "$out"
+[ -n "${OUT:-}" ] && tar -C "$out" -cf "$OUT/serve-records.tar" . && rm -rf "$out"
