@@ -10,6 +10,9 @@
 # A fifth stage fine-tunes the bundled drafter on the prompts it never saw (shards 19..27):
 #   bash bench/gpu/train_default_drafter.sh more      # their replies, greedy and sampled at T 0.8
 #   bash bench/gpu/train_default_drafter.sh finetune  # --init-from the bundled drafter, then eval, fetch
+# A sixth, over every turn (55.7k prompts), each phase resumable across back-to-back calls:
+#   TEMPS=0 bash bench/gpu/train_default_drafter.sh all    # greedy replies (~7 min), then TEMPS=0.8 (~6 min)
+#   bash bench/gpu/train_default_drafter.sh alltrain        # one epoch per call (~7 min), then eval, fetch
 phase=$1
 if [ "$phase" = prepare ]; then
   mkdir -p .gpudata && grep -qx '/.gpudata/' .git/info/exclude || echo '/.gpudata/' >> .git/info/exclude
@@ -51,6 +54,22 @@ case $phase in
         --batch ${BATCH:-1024} --max-new-tokens 320 --max-prompt-tokens 512 --shard-size 2048
       ls /tmp/more-t$t | wc -l
     done ;;
+  all)
+    turns=/tmp/stage/sharegpt_user_turns.json.gz; [ -f $turns ] || turns=.gpudata/sharegpt_user_turns.json.gz
+    [ -f /tmp/sharegpt.json ] || gunzip -c $turns > /tmp/sharegpt.json
+    for t in ${TEMPS:-0 0.8}; do
+      time timeout ${DATA_SECONDS:-570} python3 -m eaglet data --model $GGUF --dtype bfloat16 --out /tmp/all-t$t \
+        --source /tmp/sharegpt.json --turns all --temperature $t \
+        --batch ${BATCH:-1024} --max-new-tokens 320 --max-prompt-tokens 512 --shard-size 2048
+      ls /tmp/all-t$t | wc -l  # 28 shards + heldout.jsonl + meta.json when complete
+    done ;;
+  alltrain)
+    mkdir -p ${OUT:-/tmp}/records
+    python3 -m eaglet train-draft --model $GGUF --dtype bfloat16 --data /tmp/all-t0 /tmp/all-t0.8 --out /tmp/train6 \
+      --init-from ${INIT:-eaglet/drafters/smollm2-135m-instruct-eagle3} --epochs ${EPOCHS:-1} --lr 1.5e-4 --seed 5 \
+      --batch-tokens 32768 --max-len 1024 --draft-vocab 16384 --save-every 200 --time-limit ${TRAIN_SECONDS:-540} || exit 1
+    cp /tmp/train6/train-draft-*.json ${OUT:-/tmp}/records/
+    ln -sfn /tmp/train6 /tmp/train ;;
   finetune)
     mkdir -p ${OUT:-/tmp}/records
     python3 -m eaglet train-draft --model $GGUF --dtype bfloat16 --data /tmp/more-t0 /tmp/more-t0.8 --out /tmp/train5 \
