@@ -45,38 +45,28 @@ case $phase in
       --source /tmp/sharegpt.json --turns ${TURNS:-all} --limit ${LIMIT:-38912} \
       --batch ${BATCH:-1024} --max-new-tokens 320 --max-prompt-tokens 512 --shard-size 2048
     ls /tmp/data | wc -l ;;
-  more)
-    turns=/tmp/stage/sharegpt_user_turns.json.gz; [ -f $turns ] || turns=.gpudata/sharegpt_user_turns.json.gz
-    [ -f /tmp/sharegpt.json ] || gunzip -c $turns > /tmp/sharegpt.json
-    for t in 0 0.8; do
-      time timeout ${DATA_SECONDS:-290} python3 -m eaglet data --model $GGUF --dtype bfloat16 --out /tmp/more-t$t \
-        --source /tmp/sharegpt.json --turns all --first-shard 19 --temperature $t \
-        --batch ${BATCH:-1024} --max-new-tokens 320 --max-prompt-tokens 512 --shard-size 2048
-      ls /tmp/more-t$t | wc -l
-    done ;;
-  all)
+  more|all)
+    # more: the shards 19..27 the first four stages left out (stage 5); all: every shard (stage 6)
+    first=0; [ $phase = more ] && first=19
     turns=/tmp/stage/sharegpt_user_turns.json.gz; [ -f $turns ] || turns=.gpudata/sharegpt_user_turns.json.gz
     [ -f /tmp/sharegpt.json ] || gunzip -c $turns > /tmp/sharegpt.json
     for t in ${TEMPS:-0 0.8}; do
-      time timeout ${DATA_SECONDS:-570} python3 -m eaglet data --model $GGUF --dtype bfloat16 --out /tmp/all-t$t \
-        --source /tmp/sharegpt.json --turns all --temperature $t \
+      time timeout ${DATA_SECONDS:-570} python3 -m eaglet data --model $GGUF --dtype bfloat16 --out /tmp/$phase-t$t \
+        --source /tmp/sharegpt.json --turns all --first-shard $first --temperature $t \
         --batch ${BATCH:-1024} --max-new-tokens 320 --max-prompt-tokens 512 --shard-size 2048
-      ls /tmp/all-t$t | wc -l  # 28 shards + heldout.jsonl + meta.json when complete
+      ls /tmp/$phase-t$t | wc -l  # its shards + heldout.jsonl + meta.json when complete
     done ;;
-  alltrain)
+  finetune|alltrain)
+    # stage 5 (finetune: on `more`'s data, lr 2e-4) or stage 6 (alltrain: on `all`'s, lr 1.5e-4),
+    # from the bundled drafter; a call stopped at TRAIN_SECONDS resumes in the next
+    read -r data k lr <<< "$([ $phase = finetune ] && echo "more 5 2e-4" || echo "all 6 1.5e-4")"
     mkdir -p ${OUT:-/tmp}/records
-    python3 -m eaglet train-draft --model $GGUF --dtype bfloat16 --data /tmp/all-t0 /tmp/all-t0.8 --out /tmp/train6 \
-      --init-from ${INIT:-eaglet/drafters/smollm2-135m-instruct-eagle3} --epochs ${EPOCHS:-1} --lr 1.5e-4 --seed 5 \
-      --batch-tokens 32768 --max-len 1024 --draft-vocab 16384 --save-every 200 --time-limit ${TRAIN_SECONDS:-540} || exit 1
-    cp /tmp/train6/train-draft-*.json ${OUT:-/tmp}/records/
-    ln -sfn /tmp/train6 /tmp/train ;;
-  finetune)
-    mkdir -p ${OUT:-/tmp}/records
-    python3 -m eaglet train-draft --model $GGUF --dtype bfloat16 --data /tmp/more-t0 /tmp/more-t0.8 --out /tmp/train5 \
-      --init-from ${INIT:-eaglet/drafters/smollm2-135m-instruct-eagle3} --epochs ${EPOCHS:-1} --lr 2e-4 --seed 4 \
-      --batch-tokens 32768 --max-len 1024 --draft-vocab 16384 --save-every 200 --time-limit ${TRAIN_SECONDS:-400} || exit 1
-    cp /tmp/train5/train-draft-*.json ${OUT:-/tmp}/records/
-    ln -sfn /tmp/train5 /tmp/train ;;
+    python3 -m eaglet train-draft --model $GGUF --dtype bfloat16 --data /tmp/$data-t0 /tmp/$data-t0.8 \
+      --out /tmp/train$k --init-from ${INIT:-eaglet/drafters/smollm2-135m-instruct-eagle3} --epochs ${EPOCHS:-1} \
+      --lr $lr --seed $((k - 1)) --batch-tokens 32768 --max-len 1024 --draft-vocab 16384 --save-every 200 \
+      --time-limit ${TRAIN_SECONDS:-540} || exit 1
+    cp /tmp/train$k/train-draft-*.json ${OUT:-/tmp}/records/
+    ln -sfn /tmp/train$k /tmp/train ;;
   train)
     # STAGE=1..4 (default: every stage not yet finished, in order); each stage checkpoints, so
     # a call stopped at its limit resumes. The export of the last stage is /tmp/train/drafter.
