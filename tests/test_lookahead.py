@@ -182,6 +182,7 @@ def test_batcher_turns_plain_mid_sequence(target, prompts, lookahead, monkeypatc
     for _ in range(3):
         take(b.step())
     assert len(b.dec.in_flight) == (1 if lookahead else 0)
+    view = b.dec.prefix(2)  # the row view the speculative steps ran on
     drafts = b.dec.metrics[0].drafts
     take(b.to_plain())
     assert not b.dec.in_flight and b.dec.metrics[0].drafts == drafts + (1 if lookahead else 0)
@@ -193,6 +194,9 @@ def test_batcher_turns_plain_mid_sequence(target, prompts, lookahead, monkeypatc
     assert b.dec.metrics[2].drafts == 0
     again = Batcher(gen, 3, 64, SamplingParams())  # the same decoder, reset: speculating again
     assert again.dec is b.dec and not again.dec.plain
+    # the row views are kept through both switches (a captured graph reads a view's own proposal
+    # buffers: a new view would draft into others) and follow the mode
+    assert again.dec.prefix(2) is view and not view.plain
     again.add([Request(prompts[3], 8, SamplingParams(), ignore_eos=True)])
     while again.running:
         for o in again.step():

@@ -45,7 +45,6 @@ class SpecDecoder(SlotDecoder):
                  graphs: bool = True, timer=None, lookahead: bool | None = None):
         super().__init__(model, batch, max_len + spec.draft_tokens, sampling, generator, graphs, timer, lookahead)
         self.drafter, self.spec = drafter, spec
-        self.tokens_per_step = spec.steps + 1
         # the profiler's trace reads the proposal of the step just collected
         self.lookahead = self.lookahead and drafter.graphable and trace is None
         self.metrics = [SpecMetrics() for _ in range(batch)]
@@ -57,18 +56,25 @@ class SpecDecoder(SlotDecoder):
         self.drafter_room = spec.steps + 1 + spec.steps * spec.topk + 1
         self.plain = False  # decoding plain since to_plain(), until reset()
 
+    @property
+    def tokens_per_step(self) -> int:
+        return 1 if self.plain else self.spec.steps + 1
+
     def to_plain(self) -> list[list[list[int]]]:
         """Decode plain from the next step on. Collects the steps in flight first (they are
         speculative) and returns their tokens per row, oldest step first."""
         done = [self.collect() for _ in range(len(self.in_flight))]
-        self.plain, self.tokens_per_step = True, 1
-        self._views.clear()  # views copy the mode when made
+        self._set_plain(True)
         return done
 
     def reset(self) -> None:
         super().reset()
-        self.plain, self.tokens_per_step = False, self.spec.steps + 1
-        self._views.clear()
+        self._set_plain(False)
+
+    def _set_plain(self, on: bool) -> None:
+        # the row views too: they are kept, since their captured graphs read their own buffers
+        for d in (self, *self._views.values()):
+            d.plain = on
 
     def warmup(self, rows: int | None = None, prompt_tokens: int = 1024, plain_rows: int = 0) -> int:
         """SlotDecoder.warmup's speculative steps for up to `rows` rows, then, when `plain_rows`

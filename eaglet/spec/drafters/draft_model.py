@@ -15,6 +15,7 @@ from .expand import NeuralDrafter
 
 class DraftModelDrafter(NeuralDrafter):
     taps = ()
+    fed_past_prompt = 1  # the first sampled token
 
     def __init__(self, draft: CausalLM, target: CausalLM, spec: SpecConfig, sampling: SamplingParams,
                  batch: int, max_len: int, generator=None):
@@ -28,10 +29,7 @@ class DraftModelDrafter(NeuralDrafter):
 
     def prompt_inputs(self, batch, taps, first):
         ids = torch.cat([batch.ids, batch.ids[:, :1]], 1).scatter(1, batch.lens[:, None], first[:, None])  # prompt, first
-        return ids, None, batch.lens + 1
-
-    def prompt_counts(self, prompts):
-        return [len(p) + 1 for p in prompts]
+        return ids, None
 
     def absorb(self, cache, ids, feats, positions, meta):
         hidden, _ = self.model(ids, positions, cache, meta)

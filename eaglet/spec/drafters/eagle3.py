@@ -49,10 +49,7 @@ class Eagle3Drafter(NeuralDrafter):
     def prompt_inputs(self, batch, taps, first):
         # the token at t+1 for each position t, the first sample at the last (the rest is padding)
         ids = torch.cat([batch.ids[:, 1:], batch.ids[:, :1]], 1).scatter(1, (batch.lens - 1)[:, None], first[:, None])
-        return ids, self.head.fc(taps), batch.lens
-
-    def prompt_counts(self, prompts):
-        return [len(p) for p in prompts]
+        return ids, self.head.fc(taps)
 
     def pending_feats(self):
         return self.pend_feats

@@ -31,6 +31,7 @@ class NeuralDrafter:
     row_tensors: tuple[str, ...] = ("root_h", "pend_ids", "pend_count")  # sliced by rows()
     feeds_state = False  # True: draft steps take their parent's hidden state (EAGLE-3)
     window: int | None = None  # the drafter's sliding attention window, if any
+    fed_past_prompt = 0  # what an admitted prompt feeds the drafter: its tokens plus this many
 
     def __init__(self, spec: SpecConfig, sampling: SamplingParams, vocab_size: int, generator,
                  cache: KVCache, hidden_size: int):
@@ -56,12 +57,9 @@ class NeuralDrafter:
         mask (B, K, pending + K) over the uncommitted block. Returns (logits (B, K, Vd), states)."""
         raise NotImplementedError
 
-    def prompt_inputs(self, batch: PromptBatch, taps, first) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """What newly admitted prompts feed (device): ids (b, T'), features or None, and counts (b,)."""
-        raise NotImplementedError
-
-    def prompt_counts(self, prompts: list[list[int]]) -> list[int]:
-        """The same counts on the host."""
+    def prompt_inputs(self, batch: PromptBatch, taps, first) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What newly admitted prompts feed (device): ids (b, T'), the first len + fed_past_prompt
+        of each row real, and features or None."""
         raise NotImplementedError
 
     def pending_feats(self) -> torch.Tensor | None:
@@ -85,7 +83,8 @@ class NeuralDrafter:
         return self.absorb(cache, ids, feats, positions, meta)
 
     def start(self, batch, taps, first) -> None:
-        ids, feats, counts = self.prompt_inputs(batch, taps, first)
+        ids, feats = self.prompt_inputs(batch, taps, first)
+        counts = batch.lens + self.fed_past_prompt
         b, t = ids.shape
         positions, meta = fresh_meta(b, t, ids.device, self.window)
         h = self.absorb(FreshRows(self.cache, batch.rows), ids, feats, positions, meta)  # (b, T, H)
@@ -94,7 +93,7 @@ class NeuralDrafter:
         self.pend_count.index_fill_(0, batch.rows, 0)
 
     def start_host(self, rows, prompts, first) -> None:
-        self.cache.host_lens[rows] = self.prompt_counts(prompts)
+        self.cache.host_lens[rows] = [len(p) + self.fed_past_prompt for p in prompts]
 
     def commit(self, prop, res, taps) -> None:
         self.pend_ids.copy_(res.tokens)
