@@ -8,6 +8,8 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():  # Triton kernels run in its interpreter (before triton is imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

@@ -21,6 +21,7 @@ class AttnMeta:
     slots: torch.Tensor  # (B, T) cache slot of each new token
     mask: torch.Tensor  # (B, 1, T, S) bool: new token t may attend to cache slot s
     rows: torch.Tensor  # (B, T) the batch row of each new token (cache writes)
+    causal: bool = False  # each new token sees every slot up to its own (no tree mask, no window)
     _bias: dict = field(default_factory=dict, repr=False)
 
     def bias(self, dtype: torch.dtype, groups: int) -> torch.Tensor:
@@ -40,7 +41,8 @@ class AttnMeta:
         tree_mask: (B, T, pending + T) bool, new token t sees block entry u (its ancestors and itself
         in a tree); None means causal over the new tokens and every pending entry visible.
         """
-        return AttnMeta(*attention_mask(lens, positions, kv_len, tree_mask, pending, sliding_window))
+        return AttnMeta(*attention_mask(lens, positions, kv_len, tree_mask, pending, sliding_window),
+                        causal=tree_mask is None and sliding_window is None)
 
 
 @fusable

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..config import ModelConfig, rope_inv_freq
 from ..kvcache import KVCache
+from . import decode_attention
 from .attention import AttnMeta
 from .linear import Linear, linear
 
@@ -134,6 +135,11 @@ class Attention(nn.Module):
             k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # (B, Hkv, T, D)
             o = cache.attend(q.view(b, self.nh, t, self.d), k, v)  # (B, H, T, D)
             return self.o_proj(o.transpose(1, 2).reshape(b, t, self.nh * self.d))
+        if t == 1 and meta.causal and isinstance(cache, KVCache) and decode_attention.usable(q):
+            # one token per row: store and attend in one kernel (q is (B, Hkv, G, D) here)
+            o = decode_attention.decode_attention(q, kv, cache.k[self.layer, :b], cache.v[self.layer, :b],
+                                                  meta.slots, meta.mask.shape[-1])
+            return self.o_proj(o.view(b, 1, self.nh * self.d))
         keys, vals = cache.update(self.layer, meta.slots, kv, meta.mask.shape[-1], meta.rows)  # (B, Hkv, S, D)
         # grouped-query attention as plain attention over the kv heads: each kv head's G query heads
         # are G*T query rows (mask rows repeated), which the fused SDPA kernels accept with a mask

@@ -2,7 +2,10 @@
 
 - modules: the elementwise pieces of every layer (RMSNorm with its fused residual add, RoPE with
   the grouped-query relayout, the MLP's gate-up / SiLU·mul / down) each become one generated kernel
-  instead of five to ten small ones. Matmuls and attention stay cuBLAS and SDPA.
+  instead of five to ten small ones. Matmuls stay cuBLAS.
+- attention of one new token per row (decoding, chain drafting): one Triton kernel that stores the
+  new key and value and attends (models/decode_attention.py) instead of an indexed store, a mask
+  and SDPA.
 - functions marked `@fusable`: the index arithmetic around the model (attention masks, greedy
   acceptance), dozens of tiny kernels per speculation step each, become a few.
 
@@ -52,6 +55,8 @@ def compile_kernels(model: nn.Module) -> int:
     # one entry per (module code, specialization: size-1 dims, residual or not), shared by all layers
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     enable_functions()
+    from ..models import decode_attention
+    decode_attention.enable()
     n = 0
     for m in model.modules():
         if isinstance(m, (RMSNorm, RoPE, MLP)):

@@ -51,10 +51,10 @@ class NeuralDrafter:
     def root_logits(self, h: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def draft_step(self, ids: torch.Tensor, state: torch.Tensor | None, depth: int, mask: torch.Tensor,
+    def draft_step(self, ids: torch.Tensor, state: torch.Tensor | None, depth: int, mask: torch.Tensor | None,
                    pending: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed nodes ids (B, K) (drafter vocabulary) of the given depth with their parents' states;
-        mask (B, K, pending + K) over the uncommitted block. Returns (logits (B, K, Vd), states)."""
+        mask (B, K, pending + K) over the uncommitted block, None for causal (a chain). Returns (logits (B, K, Vd), states)."""
         raise NotImplementedError
 
     def prompt_inputs(self, batch: PromptBatch, taps, first) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -106,7 +106,7 @@ class NeuralDrafter:
         self.cache.release(rows)
         self.pend_count[rows] = 0
 
-    def level_meta(self, b: int, k: int, depth: int, mask: torch.Tensor, pending: int):
+    def level_meta(self, b: int, k: int, depth: int, mask: torch.Tensor | None, pending: int):
         """Positions (B, K) and attention metadata of a draft level of k nodes at `depth`, after
         `pending` nodes of earlier levels in the uncommitted block."""
         positions = (self.cache.lens + depth - 1)[:, None].expand(b, k)
@@ -148,18 +148,15 @@ class NeuralDrafter:
         return sample_probs(q, self.gen), self.q_to_target(q)
 
     def _chain(self, roots, logits, state) -> DraftProposal:
-        b, dev = roots.shape[0], roots.device
         ids, q = self._pick(logits)  # (B,)
         picked, qs = [ids], [q]
-        mask = torch.ones(b, 1, 1, dtype=torch.bool, device=dev)
-        for d in range(1, self.spec.steps):
-            logits, state = self.draft_step(ids[:, None], None if state is None else state[:, None], d, mask,
+        for d in range(1, self.spec.steps):  # mask None: a chain node sees every pending node
+            logits, state = self.draft_step(ids[:, None], None if state is None else state[:, None], d, None,
                                             pending=d - 1)
             logits, state = logits[:, 0], None if state is None else state[:, 0]  # (B, Vd), (B, H)
             ids, q = self._pick(logits)
             picked.append(ids)
             qs.append(q)
-            mask = torch.ones(b, 1, d + 1, dtype=torch.bool, device=dev)
         tokens = torch.cat([roots[:, None], self.to_target(torch.stack(picked, 1))], 1)  # (B, steps+1)
         qt = None
         if not self.sampling.greedy:
