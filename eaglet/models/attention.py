@@ -21,7 +21,10 @@ class AttnMeta:
     slots: torch.Tensor  # (B, T) cache slot of each new token
     mask: torch.Tensor  # (B, 1, T, S) bool: new token t may attend to cache slot s
     rows: torch.Tensor  # (B, T) the batch row of each new token (cache writes)
-    causal: bool = False  # each new token sees every slot up to its own (no tree mask, no window)
+    # cache_attention applies: every slot before the block's first is visible, and among the new
+    # tokens `block_mask` (B, T, T) says what each sees (None: causal); no sliding window
+    fast: bool = False
+    block_mask: torch.Tensor | None = None
     _bias: dict = field(default_factory=dict, repr=False)
 
     def bias(self, dtype: torch.dtype, groups: int) -> torch.Tensor:
@@ -42,7 +45,8 @@ class AttnMeta:
         in a tree); None means causal over the new tokens and every pending entry visible.
         """
         return AttnMeta(*attention_mask(lens, positions, kv_len, tree_mask, pending, sliding_window),
-                        causal=tree_mask is None and sliding_window is None)
+                        fast=sliding_window is None and (tree_mask is None or pending == 0),
+                        block_mask=tree_mask if pending == 0 else None)
 
 
 @fusable

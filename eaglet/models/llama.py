@@ -16,7 +16,7 @@ from torch import nn
 
 from ..config import ModelConfig, rope_inv_freq
 from ..kvcache import KVCache
-from . import decode_attention
+from . import cache_attention
 from .attention import AttnMeta
 from .linear import Linear, linear
 
@@ -45,17 +45,20 @@ class RoPE(nn.Module):
     rows (head h = kv * G + g, row g * T + t), and keys with values (B, T, 2, Hkv, D). A module with
     no weights, so the runtime compiles it: rotation and relayout become one kernel per output
     instead of a rotation and then a copy. With one token (decoding) q's heads are already in
-    that order, so q, k and v go into one tensor, one kernel, and both results are views of it."""
+    that order, so q, k and v go into one tensor, one kernel, and both results are views of it.
+    `packed` returns that tensor (B, T, H + 2 Hkv, D) at any T: what cache_attention reads."""
 
     def __init__(self, groups: int):
         super().__init__()
         self.groups = groups
 
-    def forward(self, q, k, v, cos, sin):
+    def forward(self, q, k, v, cos, sin, packed: bool = False):
         b, t, h, d = q.shape
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         hkv = h // self.groups
+        if packed:
+            return torch.cat([q, k, v], 2)  # (B, T, H + 2 Hkv, D)
         if t == 1:
             out = torch.cat([q, k, v], 2)  # (B, 1, H + 2 Hkv, D)
             return out[:, 0, :h].view(b, hkv, self.groups, d), out[:, :, h:].view(b, 1, 2, hkv, d)
@@ -130,16 +133,17 @@ class Attention(nn.Module):
         v = v.view(b, t, self.nkv, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if meta is not None and meta.fast and isinstance(cache, KVCache) and cache_attention.usable(x, t):
+            # a few tokens per row: store, attend and lay out in one kernel
+            qkv = self.rope(q, k, v, cos, sin, packed=True)  # (B, T, H + 2 Hkv, D)
+            o = cache_attention.cache_attention(qkv, cache.k[self.layer, :b], cache.v[self.layer, :b], meta.slots[:, 0],
+                                                meta.block_mask, meta.mask.shape[-1], self.nh // self.nkv)
+            return self.o_proj(o)
         q, kv = self.rope(q, k, v, cos, sin)  # (B, Hkv, G*T, D), (B, T, 2, Hkv, D)
         if hasattr(cache, "attend"):  # training (train/ttt.py): the stand-in computes the attention itself
             k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # (B, Hkv, T, D)
             o = cache.attend(q.view(b, self.nh, t, self.d), k, v)  # (B, H, T, D)
             return self.o_proj(o.transpose(1, 2).reshape(b, t, self.nh * self.d))
-        if t == 1 and meta.causal and isinstance(cache, KVCache) and decode_attention.usable(q):
-            # one token per row: store and attend in one kernel (q is (B, Hkv, G, D) here)
-            o = decode_attention.decode_attention(q, kv, cache.k[self.layer, :b], cache.v[self.layer, :b],
-                                                  meta.slots, meta.mask.shape[-1])
-            return self.o_proj(o.view(b, 1, self.nh * self.d))
         keys, vals = cache.update(self.layer, meta.slots, kv, meta.mask.shape[-1], meta.rows)  # (B, Hkv, S, D)
         # grouped-query attention as plain attention over the kv heads: each kv head's G query heads
         # are G*T query rows (mask rows repeated), which the fused SDPA kernels accept with a mask

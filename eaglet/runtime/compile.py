@@ -3,9 +3,9 @@
 - modules: the elementwise pieces of every layer (RMSNorm with its fused residual add, RoPE with
   the grouped-query relayout, the MLP's gate-up / SiLU·mul / down) each become one generated kernel
   instead of five to ten small ones. Matmuls stay cuBLAS.
-- attention of one new token per row (decoding, chain drafting): one Triton kernel that stores the
-  new key and value and attends (models/decode_attention.py) instead of an indexed store, a mask
-  and SDPA.
+- attention of a few new tokens per row over the cache (decoding, drafting, verify): one Triton
+  kernel that stores the new keys and values, attends and lays out the output
+  (models/cache_attention.py) instead of an indexed store, a relayout, a mask, SDPA and a copy.
 - functions marked `@fusable`: the index arithmetic around the model (attention masks, greedy
   acceptance), dozens of tiny kernels per speculation step each, become a few.
 
@@ -55,8 +55,8 @@ def compile_kernels(model: nn.Module) -> int:
     # one entry per (module code, specialization: size-1 dims, residual or not), shared by all layers
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     enable_functions()
-    from ..models import decode_attention
-    decode_attention.enable()
+    from ..models import cache_attention
+    cache_attention.enable()
     n = 0
     for m in model.modules():
         if isinstance(m, (RMSNorm, RoPE, MLP)):

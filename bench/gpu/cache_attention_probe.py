@@ -1,0 +1,96 @@
+"""Attention over the cache on the GPU: eaglet's Triton kernel (store + attend + layout,
+models/cache_attention.py) against the general path (indexed store, additive mask, SDPA, relayout),
+and the split size that suits each span. Two views, both graphed, medians of CUDA-event timings:
+
+- per layer: 30 calls (one per layer of a cache) captured in one graph, µs per call, for SmolLM2-135M
+  (3 kv heads x 3, d 64) and Llama-3.1-8B (8 x 4, d 128) head shapes, batch 1 and 16, spans 128 ..
+  4096, 1 and 6 new tokens (decode, a chain-5 verify), the kernel at several split sizes and at its
+  default (split_size);
+- the whole model: forward_curve's step of 1, 6, 16 and 64 tokens for SmolLM2 and the 8B shape,
+  kernel on and off (everything else the same).
+
+  python3 bench/gpu/cache_attention_probe.py OUT_DIR
+"""
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from eaglet.models import cache_attention as ca
+from eaglet.models.attention import additive_bias
+from eaglet.perf.curves import forward_curve, time_ms
+from eaglet.perf.record import write_record
+from eaglet.perf.shapes import random_model
+
+LAYERS = 30
+HEADS = {"smollm2-135m": (3, 3, 64), "llama-3.1-8b": (8, 4, 128)}
+
+
+def per_call_us(fn) -> float:
+    """µs per call of fn, LAYERS calls captured in one graph."""
+    for _ in range(2):
+        fn(0)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(LAYERS):
+            fn(i)
+    g.replay()
+    return time_ms(g.replay, torch.device("cuda"), 50) * 1e3 / LAYERS
+
+
+def layer_probe(shape: str, b: int, kv_len: int, t: int) -> dict:
+    hkv, g, d = HEADS[shape]
+    dev, dt = "cuda", torch.bfloat16
+    cache = torch.randn(LAYERS, 2, b, hkv, kv_len + 64, d, device=dev, dtype=dt)  # KVCache's layout
+    qkv = torch.randn(b, t, hkv * (g + 2), d, device=dev, dtype=dt)
+    start = torch.full((b,), kv_len - t, device=dev)
+    slots = start[:, None] + torch.arange(t, device=dev)
+    rows = torch.arange(b, device=dev)[:, None].expand(b, t)
+    s = torch.arange(kv_len, device=dev)
+    bias = additive_bias((s[None, :] <= slots[..., None])[:, None], g, dt)  # (B, 1, G*T, S) causal, once a step
+
+    def general(i):  # what models/llama.py does without the kernel (RoPE's relayout included)
+        q = qkv[:, :, :hkv * g].view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+        kv = qkv[:, :, hkv * g:].view(b, t, 2, hkv, d)
+        cache[i][:, rows, :, slots] = kv  # KVCache.write
+        o = F.scaled_dot_product_attention(q, cache[i, 0, :, :, :kv_len], cache[i, 1, :, :, :kv_len],
+                                           attn_mask=bias)
+        return o.reshape(b, hkv * g, t, d).transpose(1, 2).reshape(b, t, hkv * g * d)
+
+    out = {"sdpa+store": per_call_us(general)}
+    for chunk in (128, 256, 512, 1024):
+        if chunk < kv_len:
+            out[f"triton/{chunk}"] = per_call_us(
+                lambda i, c=chunk: ca.cache_attention(qkv, cache[i, 0], cache[i, 1], start, None, kv_len, g, c))
+    out["triton/default"] = per_call_us(lambda i: ca.cache_attention(qkv, cache[i, 0], cache[i, 1], start, None, kv_len, g))
+    rows_ = min(64, max(16, 1 << (g * t - 1).bit_length()))
+    out["default_split"] = ca.split_size(kv_len, b * hkv * -(-g * t // rows_))
+    return out
+
+
+def main(out_dir: str) -> None:
+    ca.enable()
+    results = {"per_layer_us": {}, "step_ms": {}}
+    for shape in HEADS:
+        for b in (1, 16):
+            for kv_len in (128, 512, 2048, 4096):
+                for t in (1, 6):
+                    r = layer_probe(shape, b, kv_len, t)
+                    results["per_layer_us"][f"{shape}/b{b}/{kv_len}/t{t}"] = r
+                    print(shape, b, kv_len, t, {k: round(x, 2) for k, x in r.items()}, flush=True)
+    for shape, ctxs in (("smollm2-135m", (128, 512, 2048)), ("llama-3.1-8b", (512, 4096))):
+        model = random_model(shape, "cuda", torch.bfloat16)
+        for ctx in ctxs:
+            for on in (False, True):
+                ca.enable(on)
+                ms = forward_curve(model, (1, 6, 16, 64), ctx, graphs=True, repeats=50)
+                results["step_ms"][f"{shape}@{ctx}/{'triton' if on else 'sdpa'}"] = ms
+                print(shape, ctx, "triton" if on else "sdpa", {k: round(x, 4) for k, x in ms.items()}, flush=True)
+        del model
+        torch.cuda.empty_cache()
+    print(write_record("cache-attention-probe", {"argv": sys.argv}, results, out_dir))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "/tmp")

@@ -1,0 +1,198 @@
+"""Attention of a few new tokens per row over the KV cache, as one Triton kernel: decoding (one
+token), chain drafting, verifying a chain or a tree, a drafter absorbing what was accepted.
+
+The general path (models/llama.py) stores the new keys and values with an indexed write, relays
+out the queries, builds an additive mask and calls SDPA, then copies the output back to token
+order: six or seven kernels per layer, each a few microseconds of launch latency while the bytes
+they move take well under one. Here one kernel does all of it. It reads q, k and v of the new
+tokens from the packed tensor RoPE writes (B, T, H + 2 Hkv, D), stores k and v at slots
+start .. start+T-1 of each row, and attends each query over the slots before `start` (all
+visible: the committed prefix and any block entries of earlier forwards) and over the new tokens
+themselves, causally or as a tree mask allows. The new tokens' keys are used from registers, so
+nothing is read back that the kernel wrote. The output is written in token order (B, T, H * D).
+
+Programs: one per row, kv head, tile of query rows (the kv head's G heads times T tokens), and
+split of the cached span. Long spans are split (flash-decoding): each split writes its partial
+softmax state for a second, small kernel to combine; one split needs no second kernel. The split
+rule comes from bench/gpu/cache_attention_probe.py's measurements (BENCHMARKS.md).
+
+Used for bfloat16 and float16 on the GPU with Triton, once runtime/compile.py turns it on; under
+TRITON_INTERPRET=1 (the CPU tests) on any device.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs without Triton: the SDPA path runs
+    triton = None
+
+_on = False
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_TOKENS = 64  # longer blocks (prefill) take the SDPA path
+MAX_SPLITS = 64
+
+
+def enable(on: bool = True) -> None:
+    global _on
+    _on = on
+
+
+def usable(x: torch.Tensor, tokens: int) -> bool:
+    return (_on and triton is not None and tokens <= MAX_TOKENS
+            and x.dtype in (torch.bfloat16, torch.float16) and (x.is_cuda or INTERPRET))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def split_size(kv_len: int, programs: int) -> int:
+    """Cached slots per split, for `programs` programs before splitting: short spans in one split;
+    longer ones in splits of 128 (up to 512 slots) or 256, as many as keep ~256 programs busy."""
+    if kv_len <= 256:
+        return max(64, _pow2(kv_len))
+    splits = min(max(1, 256 // programs), -(-kv_len // (128 if kv_len <= 512 else 256)), MAX_SPLITS)
+    return max(64, _pow2(-(-kv_len // splits)))
+
+
+def cache_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
+                    mask: torch.Tensor | None, kv_len: int, groups: int, chunk: int | None = None) -> torch.Tensor:
+    """qkv (B, T, H + 2 Hkv, D): rotated queries, rotated keys, values of T new tokens per row (query
+    head h = kv * groups + g); k_cache, v_cache (B, Hkv, S, D): this layer's cache rows; start (B,):
+    the slot of each row's first new token (every slot before it is visible; any stride); mask (B, T, T) bool,
+    new token t sees new token u, or None for causal; kv_len: slots a step may attend over (>= every
+    start + T). Stores the new keys and values; returns the attention output (B, T, H * D)."""
+    b, t, heads, d = qkv.shape
+    hkv = k_cache.shape[1]
+    h = heads - 2 * hkv
+    assert h == hkv * groups and qkv.stride(-1) == 1 and k_cache.stride(-1) == 1
+    n_rows = groups * t
+    rows = min(64, max(16, _pow2(n_rows)))
+    tiles = -(-n_rows // rows)
+    chunk = chunk or split_size(kv_len, b * hkv * tiles)
+    splits = -(-kv_len // chunk)
+    if splits > MAX_SPLITS:
+        raise ValueError(f"cache attention: {splits} splits of {chunk} slots exceed {MAX_SPLITS}")
+    out = torch.empty(b, t, h * d, dtype=qkv.dtype, device=qkv.device)
+    if splits > 1:
+        part_m = torch.empty(b, hkv * tiles, splits, rows, dtype=torch.float32, device=qkv.device)
+        part_l = torch.empty_like(part_m)
+        part_o = torch.empty(b, hkv * tiles, splits, rows, d, dtype=torch.float32, device=qkv.device)
+    else:
+        part_m = part_l = part_o = out  # not read
+    tree = mask is not None
+    m = mask if tree else start  # not read without a tree
+    _attend[(b, hkv * tiles, splits)](
+        qkv, k_cache, v_cache, start, m, out, part_m, part_l, part_o, 1.0 / math.sqrt(d), chunk, t,
+        qkv.stride(0), qkv.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), start.stride(0),
+        m.stride(0) if tree else 0, m.stride(1) if tree else 0, m.stride(2) if tree else 0,
+        out.stride(0), out.stride(1),
+        H=h, HKV=hkv, G=groups, TILES=tiles, ROWS=rows, TP=max(16, _pow2(t)), D=d, BLOCK=64,
+        TREE=tree, SPLIT=splits > 1)
+    if splits > 1:
+        _combine[(b, hkv * tiles)](part_m, part_l, part_o, out, splits, t, out.stride(0), out.stride(1),
+                                   G=groups, TILES=tiles, ROWS=rows, D=d, SP=max(2, _pow2(splits)))
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _attend(QKV, K, V, START, MASK, OUT, PM, PL, PO, scale, chunk, T,
+                s_b, s_t, sk_b, sk_h, sk_s, s_start, sm_b, sm_t, sm_u, so_b, so_t,
+                H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, TILES: tl.constexpr, ROWS: tl.constexpr,
+                TP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, TREE: tl.constexpr, SPLIT: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1) // TILES
+        tile = tl.program_id(1) % TILES
+        sp = tl.program_id(2)
+        last = sp == tl.num_programs(2) - 1  # the split that also takes the new tokens
+        start = tl.load(START + b * s_start).to(tl.int32)
+        d = tl.arange(0, D)
+        r = tile * ROWS + tl.arange(0, ROWS)  # query rows: token r // G, head h * G + r % G
+        tq = r // G
+        rm = tq < T
+        q = tl.load(QKV + b * s_b + tq[:, None] * s_t + (h * G + r % G)[:, None] * D + d[None, :],
+                    mask=rm[:, None], other=0.0)
+        u = tl.arange(0, TP)  # the new tokens as keys
+        um = u < T
+        k_new = tl.load(QKV + b * s_b + u[:, None] * s_t + (H + h) * D + d[None, :], mask=um[:, None], other=0.0)
+        v_new = tl.load(QKV + b * s_b + u[:, None] * s_t + (H + HKV + h) * D + d[None, :], mask=um[:, None], other=0.0)
+        cache = b * sk_b + h * sk_h
+        keep = (um & last & (tile == 0))[:, None]
+        tl.store(K + cache + (start + u)[:, None] * sk_s + d[None, :], k_new, mask=keep)
+        tl.store(V + cache + (start + u)[:, None] * sk_s + d[None, :], v_new, mask=keep)
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, D], dtype=tl.float32)
+        lo = sp * chunk
+        hi = tl.minimum(lo + chunk, start)
+        for s0 in range(lo, hi, BLOCK):  # cached slots, every one visible
+            s = s0 + tl.arange(0, BLOCK)
+            sm = s < hi
+            k = tl.load(K + cache + s[:, None] * sk_s + d[None, :], mask=sm[:, None], other=0.0)
+            v = tl.load(V + cache + s[:, None] * sk_s + d[None, :], mask=sm[:, None], other=0.0)
+            scores = tl.where(sm[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        if last:  # the new tokens
+            if TREE:
+                seen = tl.load(MASK + b * sm_b + tq[:, None] * sm_t + u[None, :] * sm_u, mask=rm[:, None] & um[None, :],
+                               other=0)
+                seen = seen != 0
+            else:
+                seen = (u[None, :] <= tq[:, None]) & um[None, :]
+            scores = tl.where(seen, tl.dot(q, tl.trans(k_new)) * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padded rows see nothing
+            p = tl.exp(scores - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v_new.dtype), v_new)
+            m_i = m_new
+        if SPLIT:
+            part = (b * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + sp
+            rr = tl.arange(0, ROWS)
+            tl.store(PM + part * ROWS + rr, m_i)
+            tl.store(PL + part * ROWS + rr, l_i)
+            tl.store(PO + (part * ROWS + rr[:, None]) * D + d[None, :], acc)
+        else:
+            o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # padded rows: 0
+            tl.store(OUT + b * so_b + tq[:, None] * so_t + (h * G + r % G)[:, None] * D + d[None, :],
+                     o.to(OUT.dtype.element_ty), mask=rm[:, None])
+
+    @triton.jit
+    def _combine(PM, PL, PO, OUT, splits, T, so_b, so_t,
+                 G: tl.constexpr, TILES: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, SP: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1) // TILES
+        tile = tl.program_id(1) % TILES
+        s = tl.arange(0, SP)
+        rr = tl.arange(0, ROWS)
+        d = tl.arange(0, D)
+        sm = s < splits
+        base = (b * tl.num_programs(1) + tl.program_id(1)) * splits
+        m = tl.load(PM + (base + s)[:, None] * ROWS + rr[None, :], mask=sm[:, None], other=float("-inf"))  # (SP, ROWS)
+        lsum = tl.load(PL + (base + s)[:, None] * ROWS + rr[None, :], mask=sm[:, None], other=0.0)
+        m_all = tl.max(m, 0)
+        m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # padded rows
+        w = tl.where(sm[:, None], tl.exp(m - m_all[None, :]), 0.0)  # (SP, ROWS)
+        denom = tl.sum(w * lsum, 0)
+        o = tl.zeros([ROWS, D], dtype=tl.float32)
+        for i in range(0, splits):
+            wi = tl.sum(tl.where(s[:, None] == i, w, 0.0), 0)  # (ROWS,)
+            o += wi[:, None] * tl.load(PO + ((base + i) * ROWS + rr[:, None]) * D + d[None, :])
+        o = o / tl.where(denom == 0.0, 1.0, denom)[:, None]
+        r = tile * ROWS + rr
+        tq = r // G
+        tl.store(OUT + b * so_b + tq[:, None] * so_t + (h * G + r % G)[:, None] * D + d[None, :],
+                 o.to(OUT.dtype.element_ty), mask=(tq < T)[:, None])

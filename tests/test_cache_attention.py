@@ -1,0 +1,172 @@
+"""The cache attention kernel (models/cache_attention.py), on the CPU through Triton's interpreter
+(conftest sets TRITON_INTERPRET=1 without a GPU), in float16 (the interpreter has no bfloat16): it
+stores the new keys and values where the indexed store would and attends like SDPA over the cached
+prefix and the new tokens (causal or a tree mask), in one split and in several, in one tile of query
+rows and in several; a model decoding and verifying with it matches the SDPA path; EAGLE-3 chain
+drafting runs through it and greedy speculation stays lossless."""
+import os
+
+import pytest
+import torch
+
+from eaglet import GenerationConfig, Generator, load_model
+from eaglet.config import SpecConfig
+from eaglet.kvcache import KVCache
+from eaglet.models import cache_attention as ca
+from eaglet.models.attention import AttnMeta
+from eaglet.spec.speculator import Speculator
+
+from .test_spec_greedy import random_head
+
+pytest.importorskip("triton")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1 (set by conftest)", allow_module_level=True)
+
+
+@pytest.fixture
+def kernel_on():
+    ca.enable()
+    yield
+    ca.enable(False)
+
+
+def reference(qkv, k_cache, v_cache, start, mask, groups):
+    """The general path: indexed store, then SDPA (float32) of each query over slots before start
+    and the new tokens it may see."""
+    b, t, heads, d = qkv.shape
+    hkv = k_cache.shape[1]
+    h = heads - 2 * hkv
+    q, k, v = qkv[:, :, :h], qkv[:, :, h:h + hkv], qkv[:, :, h + hkv:]
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    out = torch.empty(b, t, h, d)
+    for i, s in enumerate(start.tolist()):
+        k_cache[i, :, s:s + t], v_cache[i, :, s:s + t] = k[i].transpose(0, 1), v[i].transpose(0, 1)
+        block = mask[i] if mask is not None else torch.ones(t, t, dtype=torch.bool).tril()
+        seen = torch.cat([torch.ones(t, s, dtype=torch.bool), block.cpu()], 1)  # (T, s + T)
+        keys = k_cache[i, :, :s + t].float().repeat_interleave(groups, 0)  # (H, s+T, D)
+        vals = v_cache[i, :, :s + t].float().repeat_interleave(groups, 0)
+        o = torch.nn.functional.scaled_dot_product_attention(q[i].float().transpose(0, 1), keys, vals,
+                                                             attn_mask=seen.to(DEV))  # (H, T, D)
+        out[i] = o.transpose(0, 1).cpu()
+    return out.reshape(b, t, h * d), k_cache, v_cache
+
+
+def tree_mask(b, t, gen):
+    """Random trees: each node's parent is an earlier node; a node sees itself and its ancestors."""
+    m = torch.zeros(b, t, t, dtype=torch.bool)
+    for i in range(b):
+        for u in range(t):
+            m[i, u, u] = True
+            if u:
+                m[i, u] |= m[i, int(torch.randint(0, u, (1,), generator=gen))]
+    return m
+
+
+# (rows, kv heads, query heads per kv head, head dim, new tokens, kv_len, tree, slots per split or None)
+CASES = [(2, 3, 3, 64, 1, 256, False, None), (3, 2, 4, 128, 1, 700, False, None), (3, 3, 3, 64, 1, 256, False, 64),
+         (3, 1, 1, 64, 1, 200, False, 64), (1, 8, 4, 128, 1, 2048, False, None), (2, 3, 3, 64, 6, 256, False, None),
+         (3, 3, 3, 64, 6, 300, True, 64), (2, 2, 4, 64, 20, 512, True, None), (2, 1, 4, 64, 32, 400, False, 128)]
+
+
+@pytest.mark.parametrize("b,hkv,g,d,t,kv_len,tree,chunk", CASES)
+def test_matches_sdpa_and_stores(b, hkv, g, d, t, kv_len, tree, chunk):
+    gen = torch.Generator().manual_seed(0)
+    dt = torch.float16
+    qkv = torch.randn(b, t, hkv * (g + 2), d, generator=gen).to(DEV, dt)
+    cache = torch.randn(2, b, hkv, kv_len + 37, d, generator=gen).to(DEV, dt)  # rows longer than the span
+    start = torch.randint(0, kv_len - t + 1, (b,), generator=gen)
+    start[0] = kv_len - t  # the last slot of the span
+    if b > 1:
+        start[1] = 0  # nothing cached: only the new tokens
+    if b > 2:
+        start[2] = 64  # the first slot of a split of 64
+    start = start.to(DEV)
+    mask = tree_mask(b, t, gen).to(DEV) if tree else None
+    want, k_want, v_want = reference(qkv, cache[0], cache[1], start, mask, g)
+    got = ca.cache_attention(qkv, cache[0], cache[1], start[:, None].expand(b, 3)[:, 0], mask, kv_len, g, chunk)
+    if chunk:
+        assert -(-kv_len // chunk) > 1  # the combine kernel ran
+    assert got.shape == (b, t, hkv * g * d) and got.dtype == dt
+    torch.testing.assert_close(got.float().cpu(), want, atol=3e-3, rtol=3e-3)
+    assert torch.equal(cache[0], k_want) and torch.equal(cache[1], v_want)
+
+
+def test_split_size_covers_the_span():
+    for n in (1, 100, 256, 257, 512, 513, 2048, 4096, 32768):
+        for programs in (1, 3, 48, 128, 1024):
+            c = ca.split_size(n, programs)
+            assert c >= 64 and -(-n // c) <= ca.MAX_SPLITS
+            assert (c >= n) == (n <= 256 or programs > 128)  # one split only for short spans or a full GPU
+
+
+@pytest.fixture(scope="module")
+def half_model(tiny_dirs):
+    """The tiny SmolLM2-shaped model (4 query heads on 1 kv head) in float16."""
+    return load_model(tiny_dirs["smollm2"][0], dtype="float16", device=DEV, tokenizer=False).model
+
+
+@torch.inference_mode()
+def test_model_decoding_matches_sdpa(half_model, kernel_on):
+    """A 9-token block, 12 one-token steps, then a 5-node tree block (not committed), with the
+    kernel and without: the same logits and the same cache."""
+    model = half_model
+    c = model.config
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, c.vocab_size, (2, 9), generator=gen).to(DEV)
+    tree_ids = torch.randint(3, c.vocab_size, (2, 5), generator=gen).to(DEV)
+    tree = tree_mask(2, 5, gen).to(DEV)
+    depth = tree.sum(-1) - 1  # (B, T) each node's depth below the first
+    runs = []
+    for on in (True, False):
+        ca.enable(on)
+        calls = []
+        inner = ca.cache_attention
+        ca.cache_attention = lambda *a, **k: calls.append(1) or inner(*a, **k)
+        try:
+            cache = KVCache.for_model(c, 2, 64, torch.float16, DEV)
+            ids, logits = prompt, []
+            for _ in range(13):
+                t = ids.shape[1]
+                pos = cache.lens[:, None] + torch.arange(t, device=DEV)
+                h, _ = model(ids, pos, cache, AttnMeta.build(cache.lens, pos, cache.kv_len(t)))
+                cache.advance(t)
+                lg = model.logits(h[:, -1]).float()
+                logits.append(lg)
+                ids = lg.argmax(-1, keepdim=True)
+            pos = cache.lens[:, None] + depth
+            h, _ = model(tree_ids, pos, cache, AttnMeta.build(cache.lens, pos, cache.kv_len(5), tree_mask=tree))
+            tree_logits = model.logits(h).float()
+        finally:
+            ca.cache_attention = inner
+        assert len(calls) == (14 * c.num_layers if on else 0)
+        runs.append((torch.stack(logits), tree_logits, cache.kv[..., :cache.host_lens.max() + 5, :].clone()))
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+@torch.inference_mode()
+def test_chain_drafting_uses_it_and_stays_lossless(half_model, kernel_on, tiny_tokenizer):
+    """Plain decoding and every EAGLE-3 chain draft step go through the kernel; greedy speculation
+    emits exactly the plain greedy tokens."""
+    from eaglet.tokenizer import Tokenizer
+
+    model = half_model
+    tok = Tokenizer(tiny_tokenizer, {2})
+    head = random_head(model.config).to(device=DEV, dtype=torch.float16)
+    sp = Speculator(SpecConfig("eagle3", steps=4), head=head)
+    prompts = [tiny_tokenizer.encode(p) for p in ("the quick brown fox", "pack my box with five")]
+    gen = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    calls = []
+    inner = ca.cache_attention
+    ca.cache_attention = lambda *a, **k: calls.append(a[2].shape[2] == head.cfg.layer.num_kv_heads) or inner(*a, **k)
+    try:
+        plain = [c.tokens for c in Generator(model, tok).generate(prompts, gen)]
+        n_plain = len(calls)
+        spec = Generator(model, tok, sp).generate(prompts, gen)
+    finally:
+        ca.cache_attention = inner
+    assert n_plain == 23 * model.config.num_layers  # every decode step after the prefill's first token
+    assert len(calls) > n_plain  # the chain's draft steps (3 per speculation step) too
+    assert [c.tokens for c in spec] == plain
+    assert all(c.spec.drafts > 0 for c in spec)
