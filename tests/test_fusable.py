@@ -66,3 +66,19 @@ def test_rope_module_compiled_equals_eager():
         want, got = rope(q, k, v, cos, sin), fn(q, k, v, cos, sin)
         assert [w.shape for w in want] == [(bsz, 2, 3 * t, 8), (bsz, t, 2, 2, 8)]
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("factors", [False, True])
+def test_rope_cos_sin_compiled_equals_eager(factors):
+    """RoPE's cos and sin, as compiled on the GPU (one kernel per forward), with and without
+    llama.cpp's frequency divisors."""
+    from eaglet.models.llama import rope_cos_sin
+
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    div = torch.linspace(1, 4, 8) if factors else None
+    fn = compiled(rope_cos_sin)
+    for b, t in ((1, 1), (3, 7)):
+        pos = torch.randint(0, 500, (b, t))
+        for got, want in zip(fn(pos, inv_freq, torch.float32, div), rope_cos_sin(pos, inv_freq, torch.float32, div)):
+            assert got.shape == (b, t, 1, 16)
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)

@@ -54,8 +54,10 @@ class Eagle3Layer(nn.Module):
     def forward(self, emb, h, cos, sin, cache: KVCache, meta: AttnMeta) -> torch.Tensor:
         hn = self.hidden_norm(h)
         x = torch.cat([self.input_layernorm(emb), hn], -1)  # (B, T, 2H): embedding first
-        h = (hn if self.norm_before_residual else h) + self.self_attn(x, cos, sin, cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # the residual add and the norm in one kernel (RMSNorm with a residual returns both)
+        x, h = self.post_attention_layernorm(self.self_attn(x, cos, sin, cache, meta),
+                                             hn if self.norm_before_residual else h)
+        return h + self.mlp(x)
 
 
 class Eagle3Head(nn.Module):
