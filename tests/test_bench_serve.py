@@ -56,6 +56,14 @@ def test_fixed_concurrency_chat(server, prompts_file, tmp_path, capsys):
     assert after["process_resident_memory_bytes"] > 0 and after["eaglet:kv_cache_total_tokens"] > 0
     for line in ("TTFT (ms)", "TPOT (ms)", "ITL (ms)", "accept length", "40 ok, 0 failed"):
         assert line in out
+    drafted = [q for q in r["requests"] if q["spec"] and q["spec"]["num_drafts"]]
+    assert f"of the {len(drafted)} requests that drafted" in r["accept_length_source"]
+    # per-request times kept to the microsecond, each list of numbers on one line of the file
+    times = [x for q in r["requests"] for x in q["itl"] + [q["latency"], q["ttft"]]]
+    assert times and all(round(x, 6) == x for x in times)
+    text = next(tmp_path.glob("bench-serve-*.json")).read_text()
+    assert '"itl": [' in text and not any(line.strip().replace(",", "").replace(".", "").isdigit()
+                                         for line in text.splitlines())
 
 
 def test_poisson_arrivals_completions(server, prompts_file, tmp_path, capsys):
@@ -86,7 +94,7 @@ def test_accept_length_from_server_counters():
                            "vllm:spec_decode_num_accepted_tokens_total{model_name=\"m\"} 5\n")
     after = server_metrics("vllm:spec_decode_num_drafts_total{model_name=\"m\"} 30\n"
                           "vllm:spec_decode_num_accepted_tokens_total{model_name=\"m\"} 35\n")
-    tau, source = accept_length([], before, after)
+    tau, source = accept_length([], before, after)  # no request reported its drafts
     assert tau == pytest.approx(1 + 30 / 20) and "vllm" in source
     tau, source = accept_length([], {}, server_metrics("sglang:spec_accept_length 2.5\n"))
     assert tau == 2.5 and "sglang" in source

@@ -121,11 +121,23 @@ def server_metrics(text: str) -> dict[str, float]:
     return out
 
 
+def request_record(r: RequestResult) -> dict:
+    """One request as the record keeps it: times in seconds to the microsecond (finer digits are
+    clock noise, and a 64-way run holds tens of thousands of inter-token gaps)."""
+    d = asdict(r)
+    d["itl"] = [round(x, 6) for x in r.itl]
+    for k in ("latency", "ttft"):
+        if d.get(k) is not None:
+            d[k] = round(d[k], 6)
+    return d
+
+
 def accept_length(results: list[RequestResult], before: dict | None, after: dict | None) -> tuple[float | None, str]:
     drafts = sum(r.spec["num_drafts"] for r in results if r.ok and r.spec)
     if drafts:
         acc = sum(r.spec["num_accepted_tokens"] for r in results if r.ok and r.spec)
-        return 1 + acc / drafts, "usage.spec_decode of the requests"
+        n = sum(1 for r in results if r.ok and r.spec and r.spec["num_drafts"])
+        return 1 + acc / drafts, f"usage.spec_decode of the {n} requests that drafted, {drafts} drafts"
     if before is not None and after is not None:
         for prefix in ("eaglet", "vllm"):
             d = after.get(f"{prefix}:spec_decode_num_drafts", 0) - before.get(f"{prefix}:spec_decode_num_drafts", 0)
@@ -269,7 +281,7 @@ def run_bench_serve(args) -> int:
     res = summarize(results, duration)
     res["accept_length"], res["accept_length_source"] = accept_length(results, before, after)
     res["server"] = {"url": root, "model": model, "models": info, "metrics_before": before, "metrics_after": after}
-    res["requests"] = [asdict(r) for r in results]
+    res["requests"] = [request_record(r) for r in results]
     mode = ([f"rate={args.request_rate}/s"] if args.request_rate else []) + (
         [f"concurrency={concurrency}"] if concurrency else [])
     print(render(res, f"bench-serve {root} model={model} endpoint={args.endpoint} {' '.join(mode)} "

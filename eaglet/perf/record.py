@@ -9,6 +9,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -100,6 +101,16 @@ def write_record(kind: str, flags: dict, results: dict, out_dir: str | Path, mod
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = out / f"{kind}-{dev}-{stamp}.json"
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(rec, indent=1, default=str))
+    tmp.write_text(to_json(rec))
     tmp.replace(path)
     return path
+
+
+_NUMBER_LIST = re.compile(r"\[\n\s*(-?[0-9][-+0-9.eE]*(?:,\n\s*-?[0-9][-+0-9.eE]*)*)\n\s*\]")
+
+
+def to_json(rec: dict) -> str:
+    """Indented JSON with every list of plain numbers on one line (a serving record holds tens of
+    thousands of per-token times; one per line would triple its size)."""
+    text = json.dumps(rec, indent=1, default=str)
+    return _NUMBER_LIST.sub(lambda m: "[" + re.sub(r",\n\s*", ", ", m.group(1)) + "]", text)
