@@ -140,7 +140,7 @@ if triton is not None:
         k_new = tl.load(QKV + b * s_b + u[:, None] * s_t + (H + h) * D + d[None, :], mask=um[:, None], other=0.0)
         v_new = tl.load(QKV + b * s_b + u[:, None] * s_t + (H + HKV + h) * D + d[None, :], mask=um[:, None], other=0.0)
         cache = b * sk_b + h * sk_h
-        keep = (um & last & (tile == 0))[:, None]
+        keep = tl.where(last & (tile == 0), um, False)[:, None]  # one writer per row and kv head
         tl.store(K + cache + (start + u)[:, None] * sk_s + d[None, :], k_new, mask=keep)
         tl.store(V + cache + (start + u)[:, None] * sk_s + d[None, :], v_new, mask=keep)
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
