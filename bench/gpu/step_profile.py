@@ -1,7 +1,8 @@
 """Where a graphed decoding step of SmolLM2 spends its GPU time: the kernels of plain decoding and
 of an EAGLE-3 chain step, per step (count and microseconds, from torch.profiler's CUDA activity,
-which sees the kernels inside CUDA graph replays), against the wall time per step. A probe for
-choosing what to fuse next, not part of the package.
+which sees the kernels inside CUDA graph replays), against the wall time per step; then, phase by
+phase (decode; draft, verify, accept), every kernel of one captured graph, from replaying that
+graph alone. A probe for choosing what to fuse next, not part of the package.
 
   python3 bench/gpu/step_profile.py MODEL.gguf DRAFTER_DIR OUT_DIR
 """
@@ -31,6 +32,38 @@ def kind_of(name: str) -> str:
     return "other elementwise"
 
 
+def kernel_table(prof, per: int) -> list[tuple[str, float, float]]:
+    """(name, count, µs) of every CUDA kernel the profiler saw, divided by `per`, costliest first."""
+    kernels = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name][0] += 1
+            kernels[e.name][1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    return sorted(((n, c / per, us / per) for n, (c, us) in kernels.items()), key=lambda r: -r[2])
+
+
+def phase_graphs(gen, reps: int = 20) -> dict:
+    """Every kernel of one captured graph per phase of `gen`'s decoder (the first key captured),
+    replayed alone `reps` times after its runs: which phase launches what. Replays only repeat a
+    finished step's work (rows at their token limit do not move), so nothing grows."""
+    out = {}
+    runner = gen._dec[3].graphs  # the decoder of the last generate() call
+    for key, (g, _) in list(runner.graphs.items()):
+        phase = str(key[0])
+        if phase in out:
+            continue
+        g.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                g.replay()
+            torch.cuda.synchronize()
+        rows = kernel_table(prof, reps)
+        out[phase] = {"key": repr(key), "kernels": sum(r[1] for r in rows), "gpu_us": sum(r[2] for r in rows),
+                      "all": [{"name": n[:160], "count": c, "us": us} for n, c, us in rows]}
+    return out
+
+
 def profile_system(gen, ids, cfg, steps_of) -> dict:
     gen.generate([ids], cfg)  # warm-up: graphs captured
     gen.generate([ids], cfg)
@@ -43,12 +76,7 @@ def profile_system(gen, ids, cfg, steps_of) -> dict:
         gen.generate([ids], cfg)
         torch.cuda.synchronize()
     steps = steps_of(out)
-    kernels = defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[e.name][0] += 1
-            kernels[e.name][1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-    rows = sorted(((n, c / steps, us / steps) for n, (c, us) in kernels.items()), key=lambda r: -r[2])
+    rows = kernel_table(prof, steps)
     by_kind = defaultdict(lambda: [0.0, 0.0])
     for n, c, us in rows:
         by_kind[kind_of(n)][0] += c
@@ -56,7 +84,7 @@ def profile_system(gen, ids, cfg, steps_of) -> dict:
     return {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps,
             "gpu_us_per_step": sum(r[2] for r in rows), "kernels_per_step": sum(r[1] for r in rows),
             "by_kind": {k: {"kernels": c, "us": us} for k, (c, us) in sorted(by_kind.items(), key=lambda x: -x[1][1])},
-            "top": [{"name": n[:120], "per_step": c, "us": us} for n, c, us in rows[:25]]}
+            "top": [{"name": n[:160], "per_step": c, "us": us} for n, c, us in rows]}
 
 
 def setup(model_path: str, draft: str):
@@ -71,10 +99,16 @@ def setup(model_path: str, draft: str):
 def main(model_path: str, draft: str, out_dir: str) -> None:
     loaded, ids, cfg, sp = setup(model_path, draft)
     model, tok = loaded.model, loaded.tokenizer
+    gens = {"plain": Generator(model, tok), "eagle3-chain5": Generator(model, tok, sp)}
     results = {
-        "plain": profile_system(Generator(model, tok), ids, cfg, lambda c: len(c.tokens) - 1),
-        "eagle3-chain5": profile_system(Generator(model, tok, sp), ids, cfg, lambda c: c.spec.drafts),
+        "plain": profile_system(gens["plain"], ids, cfg, lambda c: len(c.tokens) - 1),
+        "eagle3-chain5": profile_system(gens["eagle3-chain5"], ids, cfg, lambda c: c.spec.drafts),
     }
+    phases = {name: phase_graphs(g) for name, g in gens.items()}
+    for name, by_phase in phases.items():
+        results[name]["phase_graphs"] = by_phase
+        for phase, r in by_phase.items():
+            print(f"{name} graph {phase}: {r['kernels']:.0f} kernels, {r['gpu_us']:.0f} us GPU ({r['key']})")
     for name, r in results.items():
         print(f"{name}: {r['steps']} steps, wall {r['wall_ms_per_step']:.3f} ms/step, GPU {r['gpu_us_per_step']:.0f} us "
               f"in {r['kernels_per_step']:.0f} kernels per step")
