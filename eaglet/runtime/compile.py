@@ -56,7 +56,8 @@ def compile_kernels(model: nn.Module) -> int:
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     enable_functions()
     from ..models import cache_attention
-    cache_attention.enable()
+    # its bfloat16 dot products need Ampere or newer; older GPUs keep SDPA
+    cache_attention.enable(torch.cuda.get_device_capability(next(model.parameters()).device)[0] >= 8)
     n = 0
     for m in model.modules():
         if isinstance(m, (RMSNorm, RoPE, MLP)):
