@@ -3,8 +3,8 @@
 # drafter; speculating in batches of at most --spec-max-batch requests) against `--spec none`, at
 # concurrency 1, 4, 16 and 64 with `eaglet bench-serve` (ShareGPT first turns, 128 tokens, EOS
 # ignored). Both servers run at once (an idle one waits on a condition variable) and each level
-# alternates between them: a warm-up run of each (not recorded: graph captures), then policy,
-# none, policy, none, so both see the same state of the shared machine.
+# alternates between them: a warm-up run of each (not recorded), then policy, none, ROUNDS times
+# (default 3), so both see the same state of the shared machine; compare medians over rounds.
 #   bash bench/gpu/serve.sh            (needs the model and sharegpt_first_turns.json.gz staged,
 #                                       and the fastapi/uvicorn/pydantic/httpx wheels in .whl)
 # With $OUT set (the GPU machine) the records come back as one tar, $OUT/serve-records.tar.
@@ -32,7 +32,7 @@ bs() { python3 -m eaglet bench-serve --url http://127.0.0.1:${PORT[$1]} --prompt
 for c in ${CONC:-1 4 16 64}; do
   n=$(( c * 8 > 32 ? c * 8 : 32 ))
   for spec in eagle3 none; do bs $spec --num-requests $n --concurrency $c > /dev/null; done
-  for round in 1 2; do
+  for round in $(seq ${ROUNDS:-3}); do
     for spec in eagle3 none; do
       echo "== spec $spec, concurrency $c, round $round"
       bs $spec --num-requests $n --concurrency $c --out "$out" | grep -E "throughput|TTFT|TPOT|accept|record"
