@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--chain-steps", type=int, default=5, help="draft steps of the chains (and lookup tokens)")
     b.add_argument("--tree", default="6,8,32", help="STEPS,TOPK,TOKENS of eagle3-tree")
     b.add_argument("--eager", action="store_true", help="no CUDA graphs for eaglet systems")
-    b.add_argument("--no-compile", action="store_true", help="no torch.compile of the elementwise kernels")
+    b.add_argument("--no-compile", action="store_true",
+                   help="no torch.compile of the elementwise kernels and no Triton cache attention (SDPA)")
     b.add_argument("--shape", help="random weights of a real shape: llama-3.1-8b, qwen3-8b, smollm2-135m")
     b.add_argument("--context", type=int, default=512, help="with --shape: committed tokens before decoding")
     b.add_argument("--out", default="bench/results", help="directory for the JSON record")

@@ -68,8 +68,7 @@ def layer_probe(shape: str, b: int, kv_len: int, t: int) -> dict:
     out["triton/default-pv-float32"] = per_call_us(
         lambda i: ca.cache_attention(qkv, cache[i, 0], cache[i, 1], start, None, kv_len, g))
     ca.PV_FLOAT32 = False
-    rows_ = min(64, max(16, 1 << (g * t - 1).bit_length()))
-    out["default_split"] = ca.split_size(kv_len, b * hkv * -(-g * t // rows_))
+    out["default_split"] = ca.split_size(kv_len, b * hkv * ca.row_tiles(g, t)[1])
     return out
 
 

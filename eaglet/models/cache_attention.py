@@ -59,6 +59,14 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def row_tiles(groups: int, tokens: int) -> tuple[int, int]:
+    """Query rows per program and programs per row and kv head: a kv head's groups * tokens query
+    rows in tiles of 16 to 64 (tl.dot needs at least 16)."""
+    n = groups * tokens
+    rows = min(64, max(16, _pow2(n)))
+    return rows, -(-n // rows)
+
+
 def split_size(kv_len: int, programs: int) -> int:
     """Cached slots per split, for `programs` programs before splitting: short spans in one split;
     longer ones in splits of 128 (up to 512 slots) or 256, as many as keep ~256 programs busy."""
@@ -79,9 +87,7 @@ def cache_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     hkv = k_cache.shape[1]
     h = heads - 2 * hkv
     assert h == hkv * groups and qkv.stride(-1) == 1 and k_cache.stride(-1) == 1
-    n_rows = groups * t
-    rows = min(64, max(16, _pow2(n_rows)))
-    tiles = -(-n_rows // rows)
+    rows, tiles = row_tiles(groups, t)
     chunk = chunk or split_size(kv_len, b * hkv * tiles)
     splits = -(-kv_len // chunk)
     if splits > MAX_SPLITS:

@@ -58,10 +58,10 @@ class RoPE(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         hkv = h // self.groups
-        if packed:
-            return torch.cat([q, k, v], 2)  # (B, T, H + 2 Hkv, D)
-        if t == 1:
-            out = torch.cat([q, k, v], 2)  # (B, 1, H + 2 Hkv, D)
+        if packed or t == 1:
+            out = torch.cat([q, k, v], 2)  # (B, T, H + 2 Hkv, D)
+            if packed:
+                return out
             return out[:, 0, :h].view(b, hkv, self.groups, d), out[:, :, h:].view(b, 1, 2, hkv, d)
         q = q.view(b, t, hkv, self.groups, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, self.groups * t, d)
         return q, torch.stack([k, v], 2)
@@ -139,7 +139,7 @@ class Attention(nn.Module):
         v = v.view(b, t, self.nkv, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if meta is not None and meta.fast and isinstance(cache, KVCache) and cache_attention.usable(x, t):
+        if isinstance(cache, KVCache) and meta.fast and cache_attention.usable(x, t):
             # a few tokens per row: store, attend and lay out in one kernel
             qkv = self.rope(q, k, v, cos, sin, packed=True)  # (B, T, H + 2 Hkv, D)
             o = cache_attention.cache_attention(qkv, cache.k[self.layer, :b], cache.v[self.layer, :b], meta.slots[:, 0],
