@@ -92,14 +92,6 @@ def test_matches_sdpa_and_stores(b, hkv, g, d, t, kv_len, tree, chunk):
     assert torch.equal(cache[0], k_want) and torch.equal(cache[1], v_want)
 
 
-@pytest.mark.parametrize("pv32", [False, True])
-def test_float32_values_product(monkeypatch, pv32):
-    """EAGLET_ATTENTION_PV=float32's variant of the kernel computes the same attention."""
-    monkeypatch.setattr(ca, "PV_FLOAT32", pv32)
-    test_matches_sdpa_and_stores(*CASES[6])
-    test_matches_sdpa_and_stores(*CASES[7])
-
-
 def test_split_size_covers_the_span():
     for n in (1, 100, 256, 257, 512, 513, 2048, 4096, 32768):
         for programs in (1, 3, 48, 128, 1024):

@@ -2,8 +2,13 @@
 and the Trainer on a tiny random target with self-distilled data (the target's own greedy
 continuations, so there is something to learn): the loss falls, a resumed run repeats the
 uninterrupted one exactly, checkpoints survive a crash mid-write, the exported drafter is the
-trained head and speculates losslessly, and --init-from fine-tunes an existing drafter."""
+trained head and speculates losslessly, --init-from fine-tunes an existing drafter, and two
+ranks under torchrun train exactly what one process accumulating their batches does."""
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -361,3 +366,38 @@ def test_several_data_directories_are_read_together(data, target, tmp_path):
     empty.mkdir()
     with pytest.raises(InvalidInput, match="empty: no shard"):
         make_trainer(TrainConfig(data=(str(a), str(empty)), out=str(tmp_path / "out2")), target)
+
+
+def test_gradient_accumulation_averages_the_batches(data, target, tmp_path):
+    """--grad-accum 2: one step over batches 0 and 1 with their gradients averaged; the schedule
+    counts optimizer steps."""
+    acc = make_trainer(config(data[0], tmp_path / "acc", grad_accum=2), target)
+    one = make_trainer(config(data[0], tmp_path / "one"), target)
+    assert acc.total == len(acc.plan) // 2 and one.total == len(one.plan)
+    with pytest.raises(InvalidInput, match="grad-accum"):
+        config(data[0], tmp_path / "bad", grad_accum=0)
+
+
+def test_two_ranks_train_what_one_process_accumulating_their_batches_does(data, target, tiny_dirs, tmp_path):
+    """Data parallel: `torchrun --nproc-per-node 2 -m eaglet train-draft` (gloo on the CPU) exports,
+    bit for bit, the drafter of one process that accumulates the same two batches per step
+    (--grad-accum 2). Without the all-reduce rank 0 would follow its own batches alone."""
+    steps = 4
+    one = make_trainer(config(data[0], tmp_path / "one", max_steps=steps, grad_accum=2), target)
+    one.train()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "eaglet", "train-draft", "--model", str(tiny_dirs["llama3"][0]), "--device", "cpu",
+           "--dtype", "float32", "--data", str(data[0]), "--out", str(tmp_path / "ddp"), "--lr", "3e-3",
+           "--batch-tokens", "256", "--ttt-steps", "3", "--draft-vocab", "64", "--epochs", "5",
+           "--save-every", "10", "--seed", "0", "--max-steps", str(steps)]
+    r = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=Path(__file__).parents[1],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    from safetensors.torch import load_file
+    a = load_file(tmp_path / "one" / "drafter" / "model.safetensors")
+    b = load_file(tmp_path / "ddp" / "drafter" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ddp = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("{")))
+    assert ddp["steps"] == steps
+    assert ddp["assistant_tokens_this_run"] == sum(int(m.sum()) for m in (
+        trainer_mod.collate(one.rows, one.plan[i], 1024, "cpu")[1] for i in range(2 * steps)))

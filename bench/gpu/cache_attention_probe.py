@@ -5,7 +5,7 @@ and the split size that suits each span. Two views, both graphed, medians of CUD
 - per layer: 30 calls (one per layer of a cache) captured in one graph, µs per call, for SmolLM2-135M
   (3 kv heads x 3, d 64) and Llama-3.1-8B (8 x 4, d 128) head shapes, batch 1 and 16, spans 128 ..
   4096, 1 and 6 new tokens (decode, a chain-5 verify), the kernel at several split sizes and at its
-  default (split_size), there also with P·V in float32 (EAGLET_ATTENTION_PV=float32);
+  default (split_size);
 - the whole model: forward_curve's step of 1, 6, 16 and 64 tokens for SmolLM2 and the 8B shape,
   kernel on and off (everything else the same).
 
@@ -64,10 +64,6 @@ def layer_probe(shape: str, b: int, kv_len: int, t: int) -> dict:
             out[f"triton/{chunk}"] = per_call_us(
                 lambda i, c=chunk: ca.cache_attention(qkv, cache[i, 0], cache[i, 1], start, None, kv_len, g, c))
     out["triton/default"] = per_call_us(lambda i: ca.cache_attention(qkv, cache[i, 0], cache[i, 1], start, None, kv_len, g))
-    ca.PV_FLOAT32 = True  # EAGLET_ATTENTION_PV=float32
-    out["triton/default-pv-float32"] = per_call_us(
-        lambda i: ca.cache_attention(qkv, cache[i, 0], cache[i, 1], start, None, kv_len, g))
-    ca.PV_FLOAT32 = False
     out["default_split"] = ca.split_size(kv_len, b * hkv * ca.row_tiles(g, t)[1])
     return out
 

@@ -11,8 +11,11 @@
 #   bash bench/gpu/train_default_drafter.sh more      # their replies, greedy and sampled at T 0.8
 #   bash bench/gpu/train_default_drafter.sh finetune  # --init-from the bundled drafter, then eval, fetch
 # A sixth, over every turn (55.7k prompts), each phase resumable across back-to-back calls:
-#   TEMPS=0 bash bench/gpu/train_default_drafter.sh all    # greedy replies (~7 min), then TEMPS=0.8 (~6 min)
-#   bash bench/gpu/train_default_drafter.sh alltrain        # one epoch per call (~7 min), then eval, fetch
+#   TEMPS="0 0.8" bash bench/gpu/train_default_drafter.sh all  # greedy replies, then sampled at T 0.8:
+#       one 10-minute call (2026-11-30) wrote all 28 greedy shards and 15 of the 28 sampled ones
+#   bash bench/gpu/train_default_drafter.sh alltrain  # one epoch over every /tmp/all-t* (~6 min), then eval, fetch
+# The bundled drafter is stage 6's export (2026-11-30). A seventh stage reruns `all` (it completes
+# the sampled shards), adds TEMPS=0.5, and runs `alltrain` from the stage-6 drafter.
 phase=$1
 if [ "$phase" = prepare ]; then
   mkdir -p .gpudata && grep -qx '/.gpudata/' .git/info/exclude || echo '/.gpudata/' >> .git/info/exclude
@@ -61,7 +64,7 @@ case $phase in
     # from the bundled drafter; a call stopped at TRAIN_SECONDS resumes in the next
     read -r data k lr <<< "$([ $phase = finetune ] && echo "more 5 2e-4" || echo "all 6 1.5e-4")"
     mkdir -p ${OUT:-/tmp}/records
-    python3 -m eaglet train-draft --model $GGUF --dtype bfloat16 --data /tmp/$data-t0 /tmp/$data-t0.8 \
+    python3 -m eaglet train-draft --model $GGUF --dtype bfloat16 --data /tmp/$data-t* \
       --out /tmp/train$k --init-from ${INIT:-eaglet/drafters/smollm2-135m-instruct-eagle3} --epochs ${EPOCHS:-1} \
       --lr $lr --seed $((k - 1)) --batch-tokens 32768 --max-len 1024 --draft-vocab 16384 --save-every 200 \
       --time-limit ${TRAIN_SECONDS:-540} || exit 1

@@ -22,8 +22,9 @@ TRITON_INTERPRET=1 (the CPU tests) on any device.
 Rounding: like FlashAttention, the softmax weights are cast to the model's dtype for the P·V
 product. A token verified inside a block sees its keys grouped differently from the same token
 decoded alone, so the two round differently and bfloat16 greedy near-ties can flip between plain
-and speculative decoding. EAGLET_ATTENTION_PV=float32 keeps P·V in float32 (an experiment the
-benchmarks record; BENCHMARKS.md says what it measured).
+and speculative decoding. P·V in float32 was tried on the H200 and changed neither how often
+speculative bfloat16 output equals plain nor anything but the time (BENCHMARKS.md), so the kernel
+keeps FlashAttention's choice.
 """
 from __future__ import annotations
 
@@ -42,7 +43,6 @@ _on = False
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_TOKENS = 64  # longer blocks (prefill) take the SDPA path
 MAX_SPLITS = 64
-PV_FLOAT32 = os.environ.get("EAGLET_ATTENTION_PV", "") in ("float32", "fp32")
 
 
 def enable(on: bool = True) -> None:
@@ -107,7 +107,7 @@ def cache_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         m.stride(0) if tree else 0, m.stride(1) if tree else 0, m.stride(2) if tree else 0,
         out.stride(0), out.stride(1),
         H=h, HKV=hkv, G=groups, TILES=tiles, ROWS=rows, TP=max(16, _pow2(t)), D=d, BLOCK=64,
-        TREE=tree, SPLIT=splits > 1, PV32=PV_FLOAT32)
+        TREE=tree, SPLIT=splits > 1)
     if splits > 1:
         _combine[(b, hkv * tiles)](part_m, part_l, part_o, out, splits, t, out.stride(0), out.stride(1),
                                    G=groups, TILES=tiles, ROWS=rows, D=d, SP=max(2, _pow2(splits)))
@@ -116,19 +116,10 @@ def cache_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 if triton is not None:
     @triton.jit
-    def _pv(p, v, PV32: tl.constexpr):
-        """Softmax weights (fp32) times values: in the values' dtype (FlashAttention's choice), or
-        in float32 throughout."""
-        if PV32:
-            return tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        return tl.dot(p.to(v.dtype), v)
-
-    @triton.jit
     def _attend(QKV, K, V, START, MASK, OUT, PM, PL, PO, scale, chunk, T,
                 s_b, s_t, sk_b, sk_h, sk_s, s_start, sm_b, sm_t, sm_u, so_b, so_t,
                 H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, TILES: tl.constexpr, ROWS: tl.constexpr,
-                TP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, TREE: tl.constexpr, SPLIT: tl.constexpr,
-                PV32: tl.constexpr):
+                TP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, TREE: tl.constexpr, SPLIT: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1) // TILES
         tile = tl.program_id(1) % TILES
@@ -164,7 +155,7 @@ if triton is not None:
             p = tl.exp(scores - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _pv(p, v, PV32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         if last:  # the new tokens
             if TREE:
@@ -179,7 +170,7 @@ if triton is not None:
             p = tl.exp(scores - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _pv(p, v_new, PV32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v_new.dtype), v_new)
             m_i = m_new
         if SPLIT:
             part = (b * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + sp

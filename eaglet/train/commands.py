@@ -41,6 +41,8 @@ def add_train_parsers(sub) -> None:
     t.add_argument("--epochs", type=float, default=1.0)
     t.add_argument("--lr", type=float, default=1e-4)
     t.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per batch and GPU")
+    t.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                   help="batches per GPU per optimizer step (gradients averaged, as over GPUs)")
     t.add_argument("--max-len", type=int, default=1024)
     t.add_argument("--ttt-steps", type=int, default=7)
     t.add_argument("--draft-vocab", type=int, default=16384)
@@ -95,13 +97,18 @@ def cmd_train_draft(args) -> int:
         if torch.cuda.is_available():
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
             torch.cuda.set_device(device)
-    cfg = TrainConfig(data=args.data[0] if len(args.data) == 1 else tuple(args.data), out=args.out, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
+    cfg = TrainConfig(data=args.data[0] if len(args.data) == 1 else tuple(args.data), out=args.out,
+                      epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, grad_accum=args.grad_accum,
                       max_len=args.max_len, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab,
                       intermediate_size=args.intermediate_size, init_from=args.init_from,
                       save_every=args.save_every, max_steps=args.max_steps, time_limit=args.time_limit,
                       seed=args.seed)
     loaded = load_model(args.model, args.dtype, device, tokenizer=False)
-    result = Trainer(cfg, loaded.model).train()
+    try:
+        result = Trainer(cfg, loaded.model).train()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     print(json.dumps(result))
     if int(os.environ.get("RANK", "0")) == 0:
         from ..perf.record import write_record

@@ -4,8 +4,11 @@ computed online, batch by batch (no feature cache on disk).
 The batch plan (which rows form step i, every epoch reshuffled) is a pure function of the seed,
 so a checkpoint needs only the step number besides weights, optimizer, scheduler and RNG states
 to resume exactly. Checkpoints are written to a temporary file and renamed: a crash never leaves
-a half-written `latest.pt`. Data parallel: under torchrun each rank takes every world-th batch
-and gradients are averaged over ranks with an all-reduce before each optimizer step.
+a half-written `latest.pt`.
+
+An optimizer step averages the gradients of world x grad_accum consecutive batches of the plan:
+under torchrun rank r accumulates batches (step*world + r)*grad_accum .. + grad_accum-1, then an
+all-reduce sums over ranks. So 2 ranks compute exactly what one process with --grad-accum 2 does.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ class TrainConfig:
     warmup: float = 0.015  # fraction of steps
     grad_clip: float = 0.5
     batch_tokens: int = 8192  # padded tokens per batch (per rank)
+    grad_accum: int = 1  # batches per rank per optimizer step
     max_len: int = 1024
     ttt_steps: int = 7
     decay: float = 0.8
@@ -50,8 +54,8 @@ class TrainConfig:
     time_limit: float | None = None  # seconds: then checkpoint, export and stop; a rerun resumes the schedule
 
     def __post_init__(self):
-        if self.lr <= 0 or self.epochs <= 0 or self.batch_tokens < 1 or self.ttt_steps < 1:
-            raise InvalidInput("lr, epochs, batch-tokens and ttt-steps must be positive")
+        if self.lr <= 0 or self.epochs <= 0 or self.batch_tokens < 1 or self.ttt_steps < 1 or self.grad_accum < 1:
+            raise InvalidInput("lr, epochs, batch-tokens, ttt-steps and grad-accum must be positive")
 
 
 def batch_plan(lengths: list[int], cfg: TrainConfig) -> list[list[int]]:
@@ -137,7 +141,8 @@ class Trainer:
             rows += got
         self.rows = rows
         self.plan = batch_plan([min(len(r["input_ids"]), cfg.max_len) for r in rows], cfg)
-        self.total = len(self.plan) // self.world
+        self.per_step = self.world * cfg.grad_accum  # batches of the plan per optimizer step
+        self.total = len(self.plan) // self.per_step
         if cfg.max_steps:
             self.total = min(self.total, cfg.max_steps)
         self.head = self.build_head()
@@ -189,6 +194,18 @@ class Trainer:
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag)
 
+    def batch_loss(self, ids, mask, embed, hdtype, timer, cuda):
+        """The TTT loss of one batch: the frozen target's taps and logits online, then the head."""
+        with timer.phase("target"), torch.no_grad():
+            pos = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
+            zeros = torch.zeros(ids.shape[0], dtype=torch.long, device=self.device)
+            hidden, taps = self.target(ids, pos, AppendKV(self.target.config.num_layers),
+                                       AttnMeta.build(zeros, pos, ids.shape[1]), capture=self.head.cfg.aux_layers)
+            target = Targets.from_hidden(self.head, hidden, self.target.lm_head.weight)  # no (B, T, V) logits
+            taps = taps.to(hdtype)
+        with timer.phase("ttt_forward"), torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            return ttt_loss(self.head, embed, taps, target, ids, mask, self.cfg.ttt_steps, self.cfg.decay)
+
     def train(self) -> dict:
         """Train to the end of the schedule (or the time limit); returns the run's figures. On the
         GPU, float32 matmuls that remain (a float32 target) use TF32 for the run, then as before."""
@@ -212,32 +229,32 @@ class Trainer:
         bar = tqdm(total=self.total, initial=self.step, desc="train-draft", disable=not self.progress or self.rank)
         t0, tokens, padded, first = time.perf_counter(), 0, 0, self.step
         while self.step < self.total:
-            ids, mask = collate(self.rows, self.plan[self.step * self.world + self.rank], self.cfg.max_len, self.device)
-            with timer.phase("target"), torch.no_grad():  # the frozen target: taps and logits, online
-                pos = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
-                zeros = torch.zeros(ids.shape[0], dtype=torch.long, device=self.device)
-                hidden, taps = self.target(ids, pos, AppendKV(self.target.config.num_layers),
-                                           AttnMeta.build(zeros, pos, ids.shape[1]), capture=self.head.cfg.aux_layers)
-                target = Targets.from_hidden(self.head, hidden, self.target.lm_head.weight)  # no (B, T, V) logits
-                taps = taps.to(hdtype)
-            with timer.phase("ttt_forward"), torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-                out = ttt_loss(self.head, embed, taps, target, ids, mask, self.cfg.ttt_steps, self.cfg.decay)
+            self.opt.zero_grad(set_to_none=True)
+            losses, accs = [], []
+            for m in range(self.cfg.grad_accum):
+                ids, mask = collate(self.rows, self.plan[(self.step * self.world + self.rank) * self.cfg.grad_accum + m],
+                                    self.cfg.max_len, self.device)
+                out = self.batch_loss(ids, mask, embed, hdtype, timer, cuda)
+                with timer.phase("backward_step"):
+                    out.loss.backward()  # gradients add up over the step's batches
+                tokens += int(mask.sum())  # assistant tokens
+                padded += ids.numel()
+                losses.append(float(out.loss.detach()))  # sync (ttt_loss already synced once for its statistics)
+                accs.append(out.step_acc)
             with timer.phase("backward_step"):
-                self.opt.zero_grad(set_to_none=True)
-                out.loss.backward()
-                if self.world > 1:  # data parallel: average gradients over ranks
-                    for p in self.head.parameters():
+                for p in self.head.parameters():
+                    if self.world > 1:  # data parallel: sum over ranks
                         torch.distributed.all_reduce(p.grad)
-                        p.grad /= self.world
+                    if self.per_step > 1:
+                        p.grad /= self.per_step
                 torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.grad_clip)
                 self.opt.step()
                 self.sched.step()
             self.step += 1
-            tokens += int(mask.sum())  # assistant tokens
-            padded += ids.numel()
-            loss = float(out.loss.detach())  # sync (ttt_loss already synced once for its statistics)
-            self.history.append({"step": self.step, "loss": loss, "acc": out.step_acc, "lr": self.sched.get_last_lr()[0]})
-            bar.set_postfix(loss=f"{loss:.3f}", acc0=f"{out.step_acc[0]:.2f}", acc_last=f"{out.step_acc[-1]:.2f}")
+            loss = sum(losses) / len(losses)
+            acc = [sum(a) / len(a) for a in zip(*accs)]
+            self.history.append({"step": self.step, "loss": loss, "acc": acc, "lr": self.sched.get_last_lr()[0]})
+            bar.set_postfix(loss=f"{loss:.3f}", acc0=f"{acc[0]:.2f}", acc_last=f"{acc[-1]:.2f}")
             bar.update(1)
             out_of_time = self.out_of_time(t0)
             if self.step % self.cfg.save_every == 0 or self.step == self.total or out_of_time:
@@ -250,6 +267,10 @@ class Trainer:
         if cuda:
             torch.cuda.synchronize()
         secs = time.perf_counter() - t0
+        if self.world > 1:  # every rank's tokens
+            counts = torch.tensor([tokens, padded], device=self.device)
+            torch.distributed.all_reduce(counts)
+            tokens, padded = counts.tolist()
         export = None
         if self.rank == 0:
             export = save_eagle3(self.head, Path(self.cfg.out) / "drafter", torch.bfloat16 if cuda else torch.float32)
@@ -257,6 +278,7 @@ class Trainer:
         phases = timer.totals()
         return {"steps": self.step, "finished": self.step == self.total,
                 "steps_this_run": self.step - first, "seconds_this_run": secs,
-                "assistant_tokens_this_run": tokens * self.world, "padded_tokens_this_run": padded * self.world,
-                "tokens_per_s": tokens * self.world / max(secs, 1e-9), "ms_per_step": {k: v["ms"] / v["count"] for k, v in phases.items()}, "export": str(export),
+                "assistant_tokens_this_run": tokens, "padded_tokens_this_run": padded,
+                "tokens_per_s": tokens / max(secs, 1e-9),
+                "ms_per_step": {k: v["ms"] / max(1, self.step - first) for k, v in phases.items()}, "export": str(export),
                 "final_loss": self.history[-1]["loss"] if self.history else None}
