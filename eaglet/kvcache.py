@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 
 class KVCache:
@@ -109,6 +110,17 @@ class KVCache:
     def reset(self) -> None:
         """Empty every row."""
         self.truncate([0] * self.batch)
+
+
+class Causal:
+    """A stand-in for KVCache when a forward reads whole sequences from position 0 and keeps
+    nothing (the frozen target in training): each layer attends causally over its own keys with
+    SDPA's is_causal, which needs no mask tensor and runs FlashAttention on the GPU. Right padding
+    is harmless: a real token never sees a later (padding) position."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (B, H, T, D), k and v (B, Hkv, T, D) -> (B, H, T, D)."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class AppendKV:

@@ -401,3 +401,22 @@ def test_two_ranks_train_what_one_process_accumulating_their_batches_does(data, 
     assert ddp["steps"] == steps
     assert ddp["assistant_tokens_this_run"] == sum(int(m.sum()) for m in (
         trainer_mod.collate(one.rows, one.plan[i], 1024, "cpu")[1] for i in range(2 * steps)))
+
+
+@pytest.mark.parametrize("family", ["llama3", "smollm2", "qwen3"])
+def test_causal_target_forward_equals_the_masked_one(tiny_dirs, family):
+    """The trainer's target forward (kvcache.Causal: SDPA is_causal, no mask tensor) gives the
+    hidden states and taps of the general path (AppendKV with AttnMeta's causal mask), on
+    right-padded rows, with grouped-query heads (2 kv heads of 4, and 1)."""
+    from eaglet.kvcache import AppendKV, Causal
+
+    model = load_model(tiny_dirs[family][0], dtype="float32", device="cpu", tokenizer=False).model
+    ids = torch.randint(3, 128, (3, 21), generator=torch.Generator().manual_seed(1))
+    ids[1, 15:] = 0  # padding after a shorter row
+    pos = torch.arange(21).expand_as(ids)
+    with torch.no_grad():
+        h1, t1 = model(ids, pos, Causal(), None, capture=(0, 1))
+        h2, t2 = model(ids, pos, AppendKV(model.config.num_layers),
+                       AttnMeta.build(torch.zeros(3, dtype=torch.long), pos, 21), capture=(0, 1))
+    torch.testing.assert_close(h1, h2, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(t1, t2, atol=2e-5, rtol=1e-5)

@@ -106,11 +106,13 @@ def cmd_train_draft(args) -> int:
     loaded = load_model(args.model, args.dtype, device, tokenizer=False)
     try:
         result = Trainer(cfg, loaded.model).train()
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()  # rank 0 exports last: no rank tears the group down before
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    print(json.dumps(result))
-    if int(os.environ.get("RANK", "0")) == 0:
+    if int(os.environ.get("RANK", "0")) == 0:  # one result (token counts are every rank's)
+        print(json.dumps(result))
         from ..perf.record import write_record
 
         print(f"record: {write_record('train-draft', vars(args), result, args.out, models={'target': loaded.path})}")

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InvalidInput
-from ..kvcache import AppendKV
+from ..kvcache import AppendKV, Causal
 from ..models.attention import AttnMeta
 from ..spec.drafters.eagle3_ckpt import load_eagle3, save_eagle3
 from ..spec.drafters.eagle3_head import Eagle3Config, Eagle3Head
@@ -198,9 +198,14 @@ class Trainer:
         """The TTT loss of one batch: the frozen target's taps and logits online, then the head."""
         with timer.phase("target"), torch.no_grad():
             pos = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
-            zeros = torch.zeros(ids.shape[0], dtype=torch.long, device=self.device)
-            hidden, taps = self.target(ids, pos, AppendKV(self.target.config.num_layers),
-                                       AttnMeta.build(zeros, pos, ids.shape[1]), capture=self.head.cfg.aux_layers)
+            window = self.target.config.sliding_window
+            if window is None:  # no mask tensor: SDPA's causal kernel
+                cache, meta = Causal(), None
+            else:
+                zeros = torch.zeros(ids.shape[0], dtype=torch.long, device=self.device)
+                cache, meta = AppendKV(self.target.config.num_layers), AttnMeta.build(zeros, pos, ids.shape[1],
+                                                                                       sliding_window=window)
+            hidden, taps = self.target(ids, pos, cache, meta, capture=self.head.cfg.aux_layers)
             target = Targets.from_hidden(self.head, hidden, self.target.lm_head.weight)  # no (B, T, V) logits
             taps = taps.to(hdtype)
         with timer.phase("ttt_forward"), torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
