@@ -56,6 +56,12 @@ log = logging.getLogger("eaglet.server")
 LOAD_WINDOW = 2.0  # seconds the policy remembers a load peak for
 
 
+def put_all(items: list[tuple[asyncio.Queue, "Chunk"]]) -> None:
+    """On the event loop: each chunk into its request's queue."""
+    for queue, chunk in items:
+        queue.put_nowait(chunk)
+
+
 def graphs_on(generator: Generator) -> bool:
     """Whether the generator's decoders run CUDA graphs (on the GPU, unless --eager)."""
     return generator.graphs and next(generator.model.parameters()).device.type == "cuda"
@@ -376,15 +382,20 @@ class Engine:
         self.outbox.append((req, chunk, final))
 
     def _flush(self) -> None:
-        """Hand this iteration's chunks to their event loop."""
-        for req, chunk, final in self.outbox:
-            with self.cond:
+        """Hand this iteration's chunks to their event loop: one wake-up of each loop per
+        iteration, not one per chunk (each is a write to the loop's self-pipe, and the loop's
+        thread then competes with this one for the GIL)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        with self.cond:
+            for req, chunk, final in self.outbox:
                 if req.done:  # cancelled meanwhile: nobody listens
                     continue
                 req.done = final
-            with suppress(RuntimeError):  # the event loop is closed (server shutting down)
-                req.loop.call_soon_threadsafe(req.queue.put_nowait, chunk)
+                by_loop.setdefault(req.loop, []).append((req.queue, chunk))
         self.outbox.clear()
+        for loop, items in by_loop.items():
+            with suppress(RuntimeError):  # the event loop is closed (server shutting down)
+                loop.call_soon_threadsafe(put_all, items)
 
     def _gauges(self) -> None:
         b = self.batcher
