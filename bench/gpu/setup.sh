@@ -8,3 +8,5 @@ if [ -d .whl ]; then
 fi
 export PYTHONPATH=/tmp/site:$PWD
 GGUF=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
+[[ ${EAGLET_GIT_SHA:-} =~ ^[0-9a-f]{7,40}$ ]] ||
+  echo "setup.sh: EAGLET_GIT_SHA=${EAGLET_GIT_SHA:-} is not a commit; records will not name the code that ran" >&2
