@@ -43,6 +43,17 @@ class Tokenizer:
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self.hf(text, add_special_tokens=False).input_ids)
 
+    def user_prefix(self) -> list[int]:
+        """Token ids of the chat template up to where a user's message begins (a default system
+        prompt and the user header included): continued by the model, a user turn it writes."""
+        if not getattr(self.hf, "chat_template", None):
+            raise InvalidInput("this model has no chat template")
+        mark = "\x00eaglet-user\x00"
+        text = self.hf.apply_chat_template([{"role": "user", "content": mark}], tokenize=False)
+        if mark not in text:
+            raise InvalidInput("the chat template does not show where a user message begins")
+        return list(self.hf(text[:text.index(mark)], add_special_tokens=False).input_ids)
+
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special)
 

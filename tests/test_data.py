@@ -295,3 +295,42 @@ def test_bad_input_is_one_error_line(capsys, model_dir, tmp_path, argv, words, f
     rc, out, err = run_cli(capsys, *argv)
     assert_one_error_line(rc, err, *words)
     assert "Traceback" not in err
+
+
+def self_cfg(out, **kw) -> RegenConfig:
+    return RegenConfig(out=out, self_prompts=32, shard_size=12, batch=6, max_prompt_tokens=150, max_new_tokens=6, **kw)
+
+
+def test_self_written_prompts(target, tok, tmp_path, monkeypatch):
+    """self_prompts: the target continues its template's user header; the turns it ended itself
+    (long enough, not an eval prompt) are templated as user messages and answered; each shard is
+    seeded, so a killed run resumes with the shards an uninterrupted run writes."""
+    assert tok.user_prefix() == tok.hf("<s>user: ", add_special_tokens=False).input_ids  # TEMPLATE, by hand
+    meta = regenerate(self_cfg(tmp_path / "a"), target, tok, **QUIET)
+    assert (meta["source"], meta["train_prompts"], meta["heldout_prompts"], meta["shards"]) == ("self-written", 32, 0, 3)
+    assert (tmp_path / "a" / "heldout.jsonl").read_text() == ""
+    rows = read_shards(tmp_path / "a")
+    assert 0 < len(rows) < 32  # the random target ends some of its user turns within 150 tokens
+    assert len({r["prompt"] for r in rows}) == len(rows) and all(len(r["prompt"]) >= 20 for r in rows)
+    for r in rows:
+        assert r["input_ids"][:r["prompt_len"]] == tok.apply_chat([{"role": "user", "content": r["prompt"]}])
+        assert 0 < len(r["input_ids"]) - r["prompt_len"] <= 6
+
+    real_write = pathlib.Path.write_text
+
+    def dying_write(self, text, *a, **kw):
+        if "shard-00001" in self.name:
+            raise Killed
+        return real_write(self, text, *a, **kw)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", dying_write)
+    with pytest.raises(Killed):
+        regenerate(self_cfg(tmp_path / "b"), target, tok, **QUIET)
+    monkeypatch.undo()
+    regenerate(self_cfg(tmp_path / "b"), target, tok, **QUIET)
+    assert read_shards(tmp_path / "b") == rows  # shard 0 kept, 1 and 2 written as the first run wrote them
+
+    import eaglet.train.regen as regen_mod
+    monkeypatch.setattr(regen_mod, "eval_prompt_keys", lambda: {normalize(rows[0]["prompt"])})
+    regenerate(self_cfg(tmp_path / "c"), target, tok, **QUIET)
+    assert [r["prompt"] for r in read_shards(tmp_path / "c")] == [r["prompt"] for r in rows[1:]]

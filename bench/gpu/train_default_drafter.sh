@@ -14,8 +14,11 @@
 #   TEMPS="0 0.8" bash bench/gpu/train_default_drafter.sh all  # greedy replies, then sampled at T 0.8:
 #       one 10-minute call (2026-11-30) wrote all 28 greedy shards and 15 of the 28 sampled ones
 #   bash bench/gpu/train_default_drafter.sh alltrain  # one epoch over every /tmp/all-t* (~6 min), then eval, fetch
-# The bundled drafter is stage 6's export (2026-11-30). A seventh stage reruns `all` (it completes
-# the sampled shards), adds TEMPS=0.5, and runs `alltrain` from the stage-6 drafter.
+# The bundled drafter is stage 6's export (2026-11-30). A seventh stage adds prompts no ShareGPT
+# conversation has: user turns the target writes itself (`eaglet data --self-prompts`, Magpie),
+#   bash bench/gpu/train_default_drafter.sh self      # SELF_PROMPTS (default 30720) turns + greedy replies
+#   TEMPS=0.8 bash bench/gpu/train_default_drafter.sh all   # the 13 sampled shards stage 6 lacked
+# then `alltrain` from the stage-6 drafter over every /tmp/all-t* (greedy, sampled, self-written).
 phase=$1
 if [ "$phase" = prepare ]; then
   mkdir -p .gpudata && grep -qx '/.gpudata/' .git/info/exclude || echo '/.gpudata/' >> .git/info/exclude
@@ -59,6 +62,11 @@ case $phase in
         --batch ${BATCH:-1024} --max-new-tokens 320 --max-prompt-tokens 512 --shard-size 2048
       ls /tmp/$phase-t$t | wc -l  # its shards + heldout.jsonl + meta.json when complete
     done ;;
+  self)
+    time timeout ${DATA_SECONDS:-570} python3 -m eaglet data --model $GGUF --dtype bfloat16 --out /tmp/all-tself \
+      --self-prompts ${SELF_PROMPTS:-30720} --temperature 0 --batch ${BATCH:-1024} --max-new-tokens 320 \
+      --max-prompt-tokens 256 --shard-size 2048
+    ls /tmp/all-tself | wc -l ;;
   finetune|alltrain)
     # stage 5 (finetune: on `more`'s data, lr 2e-4) or stage 6 (alltrain: on `all`'s, lr 1.5e-4),
     # from the bundled drafter; a call stopped at TRAIN_SECONDS resumes in the next

@@ -28,6 +28,10 @@ def add_train_parsers(sub) -> None:
                         "data in a new directory)")
     d.add_argument("--turns", choices=["first", "all"], default="first",
                    help="first user turn of each conversation, or every user turn as its own prompt")
+    d.add_argument("--self-prompts", type=int, default=0, metavar="N",
+                   help="instead of ShareGPT: N user turns written by the target itself (Magpie), then its replies")
+    d.add_argument("--prompt-temperature", type=float, default=1.0,
+                   help="sampling temperature of the self-written user turns")
 
     t = sub.add_parser("train-draft", help="train or fine-tune an EAGLE-3 drafter",
                        description="EAGLE-3 training with the training-time test against the frozen target; "
@@ -70,13 +74,17 @@ def add_train_parsers(sub) -> None:
 
 
 def cmd_data(args) -> int:
+    from ..errors import InvalidInput
     from ..weights import load_model
     from .regen import RegenConfig, regenerate
 
+    if args.self_prompts < 0 or (args.self_prompts and args.source):
+        raise InvalidInput("--self-prompts takes a count >= 0 and replaces --source")
     cfg = RegenConfig(out=Path(args.out), source=args.source, limit=args.limit, batch=args.batch,
                       max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                       temperature=args.temperature, shard_size=args.shard_size, turns=args.turns,
-                      first_shard=args.first_shard)
+                      first_shard=args.first_shard, self_prompts=args.self_prompts,
+                      prompt_temperature=args.prompt_temperature)
     loaded = load_model(args.model, args.dtype, args.device)
     meta = regenerate(cfg, loaded.model, loaded.tokenizer)
     print(json.dumps({k: v for k, v in meta.items() if k != "settings"}))

