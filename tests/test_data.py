@@ -334,3 +334,14 @@ def test_self_written_prompts(target, tok, tmp_path, monkeypatch):
     monkeypatch.setattr(regen_mod, "eval_prompt_keys", lambda: {normalize(rows[0]["prompt"])})
     regenerate(self_cfg(tmp_path / "c"), target, tok, **QUIET)
     assert [r["prompt"] for r in read_shards(tmp_path / "c")] == [r["prompt"] for r in rows[1:]]
+
+
+def test_sampled_replies_repeat_and_differ_from_greedy(regenerated, target, tok, source, tmp_path):
+    """Sampled replies (temperature 0.8) are seeded per shard and batch: a second run writes the
+    same rows, and they are not the greedy ones."""
+    a = regenerate(rcfg(tmp_path / "a", source, temperature=0.8), target, tok, **QUIET)
+    regenerate(rcfg(tmp_path / "b", source, temperature=0.8), target, tok, **QUIET)
+    rows = read_shards(tmp_path / "a")
+    assert rows == read_shards(tmp_path / "b") and a["shards"] == 4
+    greedy = {r["id"]: r["input_ids"] for r in read_shards(regenerated[0])}
+    assert sum(r["input_ids"] != greedy[r["id"]] for r in rows) > len(rows) // 2

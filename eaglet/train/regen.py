@@ -139,10 +139,12 @@ def regenerate(cfg: RegenConfig, model, tokenizer, progress: bool = True, log=pr
             else:
                 skipped += 1
         items.sort(key=lambda it: len(it[1]))  # similar lengths share a batch: less padding
-        gcfg = GenerationConfig(max_new_tokens=cfg.max_new_tokens,
-                                sampling=SamplingParams(cfg.temperature, seed=cfg.seed + k))
         for b in range(0, len(items), cfg.batch):
             chunk = items[b:b + cfg.batch]
+            # sampled: a seed per batch (rows of different batches draw differently); greedy: none,
+            # so the Generator may keep its decoder and CUDA graphs for the next batch of this size
+            seed = (cfg.seed * 100_003 + k) * 100_003 + b if cfg.temperature > 0 else None
+            gcfg = GenerationConfig(max_new_tokens=cfg.max_new_tokens, sampling=SamplingParams(cfg.temperature, seed=seed))
             outs = gen.generate([ids for _, ids in chunk], gcfg)
             for (cid, ids), c in zip(chunk, outs):
                 rows.append({"id": cid, "input_ids": ids + c.tokens, "prompt_len": len(ids), "finish": c.finish_reason,
