@@ -72,7 +72,10 @@ def first_turn(conv: dict) -> str | None:
     return None
 
 
-def human_turns(conv: dict, min_chars: int = 20) -> list[tuple[int, str]]:
+MIN_CHARS = 20  # a user turn shorter than this is no prompt worth training on
+
+
+def human_turns(conv: dict, min_chars: int = MIN_CHARS) -> list[tuple[int, str]]:
     """(turn index, text) of every user turn with at least `min_chars` characters."""
     return [(i, t["value"]) for i, t in enumerate(conv.get("conversations") or [])
             if t.get("from") == "human" and isinstance(t.get("value"), str) and len(t["value"].strip()) >= min_chars]

@@ -368,12 +368,34 @@ def test_several_data_directories_are_read_together(data, target, tmp_path):
         make_trainer(TrainConfig(data=(str(a), str(empty)), out=str(tmp_path / "out2")), target)
 
 
-def test_gradient_accumulation_averages_the_batches(data, target, tmp_path):
-    """--grad-accum 2: one step over batches 0 and 1 with their gradients averaged; the schedule
-    counts optimizer steps."""
-    acc = make_trainer(config(data[0], tmp_path / "acc", grad_accum=2), target)
-    one = make_trainer(config(data[0], tmp_path / "one"), target)
-    assert acc.total == len(acc.plan) // 2 and one.total == len(one.plan)
+def test_gradient_accumulation_averages_the_batches(data, target, tmp_path, monkeypatch):
+    """--grad-accum 2: the first optimizer step gets the mean of batch 0's and batch 1's gradients,
+    computed here batch by batch; the schedule counts optimizer steps."""
+    from eaglet.runtime.timer import PhaseTimer
+
+    # no clipping in reach: a clipped sum and a clipped mean point the same way and have one norm
+    acc = make_trainer(config(data[0], tmp_path / "acc", grad_accum=2, grad_clip=1e6), target)
+    ref = make_trainer(config(data[0], tmp_path / "ref"), target)  # same seed: same head, same plan
+    assert acc.total == len(acc.plan) // 2 and ref.total == len(ref.plan)
+    grads = []
+    for i in (0, 1):
+        ref.head.zero_grad()
+        ids, mask = trainer_mod.collate(ref.rows, ref.plan[i], 1024, "cpu")
+        ref.batch_loss(ids, mask, target.model.embed_tokens.weight, torch.float32, PhaseTimer(torch.device("cpu")),
+                       False).loss.backward()
+        grads.append([p.grad.clone() for p in ref.head.parameters()])
+    want = [(a + b) / 2 for a, b in zip(*grads)]
+    seen = []
+
+    def capture_then_stop():
+        seen.extend(p.grad.clone() for p in acc.head.parameters())
+        raise Killed
+
+    monkeypatch.setattr(acc.opt, "step", capture_then_stop)
+    with pytest.raises(Killed):
+        acc.train()
+    assert len(seen) == len(want) and all(torch.allclose(a, b, rtol=1e-5, atol=1e-8) for a, b in zip(seen, want))
+    assert not all(torch.allclose(a, b) for a, b in zip(grads[0], grads[1]))  # two different batches
     with pytest.raises(InvalidInput, match="grad-accum"):
         config(data[0], tmp_path / "bad", grad_accum=0)
 

@@ -19,13 +19,23 @@ from ..runtime.compile import fusable
 @dataclass
 class AttnMeta:
     slots: torch.Tensor  # (B, T) cache slot of each new token
-    mask: torch.Tensor  # (B, 1, T, S) bool: new token t may attend to cache slot s
     rows: torch.Tensor  # (B, T) the batch row of each new token (cache writes)
+    kv_len: int  # cache slots attended over (S)
     # cache_attention applies: every slot before the block's first is visible, and among the new
     # tokens `block_mask` (B, T, T) says what each sees (None: causal); no sliding window
     fast: bool = False
     block_mask: torch.Tensor | None = None
+    _mask_args: tuple = field(default=(), repr=False)  # what `mask` is made from, when asked for
+    _mask: torch.Tensor | None = field(default=None, repr=False)
     _bias: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """(B, 1, T, S) bool: new token t may attend to cache slot s. Made on first use, once per
+        forward: the cache-attention kernel never asks, so decode, draft and verify steps skip it."""
+        if self._mask is None:
+            self._mask = attention_mask(*self._mask_args)
+        return self._mask
 
     def bias(self, dtype: torch.dtype, groups: int) -> torch.Tensor:
         """The mask as SDPA's additive bias (0 or -inf) in `dtype`, each query row repeated for the
@@ -44,20 +54,23 @@ class AttnMeta:
         tree_mask: (B, T, pending + T) bool, new token t sees block entry u (its ancestors and itself
         in a tree); None means causal over the new tokens and every pending entry visible.
         """
-        return AttnMeta(*attention_mask(lens, positions, kv_len, tree_mask, pending, sliding_window),
+        bsz, t = positions.shape
+        ar_t = torch.arange(t, device=positions.device)
+        return AttnMeta(slots=lens[:, None] + pending + ar_t,
+                        rows=torch.arange(bsz, device=positions.device)[:, None].expand(bsz, t), kv_len=kv_len,
                         fast=sliding_window is None and (tree_mask is None or pending == 0),
-                        block_mask=tree_mask if pending == 0 else None)
+                        block_mask=tree_mask if pending == 0 else None,
+                        _mask_args=(lens, positions, kv_len, tree_mask, pending, sliding_window))
 
 
 @fusable
 def attention_mask(lens: torch.Tensor, positions: torch.Tensor, kv_len: int, tree_mask: torch.Tensor | None,
-                   pending: int, sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """AttnMeta.build's tensors: slots (B, T), mask (B, 1, T, S), rows (B, T)."""
+                   pending: int, sliding_window: int | None) -> torch.Tensor:
+    """AttnMeta.mask: (B, 1, T, S) bool."""
     bsz, t = positions.shape
     u = pending + t
     dev = positions.device
     ar_t = torch.arange(t, device=dev)
-    slots = lens[:, None] + pending + ar_t  # (B, T)
     if tree_mask is None:
         tree_mask = (ar_t[:, None] + pending >= torch.arange(u, device=dev)[None, :]).expand(bsz, t, u)
     s = torch.arange(kv_len, device=dev)
@@ -69,8 +82,7 @@ def attention_mask(lens: torch.Tensor, positions: torch.Tensor, kv_len: int, tre
         key_pos = torch.where((rel >= pending) & in_block,
                               positions.gather(1, (rel - pending).clamp(0, t - 1)), s[None, :])  # (B, S)
         mask = mask & ((positions[:, :, None] - key_pos[:, None, :]) < sliding_window)
-    rows = torch.arange(bsz, device=dev)[:, None].expand(bsz, t)
-    return slots, mask[:, None], rows
+    return mask[:, None]
 
 
 @fusable

@@ -143,14 +143,14 @@ class Attention(nn.Module):
             # a few tokens per row: store, attend and lay out in one kernel
             qkv = self.rope(q, k, v, cos, sin, packed=True)  # (B, T, H + 2 Hkv, D)
             o = cache_attention.cache_attention(qkv, cache.k[self.layer, :b], cache.v[self.layer, :b], meta.slots[:, 0],
-                                                meta.block_mask, meta.mask.shape[-1], self.nh // self.nkv)
+                                                meta.block_mask, meta.kv_len, self.nh // self.nkv)
             return self.o_proj(o)
         q, kv = self.rope(q, k, v, cos, sin)  # (B, Hkv, G*T, D), (B, T, 2, Hkv, D)
         if hasattr(cache, "attend"):  # training (train/ttt.py): the stand-in computes the attention itself
             k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # (B, Hkv, T, D)
             o = cache.attend(q.view(b, self.nh, t, self.d), k, v)  # (B, H, T, D)
             return self.o_proj(o.transpose(1, 2).reshape(b, t, self.nh * self.d))
-        keys, vals = cache.update(self.layer, meta.slots, kv, meta.mask.shape[-1], meta.rows)  # (B, Hkv, S, D)
+        keys, vals = cache.update(self.layer, meta.slots, kv, meta.kv_len, meta.rows)  # (B, Hkv, S, D)
         # grouped-query attention as plain attention over the kv heads: each kv head's G query heads
         # are G*T query rows (mask rows repeated), which the fused SDPA kernels accept with a mask
         g = self.nh // self.nkv

@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..datasets import eval_prompt_keys, first_turn, human_turns, normalize, read_sharegpt
+from ..datasets import MIN_CHARS, eval_prompt_keys, first_turn, human_turns, normalize, read_sharegpt
 from ..errors import InvalidInput
 from ..generate import GenerationConfig, Generator
 from ..sampling import SamplingParams
@@ -75,9 +75,6 @@ def split_prompts(cfg: RegenConfig, log=print) -> tuple[list[tuple[str, str]], l
             (held if is_heldout(cid, cfg.heldout_permille) else train).append((pid, text))
     log(f"{len(train)} training and {len(held)} held-out prompts ({dropped} MT-bench/HumanEval prompts dropped)")
     return train[: cfg.limit] if cfg.limit else train, held
-
-
-MIN_CHARS = 20  # as datasets.human_turns
 
 
 def self_written(cfg: RegenConfig, gen: Generator, tokenizer, shard: int, banned: set[str]) -> list[tuple[str, str]]:
