@@ -17,8 +17,8 @@
 # The bundled drafter is stage 6's export (2026-11-30). A seventh stage adds prompts no ShareGPT
 # conversation has: user turns the target writes itself (`eaglet data --self-prompts`, Magpie),
 #   bash bench/gpu/train_default_drafter.sh self      # SELF_PROMPTS (default 30720) turns + greedy replies
-#   TEMPS=0.8 bash bench/gpu/train_default_drafter.sh all   # the 13 sampled shards stage 6 lacked
-# then `alltrain` from the stage-6 drafter over every /tmp/all-t* (greedy, sampled, self-written).
+#   TEMPS=0.8 FIRST_SHARD=15 bash bench/gpu/train_default_drafter.sh all   # the 13 sampled shards stage 6 lacked
+# then `NPROC=2 alltrain` from the stage-6 drafter over every /tmp/all-t* (only data stage 6 never saw).
 phase=$1
 if [ "$phase" = prepare ]; then
   mkdir -p .gpudata && grep -qx '/.gpudata/' .git/info/exclude || echo '/.gpudata/' >> .git/info/exclude
@@ -53,7 +53,7 @@ case $phase in
     ls /tmp/data | wc -l ;;
   more|all)
     # more: the shards 19..27 the first four stages left out (stage 5); all: every shard (stage 6)
-    first=0; [ $phase = more ] && first=19
+    first=${FIRST_SHARD:-0}; [ $phase = more ] && first=19
     turns=/tmp/stage/sharegpt_user_turns.json.gz; [ -f $turns ] || turns=.gpudata/sharegpt_user_turns.json.gz
     [ -f /tmp/sharegpt.json ] || gunzip -c $turns > /tmp/sharegpt.json
     for t in ${TEMPS:-0 0.8}; do
@@ -63,16 +63,20 @@ case $phase in
       ls /tmp/$phase-t$t | wc -l  # its shards + heldout.jsonl + meta.json when complete
     done ;;
   self)
-    time timeout ${DATA_SECONDS:-570} python3 -m eaglet data --model $GGUF --dtype bfloat16 --out /tmp/all-tself \
-      --self-prompts ${SELF_PROMPTS:-30720} --temperature 0 --batch ${BATCH:-1024} --max-new-tokens 320 \
-      --max-prompt-tokens 256 --shard-size 2048
-    ls /tmp/all-tself | wc -l ;;
+    # FIRST_SHARD=15 SELF_PROMPTS=61440 writes shards 15..29 (their own seeds, so other turns) into all-tself15
+    first=${FIRST_SHARD:-0}; dir=/tmp/all-tself; [ "$first" -gt 0 ] && dir=/tmp/all-tself$first
+    time timeout ${DATA_SECONDS:-570} python3 -m eaglet data --model $GGUF --dtype bfloat16 --out $dir \
+      --self-prompts ${SELF_PROMPTS:-30720} --first-shard $first --temperature 0 --batch ${BATCH:-1024} \
+      --max-new-tokens 320 --max-prompt-tokens 256 --shard-size 2048
+    ls $dir | wc -l ;;
   finetune|alltrain)
-    # stage 5 (finetune: on `more`'s data, lr 2e-4) or stage 6 (alltrain: on `all`'s, lr 1.5e-4),
-    # from the bundled drafter; a call stopped at TRAIN_SECONDS resumes in the next
-    read -r data k lr <<< "$([ $phase = finetune ] && echo "more 5 2e-4" || echo "all 6 1.5e-4")"
+    # stage 5 (finetune: on `more`'s data, lr 2e-4) or stage 6/7 (alltrain: on `all`'s, lr 1.5e-4,
+    # K=6 or 7), from the bundled drafter; a call stopped at TRAIN_SECONDS resumes in the next.
+    # NPROC=2: data parallel over two GPUs (torchrun, NCCL), --batch-tokens per GPU.
+    read -r data k lr <<< "$([ $phase = finetune ] && echo "more 5 2e-4" || echo "all ${K:-7} 1.5e-4")"
     mkdir -p ${OUT:-/tmp}/records
-    python3 -m eaglet train-draft --model $GGUF --dtype bfloat16 --data /tmp/$data-t* \
+    launch="python3"; [ "${NPROC:-1}" -gt 1 ] && launch="python3 -m torch.distributed.run --nproc-per-node $NPROC"
+    $launch -m eaglet train-draft --model $GGUF --dtype bfloat16 --data /tmp/$data-t* \
       --out /tmp/train$k --init-from ${INIT:-eaglet/drafters/smollm2-135m-instruct-eagle3} --epochs ${EPOCHS:-1} \
       --lr $lr --seed $((k - 1)) --batch-tokens 32768 --max-len 1024 --draft-vocab 16384 --save-every 200 \
       --time-limit ${TRAIN_SECONDS:-540} || exit 1
@@ -94,7 +98,7 @@ case $phase in
     done
     ln -sfn /tmp/train4 /tmp/train ;;
   eval)
-    for set in mtbench humaneval; do
+    for set in ${SETS:-mtbench humaneval}; do
       python3 -m eaglet eval-draft --model $GGUF --dtype float32 --draft /tmp/train/drafter --prompts $set \
         --max-new-tokens 256 --batch 200 --settings chain:5 chain:7 tree:5,4,16 tree:6,8,32 --out ${OUT:-/tmp}/records
     done ;;
