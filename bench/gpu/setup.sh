@@ -3,8 +3,9 @@
 # Wheels (.whl, git-ignored) were fetched with pip download for cp312 manylinux x86_64: gguf==0.19.0, pyyaml.
 set -euo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false EAGLET_CACHE=/tmp/eaglet-cache
-if [ -d .whl ]; then
+if [ -d .whl ] && [ ! -f /tmp/site/.installed ]; then  # once per machine: jobs on two GPUs source this at once
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  touch /tmp/site/.installed
 fi
 export PYTHONPATH=/tmp/site:$PWD
 GGUF=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
