@@ -99,6 +99,19 @@ def test_plan_reads_a_live_metrics_endpoint(capsys):
         srv.shutdown()
 
 
+def test_a_drafter_fingerprint_tells_stages_of_one_run_apart(tmp_path):
+    """Two exports of one training run share config and file sizes; the record must still tell
+    which one a figure came from, so a small directory's weights are hashed whole."""
+    from eaglet.perf.record import path_fingerprint
+
+    for name, byte in (("a", b"\x00"), ("b", b"\x01"), ("c", b"\x00")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"]}')
+        (tmp_path / name / "model.safetensors").write_bytes(byte * 64)
+    a, b, c = (path_fingerprint(tmp_path / n)["sha256-config-and-weights"] for n in "abc")
+    assert a != b and a == c
+
+
 def record(flags: dict, env_extra: dict, tok_s: float) -> dict:
     env = environment()
     env["env"] = {**env["env"], **env_extra}

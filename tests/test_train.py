@@ -420,7 +420,7 @@ def test_two_ranks_train_what_one_process_accumulating_their_batches_does(data, 
     b = load_file(tmp_path / "ddp" / "drafter" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     ddp = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("{")))
-    assert ddp["steps"] == steps
+    assert ddp["steps"] == steps and ddp["world_size"] == 2
     assert ddp["assistant_tokens_this_run"] == sum(int(m.sum()) for m in (
         trainer_mod.collate(one.rows, one.plan[i], 1024, "cpu")[1] for i in range(2 * steps)))
 

@@ -14,11 +14,16 @@
 #   TEMPS="0 0.8" bash bench/gpu/train_default_drafter.sh all  # greedy replies, then sampled at T 0.8:
 #       one 10-minute call (2026-11-30) wrote all 28 greedy shards and 15 of the 28 sampled ones
 #   bash bench/gpu/train_default_drafter.sh alltrain  # one epoch over every /tmp/all-t* (~6 min), then eval, fetch
-# The bundled drafter is stage 6's export (2026-11-30). A seventh stage adds prompts no ShareGPT
-# conversation has: user turns the target writes itself (`eaglet data --self-prompts`, Magpie),
-#   bash bench/gpu/train_default_drafter.sh self      # SELF_PROMPTS (default 30720) turns + greedy replies
-#   TEMPS=0.8 FIRST_SHARD=15 bash bench/gpu/train_default_drafter.sh all   # the 13 sampled shards stage 6 lacked
-# then `NPROC=2 alltrain` from the stage-6 drafter over every /tmp/all-t* (only data stage 6 never saw).
+# Stages 7-9 (2026-11-30, on the 2-GPU machine; the bundled drafter is stage 9's export) train on
+# data stage 6 never saw: user turns the target writes itself (`eaglet data --self-prompts`, Magpie)
+# and the 13 sampled shards stage 6 lacked, written on both GPUs at once:
+#   CUDA_VISIBLE_DEVICES=0 bash bench/gpu/train_default_drafter.sh self &  # 30720 turns + greedy replies
+#   (CUDA_VISIBLE_DEVICES=1 TEMPS=0.8 FIRST_SHARD=15 bash bench/gpu/train_default_drafter.sh all
+#    CUDA_VISIBLE_DEVICES=1 FIRST_SHARD=15 SELF_PROMPTS=61440 bash bench/gpu/train_default_drafter.sh self) & wait
+#   NPROC=2 bash bench/gpu/train_default_drafter.sh alltrain                     # stage 7, from stage 6
+#   K=8 INIT=/tmp/train7/drafter EPOCHS=1.6 NPROC=2 bash bench/gpu/train_default_drafter.sh alltrain
+#   K=9 INIT=/tmp/train8/drafter EPOCHS=1 NPROC=2 bash bench/gpu/train_default_drafter.sh alltrain
+# each followed by `SETS=mtbench ... eval` and `SETS=humaneval ... eval` (one per GPU), `fetch`.
 phase=$1
 if [ "$phase" = prepare ]; then
   mkdir -p .gpudata && grep -qx '/.gpudata/' .git/info/exclude || echo '/.gpudata/' >> .git/info/exclude

@@ -14,7 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ENV_PREFIXES = ("NCCL_", "CUDA_", "TORCH_", "PYTORCH_", "EAGLET_", "OMP_", "MKL_", "TOKENIZERS_")
+ENV_PREFIXES = ("NCCL_", "CUDA_", "TORCH_", "PYTORCH_", "EAGLET_", "OMP_", "MKL_", "TOKENIZERS_",
+                "WORLD_SIZE", "LOCAL_WORLD_SIZE")  # torchrun's world: a figure from 2 GPUs says so
+CONTENT_HASH_MAX = 1 << 30  # a directory's weights up to this many bytes (drafters) are hashed whole
 
 
 def git_state() -> dict:
@@ -38,7 +40,9 @@ def git_state() -> dict:
 
 
 def path_fingerprint(path: str | Path | None) -> dict | None:
-    """sha256 of a model file; for a directory, of its config.json and its weight files' names and sizes."""
+    """sha256 of a model file; for a directory, of its config.json and weight files: their contents when
+    they total at most CONTENT_HASH_MAX bytes (a drafter: stages of one run differ only in content),
+    else their names and sizes."""
     if path is None:
         return None
     p = Path(path)
@@ -46,12 +50,13 @@ def path_fingerprint(path: str | Path | None) -> dict | None:
     if p.is_file():
         from ..weights.gguf_cache import file_sha256
         return {"path": str(p), "sha256": file_sha256(p), "bytes": p.stat().st_size}
-    for f in sorted(p.iterdir()):
-        if f.name == "config.json":
-            h.update(f.read_bytes())
-        elif f.suffix in (".safetensors", ".bin"):
-            h.update(f"{f.name}:{f.stat().st_size}".encode())
-    return {"path": str(p), "sha256-config-and-sizes": h.hexdigest()}
+    weights = [f for f in sorted(p.iterdir()) if f.suffix in (".safetensors", ".bin")]
+    whole = sum(f.stat().st_size for f in weights) <= CONTENT_HASH_MAX
+    if (p / "config.json").is_file():
+        h.update((p / "config.json").read_bytes())
+    for f in weights:
+        h.update(f.read_bytes() if whole else f"{f.name}:{f.stat().st_size}".encode())
+    return {"path": str(p), ("sha256-config-and-weights" if whole else "sha256-config-and-sizes"): h.hexdigest()}
 
 
 def environment() -> dict:

@@ -281,7 +281,7 @@ class Trainer:
             export = save_eagle3(self.head, Path(self.cfg.out) / "drafter", torch.bfloat16 if cuda else torch.float32)
             (Path(self.cfg.out) / "history.json").write_text(json.dumps(self.history))
         phases = timer.totals()
-        return {"steps": self.step, "finished": self.step == self.total,
+        return {"steps": self.step, "finished": self.step == self.total, "world_size": self.world,
                 "steps_this_run": self.step - first, "seconds_this_run": secs,
                 "assistant_tokens_this_run": tokens, "padded_tokens_this_run": padded,
                 "tokens_per_s": tokens / max(secs, 1e-9),
