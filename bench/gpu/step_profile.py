@@ -20,7 +20,9 @@ from eaglet.perf.record import write_record
 from eaglet.spec.speculator import load_speculator
 from eaglet.weights import load_model
 
-KINDS = [("gemm", r"gemm|gemv|cutlass|sm90_xmma|cublas|splitk"), ("attention", r"fmha|flash|attention|sdpa|cudnn"),
+# nvjet: cuBLASLt's Hopper GEMMs; _attend: eaglet's cache-attention kernel; aten::*mm: CPU operators
+KINDS = [("gemm", r"gemm|gemv|cutlass|sm90_xmma|cublas|splitk|nvjet|aten::(add|b)?mm\b"),
+         ("attention", r"fmha|flash|attention|sdpa|cudnn|^_attend"),
          ("triton (compiled)", r"^triton_"), ("copy/index", r"index|scatter|gather|copy|cat|memcpy"),
          ("reduce", r"reduce|argmax|max|sum|topk|sort")]
 

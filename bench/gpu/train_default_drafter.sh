@@ -24,6 +24,7 @@
 #   K=8 INIT=/tmp/train7/drafter EPOCHS=1.6 NPROC=2 bash bench/gpu/train_default_drafter.sh alltrain
 #   K=9 INIT=/tmp/train8/drafter EPOCHS=1 NPROC=2 bash bench/gpu/train_default_drafter.sh alltrain
 # each followed by `SETS=mtbench ... eval` and `SETS=humaneval ... eval` (one per GPU), `fetch`.
+#   bash bench/gpu/train_default_drafter.sh profile  # a training step's kernels, phase by phase
 phase=$1
 if [ "$phase" = prepare ]; then
   mkdir -p .gpudata && grep -qx '/.gpudata/' .git/info/exclude || echo '/.gpudata/' >> .git/info/exclude
@@ -102,6 +103,10 @@ case $phase in
       cp /tmp/train$k/train-draft-*.json ${OUT:-/tmp}/records/
     done
     ln -sfn /tmp/train4 /tmp/train ;;
+  profile)  # where a training step's time goes, phase by phase, kernel by kernel (after a data phase)
+    mkdir -p ${OUT:-/tmp}/records
+    python3 bench/gpu/train_profile.py $GGUF /tmp/all-t* --out ${OUT:-/tmp}/records \
+      --init-from eaglet/drafters/smollm2-135m-instruct-eagle3 --batch-tokens 32768 --max-len 1024 ;;
   eval)
     for set in ${SETS:-mtbench humaneval}; do
       python3 -m eaglet eval-draft --model $GGUF --dtype float32 --draft /tmp/train/drafter --prompts $set \

@@ -194,22 +194,44 @@ class Trainer:
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag)
 
+    @torch.no_grad()
+    def target_pass(self, ids, hdtype):
+        """The frozen target on one batch: its taps (in the head's dtype) and its distribution over
+        the draft vocabulary, computed online."""
+        pos = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
+        window = self.target.config.sliding_window
+        if window is None:  # no mask tensor: SDPA's causal kernel
+            cache, meta = Causal(), None
+        else:
+            zeros = torch.zeros(ids.shape[0], dtype=torch.long, device=self.device)
+            cache, meta = AppendKV(self.target.config.num_layers), AttnMeta.build(zeros, pos, ids.shape[1],
+                                                                                   sliding_window=window)
+        hidden, taps = self.target(ids, pos, cache, meta, capture=self.head.cfg.aux_layers)
+        return taps.to(hdtype), Targets.from_hidden(self.head, hidden, self.target.lm_head.weight)  # no (B, T, V) logits
+
+    def head_loss(self, ids, mask, embed, taps, target, cuda):
+        """The TTT loss of the head on one batch (autocast to bfloat16 on the GPU)."""
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            return ttt_loss(self.head, embed, taps, target, ids, mask, self.cfg.ttt_steps, self.cfg.decay)
+
     def batch_loss(self, ids, mask, embed, hdtype, timer, cuda):
         """The TTT loss of one batch: the frozen target's taps and logits online, then the head."""
-        with timer.phase("target"), torch.no_grad():
-            pos = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
-            window = self.target.config.sliding_window
-            if window is None:  # no mask tensor: SDPA's causal kernel
-                cache, meta = Causal(), None
-            else:
-                zeros = torch.zeros(ids.shape[0], dtype=torch.long, device=self.device)
-                cache, meta = AppendKV(self.target.config.num_layers), AttnMeta.build(zeros, pos, ids.shape[1],
-                                                                                       sliding_window=window)
-            hidden, taps = self.target(ids, pos, cache, meta, capture=self.head.cfg.aux_layers)
-            target = Targets.from_hidden(self.head, hidden, self.target.lm_head.weight)  # no (B, T, V) logits
-            taps = taps.to(hdtype)
-        with timer.phase("ttt_forward"), torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            return ttt_loss(self.head, embed, taps, target, ids, mask, self.cfg.ttt_steps, self.cfg.decay)
+        with timer.phase("target"):
+            taps, target = self.target_pass(ids, hdtype)
+        with timer.phase("ttt_forward"):
+            return self.head_loss(ids, mask, embed, taps, target, cuda)
+
+    def optimizer_step(self) -> None:
+        """The step's gradients (summed over its batches and, under torchrun, over the ranks) averaged,
+        clipped, applied; then the schedule's next learning rate."""
+        for p in self.head.parameters():
+            if self.world > 1:  # data parallel: sum over ranks
+                torch.distributed.all_reduce(p.grad)
+            if self.per_step > 1:
+                p.grad /= self.per_step
+        torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.grad_clip)
+        self.opt.step()
+        self.sched.step()
 
     def train(self) -> dict:
         """Train to the end of the schedule (or the time limit); returns the run's figures. On the
@@ -247,14 +269,7 @@ class Trainer:
                 losses.append(float(out.loss.detach()))  # sync (ttt_loss already synced once for its statistics)
                 accs.append(out.step_acc)
             with timer.phase("backward_step"):
-                for p in self.head.parameters():
-                    if self.world > 1:  # data parallel: sum over ranks
-                        torch.distributed.all_reduce(p.grad)
-                    if self.per_step > 1:
-                        p.grad /= self.per_step
-                torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.grad_clip)
-                self.opt.step()
-                self.sched.step()
+                self.optimizer_step()
             self.step += 1
             loss = sum(losses) / len(losses)
             acc = [sum(a) / len(a) for a in zip(*accs)]
