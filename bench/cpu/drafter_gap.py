@@ -13,6 +13,7 @@ separates overfitting from a shift of domain.
 import argparse
 
 import torch
+import torch.nn.functional as F
 
 from eaglet.config import SpecConfig
 from eaglet.datasets import load_prompts
@@ -22,8 +23,40 @@ from eaglet.kvcache import AppendKV
 from eaglet.perf.record import write_record
 from eaglet.spec.speculator import bundled_drafter, load_speculator
 from eaglet.train.regen import RegenConfig, split_prompts
-from eaglet.train.ttt import Targets, ttt_loss
+from eaglet.train.ttt import Targets, TTTAttention, shift, ttt_loss
 from eaglet.weights import load_model
+
+
+@torch.no_grad()
+def ttt_argmax(head, embed_weight, taps, ids, steps):
+    """(K, B, T) target ids: what the head predicts at index t in training-time-test step k (inputs:
+    taps of x[t], tokens x[t+1..t+1+k]), i.e. its guess for x[t+2+k]; the same calls as ttt_loss."""
+    b, t = ids.shape
+    h, attn, out = head.fc(taps), TTTAttention(), []
+    for k in range(steps):
+        emb = F.embedding(shift(ids, 1 + k), embed_weight)
+        h = head(emb, h, (torch.arange(t) + k).expand(b, t), attn, None)
+        out.append(head.draft_to_target()[head.logits(h).argmax(-1)])
+    return torch.stack(out)
+
+
+def simulate_chain(preds, seqs, prompt_lens) -> dict:
+    """The greedy chain loop replayed from the TTT predictions: a step drafting from index t (taps of
+    the last accepted token x[t], the bonus token x[t+1]) accepts the leading run of steps k whose
+    guess equals x[t+2+k], and the next step drafts from t + accepted + 1. If the loop's drafter saw
+    what training does, its counts would match these."""
+    k_max = preds.shape[0]
+    drafts, acc = 0, [0] * k_max
+    for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
+        t = p - 1  # prefill's bonus token is x[p]
+        while t + 2 < len(s):
+            drafts += 1
+            a = 0
+            while a < k_max and t + 2 + a < len(s) and int(preds[a, i, t]) == s[t + 2 + a]:
+                acc[a] += 1
+                a += 1
+            t += a + 1
+    return {"drafts": drafts, "accepted_per_pos": acc, "accept_length": 1 + sum(acc) / max(drafts, 1)}
 
 
 def main() -> None:
@@ -69,6 +102,8 @@ def main() -> None:
         target = Targets.from_hidden(head, hidden, model.lm_head.weight)
         out = ttt_loss(head, model.model.embed_tokens.weight, taps, target, ids, mask, steps=5)
         full_arg = model.logits(hidden).argmax(-1)
+        preds = ttt_argmax(head, model.model.embed_tokens.weight, taps, ids, 5)
+    sim = simulate_chain(preds, seqs, [len(p) for p in prompts])
     # target choices for the generated tokens (at t the target picks x[t+1]): draftable or not
     pick = mask[:, 1:]
     in_vocab = head.t2d[full_arg[:, :-1][pick]].float().mean().item()
@@ -76,10 +111,13 @@ def main() -> None:
            "spec_chain5": {"drafts": drafts, "accept_length": (sum(len(c.tokens) for c in spec) - len(spec)) / drafts,
                            "accepted_per_pos": acc_pos, "p_accept_first": cond[0],
                            "p_accept_given_previous": cond},
+           "ttt_chain5_simulated": sim,
            "ttt_step_accuracy": out.step_acc, "ttt_positions_step0": out.tokens,
            "target_choice_in_draft_vocab": in_vocab}
     print(f"loop: τ {res['spec_chain5']['accept_length']:.2f}, P(accept 1st) {cond[0]:.3f}, "
           f"P(accept k | k-1) {[round(c, 3) for c in cond]}")
+    print(f"the loop replayed from the TTT's own predictions: τ {sim['accept_length']:.2f}, drafts {sim['drafts']} "
+          f"(loop {drafts}), accepted per position {sim['accepted_per_pos']} (loop {acc_pos})")
     print(f"TTT accuracy per step on the same text: {[round(a, 3) for a in out.step_acc]} "
           f"(positions whose target choice is draftable: {in_vocab:.3f})")
     path = write_record("drafter-gap", vars(args), res, args.out, models={"target": loaded.path,
