@@ -26,7 +26,7 @@ from eaglet.weights import load_model
 def last_logits(model, seq: list[int]) -> torch.Tensor:
     """The target's float32 logits for the token after `seq`, from one forward over all of it."""
     ids, pos = torch.tensor([seq]), torch.arange(len(seq))[None]
-    hidden = model(ids, pos, AppendKV(model.config.num_layers), AttnMeta.build(torch.zeros(1, dtype=torch.long), pos, len(seq)))
+    hidden, _ = model(ids, pos, AppendKV(model.config.num_layers), AttnMeta.build(torch.zeros(1, dtype=torch.long), pos, len(seq)))
     return model.logits(hidden[0, -1]).float()
 
 
