@@ -13,7 +13,6 @@ separates overfitting from a shift of domain.
 import argparse
 
 import torch
-import torch.nn.functional as F
 
 from eaglet.config import SpecConfig
 from eaglet.datasets import load_prompts
@@ -23,21 +22,16 @@ from eaglet.kvcache import AppendKV
 from eaglet.perf.record import write_record
 from eaglet.spec.speculator import bundled_drafter, load_speculator
 from eaglet.train.regen import RegenConfig, split_prompts
-from eaglet.train.ttt import Targets, TTTAttention, shift, ttt_loss
+from eaglet.train.ttt import Targets, ttt_hidden, ttt_loss
 from eaglet.weights import load_model
 
 
 @torch.no_grad()
 def ttt_argmax(head, embed_weight, taps, ids, steps):
-    """(K, B, T) target ids: what the head predicts at index t in training-time-test step k (inputs:
-    taps of x[t], tokens x[t+1..t+1+k]), i.e. its guess for x[t+2+k]; the same calls as ttt_loss."""
-    b, t = ids.shape
-    h, attn, out = head.fc(taps), TTTAttention(), []
-    for k in range(steps):
-        emb = F.embedding(shift(ids, 1 + k), embed_weight)
-        h = head(emb, h, (torch.arange(t) + k).expand(b, t), attn, None)
-        out.append(head.draft_to_target()[head.logits(h).argmax(-1)])
-    return torch.stack(out)
+    """(K, B, T) target ids: the head's guess for x[t+2+k] at index t in training-time-test step k,
+    from the steps ttt_loss trains (ttt_hidden)."""
+    d2t = head.draft_to_target()
+    return torch.stack([d2t[head.logits(h).argmax(-1)] for h in ttt_hidden(head, embed_weight, taps, ids, steps)])
 
 
 def simulate_chain(preds, seqs, prompt_lens) -> dict:

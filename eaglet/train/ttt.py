@@ -109,6 +109,20 @@ def loss_positions(loss_mask: torch.Tensor, in_vocab: torch.Tensor, steps: int) 
     return list(m.flatten(1).nonzero()[:, 1].split(counts)), counts
 
 
+def ttt_hidden(head: Eagle3Head, embed_weight: torch.Tensor, taps: torch.Tensor, input_ids: torch.Tensor,
+               steps: int):
+    """The head's output (B, T, H) at each training-time-test step k = 0..steps-1: at index t it has
+    seen the taps of x[t] and the tokens x[t+1..t+1+k], and guesses x[t+2+k]."""
+    b, t = input_ids.shape
+    h = head.fc(taps)  # (B, T, H)
+    attn = TTTAttention()
+    for k in range(steps):
+        positions = (torch.arange(t, device=input_ids.device) + k).expand(b, t)
+        emb = F.embedding(shift(input_ids, 1 + k), embed_weight)  # (B, T, H): x[t+1+k]
+        h = head(emb, h, positions, attn, None)  # (B, T, H)
+        yield h
+
+
 def ttt_loss(head: Eagle3Head, embed_weight: torch.Tensor, taps: torch.Tensor, target: Targets | torch.Tensor,
              input_ids: torch.Tensor, loss_mask: torch.Tensor, steps: int = 7, decay: float = 0.8) -> TTTOut:
     """taps (B, T, 3Ht) and target (Targets, or full logits (B, T, V)) from the frozen target over
@@ -119,14 +133,9 @@ def ttt_loss(head: Eagle3Head, embed_weight: torch.Tensor, taps: torch.Tensor, t
     dev = input_ids.device
     where, counts = loss_positions(loss_mask, target.in_vocab, steps)
     p_all, arg_all = target.p.flatten(0, 1), target.arg.flatten()  # (B*T, Vd), (B*T,)
-    h = head.fc(taps)  # (B, T, H)
-    attn = TTTAttention()
     total = torch.zeros((), device=dev)
     stats = []  # per step (loss, accuracy), brought to the host once at the end
-    for k in range(steps):
-        positions = (torch.arange(t, device=dev) + k).expand(b, t)
-        emb = F.embedding(shift(input_ids, 1 + k), embed_weight)  # (B, T, H): x[t+1+k]
-        h = head(emb, h, positions, attn, None)  # (B, T, H)
+    for k, h in enumerate(ttt_hidden(head, embed_weight, taps, input_ids, steps)):
         if counts[k] == 0:
             stats.append(torch.zeros(2, device=dev))
             continue
