@@ -79,14 +79,25 @@ def profile_system(gen, ids, cfg, steps_of) -> dict:
         torch.cuda.synchronize()
     steps = steps_of(out)
     rows = kernel_table(prof, steps)
+    return {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps,
+            "gpu_us_per_step": sum(r[2] for r in rows), "kernels_per_step": sum(r[1] for r in rows), **summary(rows)}
+
+
+def summary(rows: list[tuple[str, float, float]], top: int | None = None) -> dict:
+    """by_kind (kernels, µs per step, costliest kind first) and the `top` rows of a kernel table."""
     by_kind = defaultdict(lambda: [0.0, 0.0])
     for n, c, us in rows:
         by_kind[kind_of(n)][0] += c
         by_kind[kind_of(n)][1] += us
-    return {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps,
-            "gpu_us_per_step": sum(r[2] for r in rows), "kernels_per_step": sum(r[1] for r in rows),
-            "by_kind": {k: {"kernels": c, "us": us} for k, (c, us) in sorted(by_kind.items(), key=lambda x: -x[1][1])},
-            "top": [{"name": n[:160], "per_step": c, "us": us} for n, c, us in rows]}
+    return {"by_kind": {k: {"kernels": c, "us": us} for k, (c, us) in sorted(by_kind.items(), key=lambda x: -x[1][1])},
+            "top": [{"name": n[:160], "per_step": c, "us": us} for n, c, us in rows[:top]]}
+
+
+def print_summary(r: dict, top: int = 12) -> None:
+    for k, v in r["by_kind"].items():
+        print(f"  {k:<20}{v['kernels']:7.1f} kernels {v['us']:8.1f} us")
+    for t in r["top"][:top]:
+        print(f"    {t['per_step']:6.1f} x {t['us'] / max(t['per_step'], 1e-9):6.2f} us  {t['name']}")
 
 
 def setup(model_path: str, draft: str):
@@ -114,10 +125,7 @@ def main(model_path: str, draft: str, out_dir: str) -> None:
     for name, r in results.items():
         print(f"{name}: {r['steps']} steps, wall {r['wall_ms_per_step']:.3f} ms/step, GPU {r['gpu_us_per_step']:.0f} us "
               f"in {r['kernels_per_step']:.0f} kernels per step")
-        for k, v in r["by_kind"].items():
-            print(f"  {k:<20}{v['kernels']:7.1f} kernels {v['us']:8.1f} us")
-        for t in r["top"][:12]:
-            print(f"    {t['per_step']:6.1f} x {t['us'] / max(t['per_step'], 1e-9):6.2f} us  {t['name']}")
+        print_summary(r)
     path = write_record("step-profile", {"model": model_path, "draft": draft, "max_new_tokens": 128}, results, out_dir,
                         models={"target": loaded.path, "drafter": draft})
     print(f"record: {path}")

@@ -15,7 +15,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
-from step_profile import kind_of  # the decoding-step probe's kernel kinds (this directory is on sys.path)
+from step_profile import print_summary, summary  # the decoding-step probe's kernel tables (this directory is on sys.path)
 from torch.profiler import ProfilerActivity, profile
 
 from eaglet.perf.record import write_record
@@ -98,24 +98,14 @@ def main() -> None:
     per = args.steps
     results = {"steps": per, "assistant_tokens_per_step": tokens / per, "padded_tokens_per_step": padded / per,
                "tokens_per_s": tokens / sum(wall.values()), "phases": {}}
-    what = "kernels" if cuda else "operators (self time)"
+    what = "kernels" if cuda else "operators (self time; 'kernels' below)"
     for name in PHASES:
         rows = sorted(((k, c / per, us / per) for k, (c, us) in ops[name].items()), key=lambda r: -r[2])
-        kinds = defaultdict(lambda: [0.0, 0.0])
-        for k, c, us in rows:
-            kinds[kind_of(k)][0] += c
-            kinds[kind_of(k)][1] += us
-        results["phases"][name] = {
-            "wall_ms": wall[name] / per * 1e3, "profiled_us": sum(r[2] for r in rows), "count": sum(r[1] for r in rows),
-            "by_kind": {k: {"count": c, "us": us} for k, (c, us) in sorted(kinds.items(), key=lambda kv: -kv[1][1])},
-            "top": [{"name": k[:160], "count": c, "us": us} for k, c, us in rows[:25]]}
-        r = results["phases"][name]
+        r = results["phases"][name] = {"wall_ms": wall[name] / per * 1e3, "profiled_us": sum(x[2] for x in rows),
+                                       "count": sum(x[1] for x in rows), **summary(rows, top=25)}
         print(f"{name}: {r['wall_ms']:.2f} ms a step (synchronised), {r['profiled_us'] / 1e3:.2f} ms in "
               f"{r['count']:.0f} {what}")
-        for k, v in r["by_kind"].items():
-            print(f"  {k:<20} {v['count']:8.1f} x {v['us'] / 1e3:9.3f} ms")
-        for t in r["top"][:10]:
-            print(f"     {t['count']:6.1f} x {t['us'] / max(t['count'], 1e-9):9.1f} us  {t['name'][:110]}")
+        print_summary(r)
     print(f"{results['assistant_tokens_per_step']:.0f} assistant tokens a step ({results['padded_tokens_per_step']:.0f} "
           f"padded): {results['tokens_per_s']:.0f} tokens/s with every phase synchronised")
     print(f"record: {write_record('train-profile', vars(args), results, args.out, models={'target': args.model})}")
