@@ -3,6 +3,7 @@ and Poisson arrivals, chat and completions; its JSON record (counts, latencies, 
 failures counted and reflected in the exit status; the accept length from /metrics counters of
 vLLM and eaglet; prompts from a ShareGPT file cut off mid-record."""
 import json
+import statistics
 
 import pytest
 
@@ -34,6 +35,14 @@ def record(out_dir) -> dict:
     return json.loads(f.read_text())
 
 
+def requests_of(out_dir) -> list[dict]:
+    """The per-request data a bench-serve record keeps gzipped beside it."""
+    from eaglet.perf.record import load_raw
+
+    [f] = list(out_dir.glob("bench-serve-*.json"))
+    return load_raw(f, "requests")
+
+
 def run(capsys, *argv) -> tuple[int, str]:
     rc = main(["bench-serve", "--no-progress", *argv])
     return rc, capsys.readouterr().out
@@ -56,14 +65,16 @@ def test_fixed_concurrency_chat(server, prompts_file, tmp_path, capsys):
     assert after["process_resident_memory_bytes"] > 0 and after["eaglet:kv_cache_total_tokens"] > 0
     for line in ("TTFT (ms)", "TPOT (ms)", "ITL (ms)", "accept length", "40 ok, 0 failed"):
         assert line in out
-    drafted = [q for q in r["requests"] if q["spec"] and q["spec"]["num_drafts"]]
+    reqs = requests_of(tmp_path)  # every request, gzipped beside the record, which names the file
+    assert r["requests"] == {"file": next(tmp_path.glob("bench-serve-*.requests.json.gz")).name, "count": 40}
+    assert len(reqs) == 40 and sum(q["output_tokens"] for q in reqs) == r["output_tokens"]
+    drafted = [q for q in reqs if q["spec"] and q["spec"]["num_drafts"]]
     assert f"of the {len(drafted)} requests that drafted" in r["accept_length_source"]
-    # per-request times kept to the microsecond, each list of numbers on one line of the file
-    times = [x for q in r["requests"] for x in q["itl"] + [q["latency"], q["ttft"]]]
+    # per-request times kept to the microsecond; the median ITL is the median of the kept gaps
+    times = [x for q in reqs for x in q["itl"] + [q["latency"], q["ttft"]]]
     assert times and all(round(x, 6) == x for x in times)
-    text = next(tmp_path.glob("bench-serve-*.json")).read_text()
-    assert '"itl": [' in text and not any(line.strip().replace(",", "").replace(".", "").isdigit()
-                                         for line in text.splitlines())
+    itl = sorted(x for q in reqs for x in q["itl"])
+    assert abs(r["itl_ms"]["median"] - 1e3 * statistics.median(itl)) < 1e-3
 
 
 def test_poisson_arrivals_completions(server, prompts_file, tmp_path, capsys):

@@ -281,10 +281,10 @@ def run_bench_serve(args) -> int:
     res = summarize(results, duration)
     res["accept_length"], res["accept_length_source"] = accept_length(results, before, after)
     res["server"] = {"url": root, "model": model, "models": info, "metrics_before": before, "metrics_after": after}
-    res["requests"] = [request_record(r) for r in results]
     mode = ([f"rate={args.request_rate}/s"] if args.request_rate else []) + (
         [f"concurrency={concurrency}"] if concurrency else [])
     print(render(res, f"bench-serve {root} model={model} endpoint={args.endpoint} {' '.join(mode)} "
                       f"max_tokens={args.max_tokens}"))
-    print(f"record: {write_record('bench-serve', vars(args), res, args.out)}")
+    path = write_record("bench-serve", vars(args), res, args.out, raw={"requests": [request_record(r) for r in results]})
+    print(f"record: {path}")
     return 0 if res["failed"] == 0 else 1

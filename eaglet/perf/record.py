@@ -4,6 +4,7 @@ model file hashes, and the results."""
 from __future__ import annotations
 
 import datetime
+import gzip
 import hashlib
 import importlib.metadata
 import json
@@ -96,19 +97,37 @@ def environment() -> dict:
     return env
 
 
-def write_record(kind: str, flags: dict, results: dict, out_dir: str | Path, models: dict | None = None) -> Path:
-    """Write {kind, flags, environment, models, results} as JSON; returns the file path."""
+def write_record(kind: str, flags: dict, results: dict, out_dir: str | Path, models: dict | None = None,
+                 raw: dict | None = None) -> Path:
+    """Write {kind, flags, environment, models, results} as JSON; returns the file path. Each `raw`
+    entry (bulky raw data, e.g. a load test's per-request times) goes gzipped beside it, as
+    <record>.<name>.json.gz, and results[name] names that file (read it back with load_raw)."""
     rec = {"kind": kind, "flags": flags, "environment": environment(),
-           "models": {k: path_fingerprint(v) for k, v in (models or {}).items()}, "results": results}
+           "models": {k: path_fingerprint(v) for k, v in (models or {}).items()}, "results": dict(results)}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dev = "gpu" if rec["environment"]["gpu"] else "cpu"
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = out / f"{kind}-{dev}-{stamp}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(to_json(rec))
-    tmp.replace(path)
+    for name, data in (raw or {}).items():  # first: a record never names a file that is not whole
+        side = path.with_name(f"{path.stem}.{name}.json.gz")
+        write_atomic_bytes(side, gzip.compress(json.dumps(data, separators=(",", ":")).encode(), mtime=0))
+        rec["results"][name] = {"file": side.name, "count": len(data)}
+    write_atomic_bytes(path, to_json(rec).encode())
     return path
+
+
+def write_atomic_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+def load_raw(record_path: str | Path, name: str):
+    """The raw data a record keeps beside it under `name` (write_record's `raw`)."""
+    p = Path(record_path)
+    ref = json.loads(p.read_text())["results"][name]
+    return json.loads(gzip.decompress((p.parent / ref["file"]).read_bytes()))
 
 
 _NUMBER_LIST = re.compile(r"\[\n\s*(-?[0-9][-+0-9.eE]*(?:,\n\s*-?[0-9][-+0-9.eE]*)*)\n\s*\]")
