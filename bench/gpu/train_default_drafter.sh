@@ -25,6 +25,7 @@
 #   K=9 INIT=/tmp/train8/drafter EPOCHS=1 NPROC=2 bash bench/gpu/train_default_drafter.sh alltrain
 # each followed by `SETS=mtbench ... eval` and `SETS=humaneval ... eval` (one per GPU), `fetch`.
 #   bash bench/gpu/train_default_drafter.sh profile  # a training step's kernels, phase by phase
+#   START=30 bash bench/gpu/train_default_drafter.sh self2  # 30 more self-written shards, both GPUs
 phase=$1
 if [ "$phase" = prepare ]; then
   mkdir -p .gpudata && grep -qx '/.gpudata/' .git/info/exclude || echo '/.gpudata/' >> .git/info/exclude
@@ -75,6 +76,14 @@ case $phase in
       --self-prompts ${SELF_PROMPTS:-30720} --first-shard $first --temperature 0 --batch ${BATCH:-1024} \
       --max-new-tokens 320 --max-prompt-tokens 256 --shard-size 2048
     ls $dir | wc -l ;;
+  self2)
+    # self-written turns on two GPUs at once: shards START..START+14 on GPU 0, START+15..START+29 on
+    # GPU 1 (their own seeds, so other turns than stage 7's shards 0-29), into all-tselfSTART and
+    # all-tself(START+15); logs in $OUT
+    a=${START:-30}; b=$((a + 15))
+    CUDA_VISIBLE_DEVICES=0 FIRST_SHARD=$a SELF_PROMPTS=$((b * 2048)) bash "$0" self > ${OUT:-/tmp}/self-gpu0.log 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 FIRST_SHARD=$b SELF_PROMPTS=$(((b + 15) * 2048)) bash "$0" self > ${OUT:-/tmp}/self-gpu1.log 2>&1 &
+    wait; ls -d /tmp/all-t* ;;
   finetune|alltrain)
     # stage 5 (finetune: on `more`'s data, lr 2e-4) or stage 6/7 (alltrain: on `all`'s, lr 1.5e-4,
     # K=6 or 7), from the bundled drafter; a call stopped at TRAIN_SECONDS resumes in the next.
