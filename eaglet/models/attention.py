@@ -54,13 +54,19 @@ class AttnMeta:
         tree_mask: (B, T, pending + T) bool, new token t sees block entry u (its ancestors and itself
         in a tree); None means causal over the new tokens and every pending entry visible.
         """
-        bsz, t = positions.shape
-        ar_t = torch.arange(t, device=positions.device)
-        return AttnMeta(slots=lens[:, None] + pending + ar_t,
-                        rows=torch.arange(bsz, device=positions.device)[:, None].expand(bsz, t), kv_len=kv_len,
+        slots, rows = slots_and_rows(lens, positions, pending)
+        return AttnMeta(slots=slots, rows=rows, kv_len=kv_len,
                         fast=sliding_window is None and (tree_mask is None or pending == 0),
                         block_mask=tree_mask if pending == 0 else None,
                         _mask_args=(lens, positions, kv_len, tree_mask, pending, sliding_window))
+
+
+@fusable
+def slots_and_rows(lens: torch.Tensor, positions: torch.Tensor, pending: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """AttnMeta's slots (B, T) and rows (B, T): fused (on the GPU) into one kernel of the step."""
+    bsz, t = positions.shape
+    return (lens[:, None] + pending + torch.arange(t, device=positions.device),
+            torch.arange(bsz, device=positions.device)[:, None].expand(bsz, t))
 
 
 @fusable

@@ -111,16 +111,20 @@ def write_record(kind: str, flags: dict, results: dict, out_dir: str | Path, mod
     path = out / f"{kind}-{dev}-{stamp}.json"
     for name, data in (raw or {}).items():  # first: a record never names a file that is not whole
         side = path.with_name(f"{path.stem}.{name}.json.gz")
-        write_atomic_bytes(side, gzip.compress(json.dumps(data, separators=(",", ":")).encode(), mtime=0))
+        write_atomic(side, gzip.compress(json.dumps(data, separators=(",", ":")).encode(), mtime=0))
         rec["results"][name] = {"file": side.name, "count": len(data)}
-    write_atomic_bytes(path, to_json(rec).encode())
+    write_atomic(path, to_json(rec))
     return path
 
 
-def write_atomic_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write through a temporary file and rename: readers see the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    if isinstance(data, str):
+        tmp.write_text(data, encoding="utf-8")
+    else:
+        tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def load_raw(record_path: str | Path, name: str):

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..datasets import MIN_CHARS, eval_prompt_keys, first_turn, human_turns, normalize, read_sharegpt
 from ..errors import InvalidInput
 from ..generate import GenerationConfig, Generator
+from ..perf.record import write_atomic
 from ..sampling import SamplingParams
 
 
@@ -77,13 +77,20 @@ def split_prompts(cfg: RegenConfig, log=print) -> tuple[list[tuple[str, str]], l
     return train[: cfg.limit] if cfg.limit else train, held
 
 
+def batch_seed(cfg: RegenConfig, shard: int, b: int) -> int:
+    """The sampling seed of the batch starting at row b of a shard: batches draw differently, and a
+    rerun (resuming at a shard) draws as the first run did. Sampled replies and self-written turns
+    both draw with it (from different inputs); greedy replies need none."""
+    return (cfg.seed * 100_003 + shard) * 100_003 + b
+
+
 def self_written(cfg: RegenConfig, gen: Generator, tokenizer, shard: int, banned: set[str]) -> list[tuple[str, str]]:
     """Shard `shard`'s user turns written by the target: (id, text), in order."""
     n = min(cfg.shard_size, cfg.self_prompts - shard * cfg.shard_size)
     prefix = tokenizer.user_prefix()
     out, seen = [], set(banned)
     for b in range(0, n, cfg.batch):  # a seed per batch: rows of different batches draw differently
-        sampling = SamplingParams(cfg.prompt_temperature, seed=(cfg.seed * 100_003 + shard) * 100_003 + b)
+        sampling = SamplingParams(cfg.prompt_temperature, seed=batch_seed(cfg, shard, b))
         gcfg = GenerationConfig(max_new_tokens=cfg.max_prompt_tokens, sampling=sampling)
         outs = gen.generate([prefix] * min(cfg.batch, n - b), gcfg)
         for i, c in enumerate(outs, start=b):
@@ -92,12 +99,6 @@ def self_written(cfg: RegenConfig, gen: Generator, tokenizer, shard: int, banned
                 seen.add(normalize(text))  # each text once
                 out.append((f"self-{shard}-{i}", text))
     return out
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def regenerate(cfg: RegenConfig, model, tokenizer, progress: bool = True, log=print) -> dict:
@@ -140,7 +141,7 @@ def regenerate(cfg: RegenConfig, model, tokenizer, progress: bool = True, log=pr
             chunk = items[b:b + cfg.batch]
             # sampled: a seed per batch (rows of different batches draw differently); greedy: none,
             # so the Generator may keep its decoder and CUDA graphs for the next batch of this size
-            seed = (cfg.seed * 100_003 + k) * 100_003 + b if cfg.temperature > 0 else None
+            seed = batch_seed(cfg, k, b) if cfg.temperature > 0 else None
             gcfg = GenerationConfig(max_new_tokens=cfg.max_new_tokens, sampling=SamplingParams(cfg.temperature, seed=seed))
             outs = gen.generate([ids for _, ids in chunk], gcfg)
             for (cid, ids), c in zip(chunk, outs):

@@ -129,7 +129,6 @@ def ttt_loss(head: Eagle3Head, embed_weight: torch.Tensor, taps: torch.Tensor, t
     input_ids (B, T); loss_mask (B, T) marks assistant tokens (padding False)."""
     if isinstance(target, torch.Tensor):
         target = Targets.from_logits(head, target)
-    b, t = input_ids.shape
     dev = input_ids.device
     where, counts = loss_positions(loss_mask, target.in_vocab, steps)
     p_all, arg_all = target.p.flatten(0, 1), target.arg.flatten()  # (B*T, Vd), (B*T,)
