@@ -26,6 +26,13 @@
 # each followed by `SETS=mtbench ... eval` and `SETS=humaneval ... eval` (one per GPU), `fetch`.
 #   bash bench/gpu/train_default_drafter.sh profile  # a training step's kernels, phase by phase
 #   START=30 bash bench/gpu/train_default_drafter.sh self2  # 30 more self-written shards, both GPUs
+# Data outlives the machine (2026-11-30, ninth session): `pack` returns the /tmp/all-t* shards
+# through $OUT as xz parts; here they are joined into .gpudata/, staged with the model next time
+# (../shared/tools/stage-files --smollm2 .gpudata/sharegpt_user_turns.json.gz .gpudata/data-*.tar.xz)
+# and `unpack` puts them back in /tmp, so a session trains instead of writing the same data again:
+#   DIRS="all-tself30 all-tself45" NAME=self30-59 bash bench/gpu/train_default_drafter.sh pack
+#   cat /work/.device/.../data/*.part-* > .gpudata/data-self30-59.tar.xz  # here
+#   bash bench/gpu/train_default_drafter.sh unpack   # there, after staging
 phase=$1
 if [ "$phase" = prepare ]; then
   mkdir -p .gpudata && grep -qx '/.gpudata/' .git/info/exclude || echo '/.gpudata/' >> .git/info/exclude
@@ -121,6 +128,12 @@ case $phase in
       python3 -m eaglet eval-draft --model $GGUF --dtype float32 --draft /tmp/train/drafter --prompts $set \
         --max-new-tokens 256 --batch 200 --settings chain:5 chain:7 tree:5,4,16 tree:6,8,32 --out ${OUT:-/tmp}/records
     done ;;
+  pack)  # data shards back through $OUT: one xz tar, split into 15 MB parts
+    mkdir -p ${OUT:-/tmp}/data
+    tar cf - -C /tmp ${DIRS:?name the /tmp data dirs} | xz -T0 -6 | split -b 15M - ${OUT:-/tmp}/data/data-${NAME:?}.tar.xz.part-
+    ls -l ${OUT:-/tmp}/data ;;
+  unpack)  # staged data-*.tar.xz back into /tmp
+    for f in /tmp/stage/data-*.tar.xz; do xz -dc $f | tar xf - -C /tmp; done; ls -d /tmp/all-t* ;;
   fetch)  # the export back through $OUT (files of at most 16 MiB): split, joined again here with cat
     mkdir -p ${OUT:-/tmp}/drafter && cp /tmp/train/drafter/config.json ${OUT:-/tmp}/drafter/ &&
       split -b 15M /tmp/train/drafter/model.safetensors ${OUT:-/tmp}/drafter/model.safetensors.part- ;;
