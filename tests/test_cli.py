@@ -195,3 +195,33 @@ def test_data_self_prompts_bad_flags(capsys, model_dir, tmp_path, flags):
     rc, out, err = run_cli(capsys, "data", "--model", str(model_dir), "--device", "cpu", "--out", str(tmp_path / "d"), *flags)
     assert_one_error_line(rc, err, "--self-prompts")
     assert not (tmp_path / "d").exists()
+
+
+def test_bench_times_systems_in_rounds_and_records_every_repeat(capsys, model_dir, tmp_path, monkeypatch):
+    """`eaglet bench` on the CPU: each system's warm-up, then rounds that run every system once in
+    turn (a slow spell of a shared machine falls on all of them), and a record with each repeat's
+    seconds, the median tok/s and whether the tokens equal plain's."""
+    import statistics
+
+    import eaglet.perf.bench as bench
+
+    order, real = [], bench.run_systems
+
+    def spy(fns, prompts, device, repeats):
+        calls = {n: (lambda ids, n=n, f=f: (order.append(n), f(ids))) for n, f in fns.items()}
+        return real(calls, prompts, device, repeats)
+    monkeypatch.setattr(bench, "run_systems", spy)
+    chat_dir = tmp_path / "chat"  # bench applies the chat template: give the tiny tokenizer one
+    shutil.copytree(model_dir, chat_dir)
+    cfg = json.loads((chat_dir / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (chat_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    rc = main(["bench", "--model", str(chat_dir), "--device", "cpu", "--num-prompts", "2", "--max-new-tokens", "4",
+               "--repeats", "3", "--systems", "plain", "ngram", "--out", str(tmp_path)])
+    assert rc == 0, capsys.readouterr().err
+    assert order == ["plain", "ngram"] + (["plain"] * 2 + ["ngram"] * 2) * 3  # warm-ups, then 3 rounds
+    systems = json.loads(next(tmp_path.glob("bench-cpu-*.json")).read_text())["results"]["systems"]
+    for r in systems.values():
+        assert len(r["seconds"]) == 3 and r["tok_s"] == pytest.approx(2 * 4 / statistics.median(r["seconds"]))
+    assert systems["ngram"]["tokens_equal_plain"] == "2/2"
+    assert systems["ngram"]["vs_eaglet_plain"] == pytest.approx(systems["ngram"]["tok_s"] / systems["plain"]["tok_s"])

@@ -82,3 +82,19 @@ def test_rope_cos_sin_compiled_equals_eager(factors):
         for got, want in zip(fn(pos, inv_freq, torch.float32, div), rope_cos_sin(pos, inv_freq, torch.float32, div)):
             assert got.shape == (b, t, 1, 16)
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_ancestor_mask_compiled_equals_eager():
+    """The tree proposals' ancestor mask as compiled on the GPU: random trees (parents before
+    children), with and without a depth bound, at two sizes under one dynamic compile."""
+    from eaglet.spec.tree import ancestor_mask
+
+    g = torch.Generator().manual_seed(0)
+    fn = compiled(ancestor_mask)
+    for bsz, n, max_depth in [(2, 8, None), (3, 12, 6), (1, 5, 4)]:
+        parents = torch.cat([torch.full((bsz, 1), -1), torch.stack([torch.randint(0, i, (bsz,), generator=g)
+                                                                    for i in range(1, n)], 1)], 1)
+        want = ancestor_mask.__wrapped__(parents, max_depth)
+        got = fn(parents, max_depth)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert want[1].max() > 1  # some node deeper than the root's children

@@ -58,6 +58,11 @@ def test_chain_and_from_parents():
     assert prop.parents.tolist() == [[-1, 0, 1, 2]] and prop.depth.tolist() == [[0, 1, 2, 3]]
     assert torch.equal(prop.mask[0], torch.ones(4, 4, dtype=torch.bool).tril())
     assert prop.valid.all() and prop.q is q and prop.num_nodes == 4
+    # the closed form equals what ancestor_mask derives from the same parents, at several lengths
+    for n in (1, 2, 6, 9):
+        p = chain(torch.zeros(3, n, dtype=torch.long))
+        ref = DraftProposal.from_parents(p.tokens, p.parents.clone(), max_depth=n - 1)
+        assert torch.equal(p.mask, ref.mask) and torch.equal(p.depth, ref.depth) and p.mask.shape == (3, n, n)
     tree = DraftProposal.from_parents(torch.arange(7)[None], torch.tensor([PARENTS]))
     assert torch.equal(tree.mask[0], as_bool(MASK)) and tree.depth.tolist() == [DEPTH]
 

@@ -5,6 +5,8 @@ phase (decode; draft, verify, accept), every kernel of one captured graph, from 
 graph alone. A probe for choosing what to fuse next, not part of the package.
 
   python3 bench/gpu/step_profile.py MODEL.gguf DRAFTER_DIR OUT_DIR
+  python3 bench/gpu/step_profile.py --shape llama-3.1-8b OUT_DIR   # plain decoding of a random-weight
+      # shape (eaglet bench --shape's model, context 512): where a step short of the roofline goes
 """
 import re
 import sys
@@ -131,5 +133,35 @@ def main(model_path: str, draft: str, out_dir: str) -> None:
     print(f"record: {path}")
 
 
+def main_shape(shape: str, out_dir: str, context: int = 512) -> None:
+    """Plain decoding of a random-weight model of `shape`, kernel by kernel, with the GEMMs' share of
+    the step set against the bytes a step reads (the roofline's weights) and the measured copy
+    bandwidth."""
+    from eaglet.perf.shapes import copy_bandwidth, decode_bytes, random_model
+
+    model = random_model(shape, torch.device("cuda"), torch.bfloat16)
+    prompt = torch.randint(0, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(1)).tolist()
+    cfg = GenerationConfig(max_new_tokens=128, ignore_eos=True)
+    gen = Generator(model, None)
+    r = profile_system(gen, prompt, cfg, lambda c: len(c.tokens) - 1)
+    r["phase_graphs"] = phase_graphs(gen)
+    step_bytes, bw = decode_bytes(model, context + 64), copy_bandwidth(torch.device("cuda"))
+    gemm_us = r["by_kind"].get("gemm", {}).get("us", 0.0)
+    r["bytes_per_step"], r["copy_bandwidth_bytes_s"] = step_bytes, bw
+    r["roofline_us"] = step_bytes / bw * 1e6
+    r["gemm_bytes_s"] = decode_bytes(model, 0) / (gemm_us * 1e-6) if gemm_us else None  # weights over GEMM time
+    print(f"{shape}: wall {r['wall_ms_per_step']:.3f} ms/step, GPU {r['gpu_us_per_step']:.0f} us in "
+          f"{r['kernels_per_step']:.0f} kernels; roofline {r['roofline_us']:.0f} us "
+          f"({step_bytes / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s); GEMMs {gemm_us:.0f} us"
+          + (f" = {r['gemm_bytes_s'] / 1e12:.2f} TB/s of weights" if gemm_us else ""))
+    print_summary(r, top=20)
+    path = write_record("step-profile", {"shape": shape, "context": context, "max_new_tokens": 128}, {"plain": r},
+                        out_dir)
+    print(f"record: {path}")
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    if sys.argv[1] == "--shape":
+        main_shape(sys.argv[2], sys.argv[3])
+    else:
+        main(*sys.argv[1:4])

@@ -33,6 +33,13 @@
 #   DIRS="all-tself30 all-tself45" NAME=self30-59 bash bench/gpu/train_default_drafter.sh pack
 #   cat /work/.device/.../data/*.part-* > .gpudata/data-self30-59.tar.xz  # here
 #   bash bench/gpu/train_default_drafter.sh unpack   # there, after staging
+# Stages 10-12 (2026-11-30, ninth session; the bundled drafter is stage 12's export), on 61,440 new
+# self-written turns (shards 30-59, kept as .gpudata/data-self30-59.tar.xz), from stage 9:
+#   (CUDA_VISIBLE_DEVICES=1 FIRST_SHARD=45 SELF_PROMPTS=122880 BATCH=2048 bash ... self) &
+#   (CUDA_VISIBLE_DEVICES=0 FIRST_SHARD=30 SELF_PROMPTS=92160 BATCH=2048 bash ... self) & wait  # ~5 min
+#   K=10 EPOCHS=2 NPROC=2 bash bench/gpu/train_default_drafter.sh alltrain
+#   K=11 INIT=/tmp/train10/drafter EPOCHS=2 NPROC=2 bash bench/gpu/train_default_drafter.sh alltrain
+#   CUDA_VISIBLE_DEVICES=1 K=12 INIT=/tmp/train11/drafter EPOCHS=1 bash bench/gpu/train_default_drafter.sh alltrain
 phase=$1
 if [ "$phase" = prepare ]; then
   mkdir -p .gpudata && grep -qx '/.gpudata/' .git/info/exclude || echo '/.gpudata/' >> .git/info/exclude
@@ -130,7 +137,7 @@ case $phase in
     done ;;
   pack)  # data shards back through $OUT: one xz tar, split into 15 MB parts
     mkdir -p ${OUT:-/tmp}/data
-    tar cf - -C /tmp ${DIRS:?name the /tmp data dirs} | xz -T0 -6 | split -b 15M - ${OUT:-/tmp}/data/data-${NAME:?}.tar.xz.part-
+    tar cf - -C /tmp ${DIRS:?name the /tmp data dirs} | xz -T8 -6 | split -b 15M - ${OUT:-/tmp}/data/data-${NAME:?}.tar.xz.part-
     ls -l ${OUT:-/tmp}/data ;;
   unpack)  # staged data-*.tar.xz back into /tmp
     for f in /tmp/stage/data-*.tar.xz; do xz -dc $f | tar xf - -C /tmp; done; ls -d /tmp/all-t* ;;

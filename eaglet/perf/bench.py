@@ -11,7 +11,8 @@ new tokens (greedy, EOS ignored so every run makes exactly that many):
                         the same without lookahead: the host collects each step before launching
                         the next (on request only; on the CPU every system runs that way)
 
-Per system: tok/s (median over repeats of the whole prompt set, warm-up excluded), τ, whether the
+Per system: tok/s (median over repeats of the whole prompt set, warm-up excluded; the repeats run in
+rounds, every system once per round, so a noisy machine slows all alike), τ, whether the
 tokens equal eaglet plain's, and for eaglet systems the time per phase (one extra pass with CUDA
 events: draft, verify, accept+commit or decode, the prompts' prefill spread over the steps, and
 the rest). Ratios against eaglet plain, transformers and
@@ -95,17 +96,22 @@ def eaglet_systems(args, model, tok, names) -> dict:
     return out
 
 
-def run_system(fn, prompts, device, repeats: int) -> dict:
-    fn(prompts[0])  # warm-up, excluded (graphs are captured here)
-    secs = []
+def run_systems(fns: dict, prompts, device, repeats: int) -> dict[str, dict]:
+    """Each system's warm-up (excluded; graphs are captured here), then `repeats` rounds that time
+    every system once, in turn: interleaved, so a slow spell of a shared machine falls on all
+    systems alike instead of on whichever ran then."""
+    for fn in fns.values():
+        fn(prompts[0])
+    secs: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        for ids in prompts:
-            fn(ids)
-        sync(device)
-        secs.append(time.perf_counter() - t0)
-    return {"seconds": secs}
+        for name, fn in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            for ids in prompts:
+                fn(ids)
+            sync(device)
+            secs[name].append(time.perf_counter() - t0)
+    return {name: {"seconds": s} for name, s in secs.items()}
 
 
 def phases_pass(gen, prompts, cfg, device) -> dict:
@@ -177,8 +183,9 @@ def run_bench(args) -> dict:
 
     results: dict = {"systems": {}}
     total_tokens = n_new * len(prompts)
+    timed = run_systems({name: fns[name] for name in names}, prompts, device, args.repeats)
     for name in names:
-        r = run_system(fns[name], prompts, device, args.repeats)
+        r = timed[name]
         r["tok_s"] = total_tokens / statistics.median(r["seconds"])
         if name in metrics:
             m = metrics[name]
@@ -279,7 +286,7 @@ def run_shape_bench(args) -> dict:
     modes = {"eager": False} if device.type != "cuda" or args.eager else {"eager": False, "graphed": True}
     for mode, graphs in modes.items():
         gen = Generator(model, None, graphs=graphs)
-        r = run_system(lambda ids, gen=gen: gen.generate([ids], cfg), [prompt], device, args.repeats)
+        r = run_systems({mode: lambda ids, gen=gen: gen.generate([ids], cfg)}, [prompt], device, args.repeats)[mode]
         results["decode"][mode] = {"tok_s": args.max_new_tokens / statistics.median(r["seconds"]), **r}
         gen._dec = None  # free its cache before the curve allocates one
         results["forward_ms"][mode] = forward_curve(model, CURVE_TOKENS, ctx + args.max_new_tokens // 2, graphs)

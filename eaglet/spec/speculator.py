@@ -67,6 +67,7 @@ def load_speculator(spec: SpecConfig, target: CausalLM, target_path: Path | None
     if path is None:
         raise ModelLoadError("--spec eagle3 needs --draft PATH (an EAGLE-3 drafter directory) for this model")
     head, embed = load_eagle3(path, target.config, device, dtype)
+    head.fuse_projections()
     from ..runtime.compile import compile_kernels
 
     if compile:
