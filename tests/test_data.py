@@ -345,3 +345,9 @@ def test_sampled_replies_repeat_and_differ_from_greedy(regenerated, target, tok,
     assert rows == read_shards(tmp_path / "b") and a["shards"] == 4
     greedy = {r["id"]: r["input_ids"] for r in read_shards(regenerated[0])}
     assert sum(r["input_ids"] != greedy[r["id"]] for r in rows) > len(rows) // 2
+    # another seed: the same prompts, other replies (a second sampled pass adds data)
+    regenerate(rcfg(tmp_path / "s1", source, temperature=0.8, seed=1), target, tok, **QUIET)
+    other = read_shards(tmp_path / "s1")
+    assert [r["id"] for r in other] == [r["id"] for r in rows]
+    assert all(o["input_ids"][:o["prompt_len"]] == r["input_ids"][:r["prompt_len"]] for o, r in zip(other, rows))
+    assert sum(o["input_ids"] != r["input_ids"] for o, r in zip(other, rows)) > len(rows) // 2

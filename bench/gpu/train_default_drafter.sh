@@ -78,10 +78,12 @@ case $phase in
     turns=/tmp/stage/sharegpt_user_turns.json.gz; [ -f $turns ] || turns=.gpudata/sharegpt_user_turns.json.gz
     [ -f /tmp/sharegpt.json ] || gunzip -c $turns > /tmp/sharegpt.json
     for t in ${TEMPS:-0 0.8}; do
-      time timeout ${DATA_SECONDS:-570} python3 -m eaglet data --model $GGUF --dtype bfloat16 --out /tmp/$phase-t$t \
-        --source /tmp/sharegpt.json --turns all --first-shard $first --temperature $t \
+      # SEED=N (N > 0): another draw of the sampled replies, into /tmp/$phase-t${t}sN
+      dir=/tmp/$phase-t$t${SEED:+s$SEED}
+      time timeout ${DATA_SECONDS:-570} python3 -m eaglet data --model $GGUF --dtype bfloat16 --out $dir \
+        --source /tmp/sharegpt.json --turns all --first-shard $first --temperature $t --seed ${SEED:-0} \
         --batch ${BATCH:-1024} --max-new-tokens 320 --max-prompt-tokens 512 --shard-size 2048
-      ls /tmp/$phase-t$t | wc -l  # its shards + heldout.jsonl + meta.json when complete
+      ls $dir | wc -l  # its shards + heldout.jsonl + meta.json when complete
     done ;;
   self)
     # FIRST_SHARD=15 SELF_PROMPTS=61440 writes shards 15..29 (their own seeds, so other turns) into all-tself15

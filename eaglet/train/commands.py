@@ -32,6 +32,9 @@ def add_train_parsers(sub) -> None:
                    help="instead of ShareGPT: N user turns written by the target itself (Magpie), then its replies")
     d.add_argument("--prompt-temperature", type=float, default=1.0,
                    help="sampling temperature of the self-written user turns")
+    d.add_argument("--seed", type=int, default=0,
+                   help="sampling seed (with the shard and batch): another seed draws other sampled replies "
+                        "to the same prompts, or other self-written turns")
 
     t = sub.add_parser("train-draft", help="train or fine-tune an EAGLE-3 drafter",
                        description="EAGLE-3 training with the training-time test against the frozen target; "
@@ -84,7 +87,7 @@ def cmd_data(args) -> int:
                       max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                       temperature=args.temperature, shard_size=args.shard_size, turns=args.turns,
                       first_shard=args.first_shard, self_prompts=args.self_prompts,
-                      prompt_temperature=args.prompt_temperature)
+                      prompt_temperature=args.prompt_temperature, seed=args.seed)
     loaded = load_model(args.model, args.dtype, args.device)
     meta = regenerate(cfg, loaded.model, loaded.tokenizer)
     print(json.dumps({k: v for k, v in meta.items() if k != "settings"}))
