@@ -137,7 +137,8 @@ def main_shape(shape: str, out_dir: str, context: int = 512) -> None:
     """Plain decoding of a random-weight model of `shape`, kernel by kernel, with the GEMMs' share of
     the step set against the bytes a step reads (the roofline's weights) and the measured copy
     bandwidth."""
-    from eaglet.perf.shapes import copy_bandwidth, decode_bytes, random_model
+    from eaglet.perf.bench import roofline
+    from eaglet.perf.shapes import decode_bytes, random_model
 
     model = random_model(shape, torch.device("cuda"), torch.bfloat16)
     prompt = torch.randint(0, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -145,14 +146,13 @@ def main_shape(shape: str, out_dir: str, context: int = 512) -> None:
     gen = Generator(model, None)
     r = profile_system(gen, prompt, cfg, lambda c: len(c.tokens) - 1)
     r["phase_graphs"] = phase_graphs(gen)
-    step_bytes, bw = decode_bytes(model, context + 64), copy_bandwidth(torch.device("cuda"))
+    rf = r["roofline"] = roofline(model, torch.device("cuda"), context + 64)  # as bench --shape: mid-generation
     gemm_us = r["by_kind"].get("gemm", {}).get("us", 0.0)
-    r["bytes_per_step"], r["copy_bandwidth_bytes_s"] = step_bytes, bw
-    r["roofline_us"] = step_bytes / bw * 1e6
+    r["roofline_us"] = 1e6 / rf["ceiling_tok_s"]
     r["gemm_bytes_s"] = decode_bytes(model, 0) / (gemm_us * 1e-6) if gemm_us else None  # weights over GEMM time
     print(f"{shape}: wall {r['wall_ms_per_step']:.3f} ms/step, GPU {r['gpu_us_per_step']:.0f} us in "
           f"{r['kernels_per_step']:.0f} kernels; roofline {r['roofline_us']:.0f} us "
-          f"({step_bytes / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s); GEMMs {gemm_us:.0f} us"
+          f"({rf['bytes_per_token'] / 1e9:.2f} GB at {rf['bandwidth_gb_s'] / 1e3:.2f} TB/s); GEMMs {gemm_us:.0f} us"
           + (f" = {r['gemm_bytes_s'] / 1e12:.2f} TB/s of weights" if gemm_us else ""))
     print_summary(r, top=20)
     path = write_record("step-profile", {"shape": shape, "context": context, "max_new_tokens": 128}, {"plain": r},

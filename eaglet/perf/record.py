@@ -44,19 +44,23 @@ def path_fingerprint(path: str | Path | None) -> dict | None:
     """sha256 of a model file; for a directory, of its config.json and weight files: their contents when
     they total at most CONTENT_HASH_MAX bytes (a drafter: stages of one run differ only in content),
     else their names and sizes."""
+    from ..weights.gguf_cache import file_sha256, hash_file
+
     if path is None:
         return None
     p = Path(path)
     h = hashlib.sha256()
     if p.is_file():
-        from ..weights.gguf_cache import file_sha256
         return {"path": str(p), "sha256": file_sha256(p), "bytes": p.stat().st_size}
     weights = [f for f in sorted(p.iterdir()) if f.suffix in (".safetensors", ".bin")]
     whole = sum(f.stat().st_size for f in weights) <= CONTENT_HASH_MAX
     if (p / "config.json").is_file():
         h.update((p / "config.json").read_bytes())
     for f in weights:
-        h.update(f.read_bytes() if whole else f"{f.name}:{f.stat().st_size}".encode())
+        if whole:
+            hash_file(h, f)  # chunk by chunk: the digest of the whole bytes, without holding them
+        else:
+            h.update(f"{f.name}:{f.stat().st_size}".encode())
     return {"path": str(p), ("sha256-config-and-weights" if whole else "sha256-config-and-sizes"): h.hexdigest()}
 
 

@@ -22,11 +22,15 @@ def cache_root() -> Path:
 
 
 def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
+    return hash_file(hashlib.sha256(), path).hexdigest()
+
+
+def hash_file(h, path: Path):
+    """Feed a file's bytes to hash object `h` in 4 MiB chunks (never the whole file in memory); returns h."""
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
-    return h.hexdigest()
+    return h
 
 
 def converted_dir(path: Path, progress: bool = True) -> Path:
