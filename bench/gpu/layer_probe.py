@@ -1,0 +1,176 @@
+"""Where a batch-1 decode step of Llama-3.1-8B loses to the memory roofline, measured on stand-ins of
+its 32 layers (random bfloat16 weights, one set per layer as in the model, so nothing stays in L2):
+
+  gemms      the four projections per layer and lm_head, cuBLAS, back to back: their bandwidth
+  layer      the same with five small kernels per layer between them (norms, RoPE, attention, SiLU)
+  prefetch   `layer`, with each projection's first bytes read into L2 on a second stream while
+             the small kernels before it run (HBM is idle then): what overlap could win back
+  triton     `gemms` with a Triton GEMV instead of cuBLAS (best of a few tile shapes per projection)
+
+Each variant is one CUDA graph of a whole step, replayed; median of 7 replays after warm-up. Also the
+read bandwidth (a Triton reduction over 4 GB) and the copy bandwidth eaglet's roofline uses.
+A probe for choosing the decode step's design, not part of the package.
+
+  python3 bench/gpu/layer_probe.py OUT_DIR
+"""
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from eaglet.perf.record import write_record
+
+H, Q, KV, I, V, L = 4096, 4096, 1024, 14336, 128256, 32
+SHAPES = {"qkv": (Q + 2 * KV, H), "o": (H, Q), "gate_up": (2 * I, H), "down": (H, I)}
+dev = torch.device("cuda")
+
+
+@triton.jit
+def gemv(x_ptr, w_ptr, y_ptr, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=rows[:, None] < N, other=0.0,
+                    eviction_policy="evict_first")
+        x = tl.load(x_ptr + cols)
+        acc += w.to(tl.float32) * x[None, :].to(tl.float32)
+    tl.store(y_ptr + rows, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
+def read_into_l2(p, n, sink, BLOCK: tl.constexpr):
+    """Read p[0:n] (keeping it in L2, evict_last) and write one float per program, so the reads stay."""
+    pid, nprog = tl.program_id(0), tl.num_programs(0)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for i in range(pid * BLOCK, n, nprog * BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        acc += tl.load(p + offs, mask=offs < n, other=0.0, cache_modifier=".cg", eviction_policy="evict_last").to(tl.float32)
+    tl.store(sink + pid, tl.sum(acc))
+
+
+def timed_graph(step, reps: int = 7) -> float:
+    """ms of one call of `step` captured in a CUDA graph: median of `reps` replays after warm-up."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main(out_dir: str) -> None:
+    torch.manual_seed(0)
+    w = {name: [torch.empty(n, k, dtype=torch.bfloat16, device=dev).normal_(0, 0.02) for _ in range(L)]
+         for name, (n, k) in SHAPES.items()}
+    head = torch.empty(V, H, dtype=torch.bfloat16, device=dev).normal_(0, 0.02)
+    nbytes = sum(t.numel() * 2 for ts in w.values() for t in ts) + head.numel() * 2
+    x = {name: torch.randn(1, k, dtype=torch.bfloat16, device=dev) for name, (n, k) in SHAPES.items()}
+    y = {name: torch.empty(1, n, dtype=torch.bfloat16, device=dev) for name, (n, k) in SHAPES.items()}
+    hidden = torch.randn(1, H, dtype=torch.bfloat16, device=dev)
+    logits = torch.empty(1, V, dtype=torch.bfloat16, device=dev)
+    small = torch.randn(1, Q + 2 * KV, dtype=torch.bfloat16, device=dev)
+    sink = torch.empty(1024, dtype=torch.float32, device=dev)
+    side = torch.cuda.Stream()
+    results: dict = {"weight_bytes_per_step": nbytes}
+
+    # bandwidths: copy (as eaglet's roofline) and read-only
+    big = torch.empty(1 << 31, dtype=torch.bfloat16, device=dev).normal_()
+    dst = torch.empty_like(big)
+    copy_ms = timed_graph(lambda: dst.copy_(big))
+    results["copy_tb_s"] = 2 * big.numel() * 2 / copy_ms / 1e9
+    for progs in (264, 528, 1056):
+        ms = timed_graph(lambda: read_into_l2[(progs,)](big, big.numel(), sink, BLOCK=4096, num_warps=4))
+        results[f"read_tb_s_{progs}_programs"] = big.numel() * 2 / ms / 1e9
+    del big, dst
+    print({k: round(v, 3) for k, v in results.items() if k.endswith("tb_s") or "read" in k}, flush=True)
+
+    def smalls(n=5):
+        for _ in range(n):
+            small.mul_(1.0001)
+
+    def step(matmul, with_small=False, prefetch=0, progs=32):
+        for layer in range(L):
+            for name in SHAPES:
+                wt = w[name][layer]
+                if prefetch:
+                    ev = torch.cuda.current_stream().record_event()
+                    with torch.cuda.stream(side):
+                        side.wait_event(ev)
+                        n = min(wt.numel(), prefetch // 2)
+                        read_into_l2[(progs,)](wt, n, sink, BLOCK=4096, num_warps=4)
+                if with_small:
+                    smalls(2 if name in ("qkv", "o") else 1)  # 6 per layer
+                matmul(x[name], wt, y[name])
+        matmul(hidden, head, logits)
+        if prefetch:
+            torch.cuda.current_stream().wait_stream(side)
+
+    def cublas(xx, ww, yy):
+        torch.matmul(xx, ww.t(), out=yy)
+
+    def per_step(ms):
+        return {"ms": ms, "tb_s": nbytes / ms / 1e9}
+
+    results["gemms_cublas"] = per_step(timed_graph(lambda: step(cublas)))
+    results["smalls_only"] = {"ms": timed_graph(lambda: [smalls(6) for _ in range(L)])}
+    results["layer_cublas"] = per_step(timed_graph(lambda: step(cublas, True)))
+    for mb in (4, 8, 16, 32):
+        for progs in (16, 32, 66):
+            key = f"prefetch_{mb}MB_{progs}progs"
+            results[key] = per_step(timed_graph(lambda: step(cublas, True, mb << 20, progs)))
+            print(key, round(results[key]["ms"], 3), flush=True)
+    print({k: v for k, v in results.items() if "prefetch" not in k}, flush=True)
+
+    # one projection alone (all 32 layers' weights in turn): cuBLAS and the best Triton tile shape
+    configs = [(1, 1024, 4), (2, 1024, 4), (2, 512, 4), (4, 512, 4), (4, 1024, 8), (8, 512, 8), (8, 256, 4),
+               (16, 256, 8)]
+    best_cfg = {}
+    for name, (n, k) in SHAPES.items():
+        def one(fn):
+            return lambda: [fn(x[name], w[name][layer], y[name]) for layer in range(L)]
+        ref = F.linear(x[name], w[name][0])
+        gb = n * k * 2 * L / 1e9
+        row = {"cublas_tb_s": gb / timed_graph(one(cublas))}
+        for bn, bk, warps in configs:
+            def tri(xx, ww, yy, bn=bn, bk=bk, warps=warps):
+                gemv[(triton.cdiv(n, bn),)](xx, ww, yy, n, k, BN=bn, BK=bk, num_warps=warps)
+            tri(x[name], w[name][0], y[name])
+            err = (y[name].float() - ref.float()).abs().max().item()
+            tb = gb / timed_graph(one(tri))
+            if tb > row.get("triton_tb_s", 0):
+                row.update(triton_tb_s=tb, triton_config=[bn, bk, warps], triton_max_err=err)
+        best_cfg[name] = row["triton_config"]
+        results[f"proj_{name}"] = row
+        print(name, row, flush=True)
+
+    def triton_best(xx, ww, yy):
+        n, k = ww.shape
+        bn, bk, warps = best_cfg.get(next((s for s, v in SHAPES.items() if v == (n, k)), ""), (4, 1024, 8))
+        gemv[(triton.cdiv(n, bn),)](xx, ww, yy, n, k, BN=bn, BK=bk, num_warps=warps)
+
+    results["gemms_triton"] = per_step(timed_graph(lambda: step(triton_best)))
+    results["layer_triton"] = per_step(timed_graph(lambda: step(triton_best, True)))
+    print({k: v for k, v in results.items() if k.startswith(("gemms", "layer"))}, flush=True)
+    print(write_record("layer-probe", {"argv": sys.argv, "layers": L, "shapes": SHAPES}, results, out_dir))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "/tmp")
