@@ -48,7 +48,7 @@ def read_into_l2(p, n, sink, BLOCK: tl.constexpr):
     acc = tl.zeros((BLOCK,), tl.float32)
     for i in range(pid * BLOCK, n, nprog * BLOCK):
         offs = i + tl.arange(0, BLOCK)
-        acc += tl.load(p + offs, mask=offs < n, other=0.0, cache_modifier=".cg", eviction_policy="evict_last").to(tl.float32)
+        acc += tl.load(p + offs, mask=offs < n, other=0.0, eviction_policy="evict_last").to(tl.float32)
     tl.store(sink + pid, tl.sum(acc))
 
 
