@@ -11,7 +11,11 @@ Each variant is one CUDA graph of a whole step, replayed; median of 7 replays af
 read bandwidth (a Triton reduction over 4 GB) and the copy bandwidth eaglet's roofline uses.
 A probe for choosing the decode step's design, not part of the package.
 
+`sweep` times eaglet's own GEMV kernel (eaglet/models/gemv.py) over a grid of tile shapes against
+cuBLAS for each projection of a model shape, all layers' weights in turn, and what `gemv.tiles` picks.
+
   python3 bench/gpu/layer_probe.py OUT_DIR
+  python3 bench/gpu/layer_probe.py OUT_DIR sweep [llama-3.1-8b | smollm2-135m]
 """
 import statistics
 import sys
@@ -172,5 +176,61 @@ def main(out_dir: str) -> None:
     print(write_record("layer-probe", {"argv": sys.argv, "layers": L, "shapes": SHAPES}, results, out_dir))
 
 
+SWEEP_SHAPES = {
+    "llama-3.1-8b": (32, {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+                          "lm_head": (128256, 4096)}),
+    "smollm2-135m": (30, {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
+                          "lm_head": (49152, 576)}),
+}
+
+
+def sweep(out_dir: str, shape: str) -> None:
+    from eaglet.models import gemv as eg
+
+    layers, shapes = SWEEP_SHAPES[shape]
+    results = {}
+    for name, (n, k) in shapes.items():
+        count = 1 if name == "lm_head" else layers
+        ws = [torch.empty(n, k, dtype=torch.bfloat16, device=dev).normal_(0, 0.02) for _ in range(count)]
+        xx = torch.randn(k, dtype=torch.bfloat16, device=dev)
+        yy = torch.empty(n, dtype=torch.bfloat16, device=dev)
+        ref = F.linear(xx[None], ws[0])[0].float()
+        gb = n * k * 2 * count / 1e9
+
+        def launcher(bn, bk, warps):
+            def run():
+                for wt in ws:
+                    eg._kernel[(triton.cdiv(n, bn),)](xx, wt, yy, yy, n, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
+                                                      HAS_BIAS=False, num_warps=warps)
+            return run
+
+        ms = timed_graph(lambda: [torch.matmul(xx[None], wt.t()) for wt in ws])
+        row = {"shape": [n, k], "copies": count, "cublas_us": ms * 1e3 / count, "cublas_tb_s": gb / ms,
+               "grid": {}}
+        for bn in (1, 2, 4):
+            for bk in (256, 512, 1024, 2048):
+                for warps in (2, 4, 8):
+                    if bk > max(256, 1 << (k - 1).bit_length()):
+                        continue
+                    run = launcher(bn, bk, warps)
+                    run()
+                    err = (yy.float() - ref).abs().max().item()
+                    ms = timed_graph(run)
+                    row["grid"][f"{bn},{bk},{warps}"] = {"us": ms * 1e3 / count, "tb_s": gb / ms, "max_err": err}
+        best = min(row["grid"], key=lambda c: row["grid"][c]["us"])
+        picked = ",".join(map(str, eg.tiles(n, k)))
+        row.update(best=best, best_us=row["grid"][best]["us"], picked=picked,
+                   picked_us=row["grid"].get(picked, {}).get("us"))
+        results[name] = row
+        print(f"{name:<8} {n}x{k}: cublas {row['cublas_us']:.2f} us ({row['cublas_tb_s']:.2f} TB/s), best {best} "
+              f"{row['best_us']:.2f} us ({row['grid'][best]['tb_s']:.2f} TB/s), picked {picked} {row['picked_us']} us",
+              flush=True)
+        del ws
+    print(write_record("gemv-sweep", {"argv": sys.argv, "shape": shape}, results, out_dir))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "/tmp")
+    if len(sys.argv) > 2 and sys.argv[2] == "sweep":
+        sweep(sys.argv[1], sys.argv[3] if len(sys.argv) > 3 else "llama-3.1-8b")
+    else:
+        main(sys.argv[1] if len(sys.argv) > 1 else "/tmp")

@@ -1,6 +1,7 @@
 """Every linear layer of the models goes through `linear`, so the matmul can be chosen per device.
 
-On the GPU it is F.linear (cuBLAS; bench/gpu/gemv_probe.py). On the CPU, for the few rows of a
+On the GPU a single row (decoding, drafting) goes to models/gemv.py's Triton GEMV, which streams the
+weights faster than cuBLAS (bench/gpu/layer_probe.py), and everything else to F.linear. On the CPU, for the few rows of a
 decode or verify step, MKL streams the weights faster as W @ xᵀ than as F.linear's x @ Wᵀ
 (bench/cpu/matmul_probe.py, record bench/results/matmul-probe-cpu-*.json: 1.5x for one row,
 2.3x for two, still 1.4x at 64), and one row is doubled because W @ x for a single column is the slow
@@ -12,15 +13,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import gemv
+
 CPU_MAX_ROWS = 64  # measured: W @ xᵀ leads F.linear up to here on the CPU
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., K) @ weight (N, K)ᵀ + bias -> (..., N)."""
-    if weight.device.type != "cpu":
-        return F.linear(x, weight, bias)
     k = x.shape[-1]
     rows = x.numel() // k
+    if gemv.usable(x, weight, rows):
+        return gemv.gemv(x, weight, bias)
+    if weight.device.type != "cpu":
+        return F.linear(x, weight, bias)
     if rows > CPU_MAX_ROWS or rows == 0:
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, k)

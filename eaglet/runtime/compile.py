@@ -2,10 +2,12 @@
 
 - modules: the elementwise pieces of every layer (RMSNorm with its fused residual add, RoPE with
   the grouped-query relayout, the MLP's gate-up / SiLU·mul / down) each become one generated kernel
-  instead of five to ten small ones. Matmuls stay cuBLAS.
+  instead of five to ten small ones. Matmuls of several rows stay cuBLAS.
 - attention of a few new tokens per row over the cache (decoding, drafting, verify): one Triton
   kernel that stores the new keys and values, attends and lays out the output
   (models/cache_attention.py) instead of an indexed store, a relayout, a mask, SDPA and a copy.
+- matmuls of a single row (decoding, drafting): a Triton GEMV (models/gemv.py), faster than
+  cuBLAS at streaming the weights; `EAGLET_GEMV=0` keeps cuBLAS.
 - functions marked `@fusable`: the index arithmetic around the model (attention masks, greedy
   acceptance), dozens of tiny kernels per speculation step each, become a few.
 
@@ -58,6 +60,8 @@ def compile_kernels(model: nn.Module) -> int:
     from ..models import cache_attention
     # its bfloat16 dot products need Ampere or newer; older GPUs keep SDPA
     cache_attention.enable(torch.cuda.get_device_capability(next(model.parameters()).device)[0] >= 8)
+    from ..models import gemv
+    gemv.enable()
     n = 0
     for m in model.modules():
         if isinstance(m, (RMSNorm, RoPE, MLP)):

@@ -1,0 +1,111 @@
+"""The single-row matmul kernel (models/gemv.py) on the CPU through Triton's interpreter (conftest sets
+TRITON_INTERPRET=1 without a GPU), in float16 (the interpreter has no bfloat16): it equals F.linear
+for even and ragged widths, with and without bias, in both tile shapes; linear() sends it single rows
+only, and only where it may run (no autograd, half precision); as a custom op it traces under
+torch.compile; a model decoding through it gives the logits of the cuBLAS/MKL path."""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eaglet import load_model
+from eaglet.kvcache import KVCache
+from eaglet.models import gemv
+from eaglet.models.attention import AttnMeta
+from eaglet.models.linear import linear
+
+pytest.importorskip("triton")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1 (set by conftest)", allow_module_level=True)
+
+
+@pytest.fixture
+def gemv_on():
+    gemv.enable()
+    yield
+    gemv.enable(False)
+
+
+@pytest.mark.parametrize("n,k,bias", [(96, 576, False), (37, 100, True), (33, 9000, True), (64, 1024, False)])
+def test_matches_linear(n, k, bias, gemv_on):
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) * 0.05).half().to(DEV)
+    b = torch.randn(n, generator=g).half().to(DEV) if bias else None
+    x = torch.randn(1, 1, k, generator=g).half().to(DEV)
+    with torch.no_grad():
+        y = gemv.gemv(x, w, b)
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert y.shape == (1, 1, n) and y.dtype == torch.float16
+    torch.testing.assert_close(y.float(), ref, atol=2e-3, rtol=2e-3)
+
+
+def test_tiles():
+    assert gemv.tiles(4096, 14336) == (2, 512, 4)  # Llama-3.1-8B's down projection
+    assert gemv.tiles(6144, 4096) == (1, 1024, 4)
+    assert gemv.tiles(960, 576) == (1, 1024, 4)
+    assert gemv.tiles(10, 40) == (1, 64, 4)
+
+
+def test_linear_routes_single_half_rows_without_grad(gemv_on, monkeypatch):
+    calls = []
+    monkeypatch.setattr(gemv, "gemv", lambda x, w, b=None: calls.append(x.shape) or F.linear(x, w, b))
+    w = torch.randn(8, 16).half().to(DEV)
+    with torch.no_grad():
+        linear(torch.randn(1, 1, 16).half().to(DEV), w)
+        linear(torch.randn(1, 16).half().to(DEV), w)
+        linear(torch.randn(1, 3, 16).half().to(DEV), w)  # three rows: a verify step
+        linear(torch.randn(1, 16).to(DEV), w.float())  # float32
+    linear(torch.randn(1, 16).half().to(DEV), w)  # autograd on: training
+    gemv.enable(False)
+    with torch.no_grad():
+        linear(torch.randn(1, 16).half().to(DEV), w)
+    assert calls == [(1, 1, 16), (1, 16)]
+
+
+def test_env_turns_it_off(monkeypatch):
+    monkeypatch.setenv("EAGLET_GEMV", "0")
+    gemv.enable()
+    try:
+        assert not gemv.usable(torch.randn(1, 8).half(), torch.randn(4, 8).half(), 1)
+    finally:
+        gemv.enable(False)
+
+
+def test_custom_op_traces(gemv_on):
+    """The op's fake implementation gives the shape torch.compile plans with (the GPU compiles the MLP
+    around it)."""
+    w = torch.randn(24, 40).half().to(DEV)
+    x = torch.randn(1, 1, 40).half().to(DEV)
+    torch.library.opcheck(torch.ops.eaglet.gemv.default, (x, w, None),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@torch.inference_mode()
+def test_model_decoding_matches(tiny_dirs, gemv_on, monkeypatch):
+    """The tiny SmolLM2-shaped model in float16: a 6-token prompt, then 8 one-token steps, through the
+    kernel (every projection and the head of each step) and through F.linear: the same logits."""
+    calls = []
+    inner = gemv.gemv
+    monkeypatch.setattr(gemv, "gemv", lambda *a: calls.append(1) or inner(*a))
+    model = load_model(tiny_dirs["smollm2"][0], dtype="float16", device=DEV, tokenizer=False).model
+    c = model.config
+    prompt = torch.randint(3, c.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0)).to(DEV)
+    runs = []
+    for on in (True, False):
+        gemv.enable(on)
+        cache = KVCache.for_model(c, 1, 32, torch.float16, DEV)
+        ids, logits = prompt, []
+        for _ in range(9):
+            t = ids.shape[1]
+            pos = cache.lens[:, None] + torch.arange(t, device=DEV)
+            h, _ = model(ids, pos, cache, AttnMeta.build(cache.lens, pos, cache.kv_len(t)))
+            cache.advance(t)
+            lg = model.logits(h[:, -1]).float()
+            logits.append(lg)
+            ids = lg.argmax(-1, keepdim=True)
+        runs.append(torch.stack(logits))
+        assert len(calls) == (8 * 4 * c.num_layers + 9 if on else 0)  # the prompt's last row has a head too
+        calls.clear()
+    torch.testing.assert_close(runs[0], runs[1], atol=2e-2, rtol=2e-2)
