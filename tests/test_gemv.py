@@ -1,8 +1,9 @@
-"""The single-row matmul kernel (models/gemv.py) on the CPU through Triton's interpreter (conftest sets
-TRITON_INTERPRET=1 without a GPU), in float16 (the interpreter has no bfloat16): it equals F.linear
-for even and ragged widths, with and without bias, in both tile shapes; linear() sends it single rows
-only, and only where it may run (no autograd, half precision); as a custom op it traces under
-torch.compile; a model decoding through it gives the logits of the cuBLAS/MKL path."""
+"""The few-row matmul kernels (models/gemv.py) on the CPU through Triton's interpreter (conftest sets
+TRITON_INTERPRET=1 without a GPU), in float16 (the interpreter has no bfloat16): the GEMV (one row)
+and the tensor-core kernel (2 to 64 rows) equal F.linear for even and ragged widths, with and without
+bias; linear() sends them 1 to 64 rows, and only where they may run (no autograd, half precision);
+as a custom op they trace under torch.compile; a model prefilling and decoding through them gives the
+logits of the cuBLAS/MKL path."""
 import os
 
 import pytest
@@ -28,24 +29,27 @@ def gemv_on():
     gemv.enable(False)
 
 
-@pytest.mark.parametrize("n,k,bias", [(96, 576, False), (37, 100, True), (33, 9000, True), (64, 1024, False)])
-def test_matches_linear(n, k, bias, gemv_on):
+@pytest.mark.parametrize("rows,n,k,bias", [(1, 96, 576, False), (1, 37, 100, True), (1, 33, 9000, True),
+                                           (1, 64, 1024, False), (2, 40, 576, True), (6, 64, 256, False),
+                                           (16, 33, 100, True), (64, 50, 300, False)])
+def test_matches_linear(rows, n, k, bias, gemv_on):
     g = torch.Generator().manual_seed(n + k)
     w = (torch.randn(n, k, generator=g) * 0.05).half().to(DEV)
     b = torch.randn(n, generator=g).half().to(DEV) if bias else None
-    x = torch.randn(1, 1, k, generator=g).half().to(DEV)
+    x = torch.randn(1, rows, k, generator=g).half().to(DEV)
     with torch.no_grad():
         y = gemv.gemv(x, w, b)
     ref = F.linear(x.float(), w.float(), None if b is None else b.float())
-    assert y.shape == (1, 1, n) and y.dtype == torch.float16
+    assert y.shape == (1, rows, n) and y.dtype == torch.float16
     torch.testing.assert_close(y.float(), ref, atol=2e-3, rtol=2e-3)
 
 
 def test_tiles():
-    assert gemv.tiles(4096, 14336) == (2, 512, 4)  # Llama-3.1-8B's down projection
-    assert gemv.tiles(6144, 4096) == (1, 1024, 4)
-    assert gemv.tiles(960, 576) == (1, 1024, 4)
-    assert gemv.tiles(10, 40) == (1, 64, 4)
+    assert gemv.tiles(4096, 14336) == (1, 1024, 8)  # Llama-3.1-8B's down projection
+    assert gemv.tiles(960, 576) == (2, 1024, 2)  # SmolLM2's q/k/v
+    assert gemv.tiles(49152, 576) == (4, 1024, 4)  # its head
+    assert gemv.tiles(10, 40) == (2, 64, 2)
+    assert gemv.dot_tiles(6, 4096, 4096)[0] == 16 and gemv.dot_tiles(40, 4096, 4096)[0] == 64
 
 
 def test_linear_routes_single_half_rows_without_grad(gemv_on, monkeypatch):
@@ -56,12 +60,13 @@ def test_linear_routes_single_half_rows_without_grad(gemv_on, monkeypatch):
         linear(torch.randn(1, 1, 16).half().to(DEV), w)
         linear(torch.randn(1, 16).half().to(DEV), w)
         linear(torch.randn(1, 3, 16).half().to(DEV), w)  # three rows: a verify step
+        linear(torch.randn(2, 40, 16).half().to(DEV), w)  # 80 rows: prefill
         linear(torch.randn(1, 16).to(DEV), w.float())  # float32
     linear(torch.randn(1, 16).half().to(DEV), w)  # autograd on: training
     gemv.enable(False)
     with torch.no_grad():
         linear(torch.randn(1, 16).half().to(DEV), w)
-    assert calls == [(1, 1, 16), (1, 16)]
+    assert calls == [(1, 1, 16), (1, 16), (1, 3, 16)]
 
 
 def test_env_turns_it_off(monkeypatch):
@@ -106,6 +111,6 @@ def test_model_decoding_matches(tiny_dirs, gemv_on, monkeypatch):
             logits.append(lg)
             ids = lg.argmax(-1, keepdim=True)
         runs.append(torch.stack(logits))
-        assert len(calls) == (8 * 4 * c.num_layers + 9 if on else 0)  # the prompt's last row has a head too
+        assert len(calls) == (9 * (4 * c.num_layers + 1) if on else 0)
         calls.clear()
     torch.testing.assert_close(runs[0], runs[1], atol=2e-2, rtol=2e-2)

@@ -192,39 +192,52 @@ def sweep(out_dir: str, shape: str) -> None:
     for name, (n, k) in shapes.items():
         count = 1 if name == "lm_head" else layers
         ws = [torch.empty(n, k, dtype=torch.bfloat16, device=dev).normal_(0, 0.02) for _ in range(count)]
-        xx = torch.randn(k, dtype=torch.bfloat16, device=dev)
-        yy = torch.empty(n, dtype=torch.bfloat16, device=dev)
-        ref = F.linear(xx[None], ws[0])[0].float()
         gb = n * k * 2 * count / 1e9
+        for rows in (1, 6, 16, 64):
+            xx = torch.randn(rows, k, dtype=torch.bfloat16, device=dev)
+            yy = torch.empty(rows, n, dtype=torch.bfloat16, device=dev)
+            ref = F.linear(xx, ws[0]).float()
 
-        def launcher(bn, bk, warps):
-            def run():
-                for wt in ws:
-                    eg._kernel[(triton.cdiv(n, bn),)](xx, wt, yy, yy, n, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
-                                                      HAS_BIAS=False, num_warps=warps)
-            return run
+            def launcher(cfg):
+                def run():
+                    for wt in ws:
+                        if rows == 1:
+                            bn, bk, warps = cfg
+                            eg._kernel[(triton.cdiv(n, bn),)](xx, wt, yy, yy, n, K=k, BN=bn, BK=bk,
+                                                              EVEN_K=k % bk == 0, HAS_BIAS=False, num_warps=warps)
+                        else:
+                            bm, bn, bk, warps, stages = cfg
+                            eg._dot_kernel[(triton.cdiv(n, bn),)](xx, wt, yy, yy, rows, n, k, K=k, BM=bm, BN=bn,
+                                                                  BK=bk, EVEN_K=k % bk == 0, HAS_BIAS=False,
+                                                                  num_warps=warps, num_stages=stages)
+                return run
 
-        ms = timed_graph(lambda: [torch.matmul(xx[None], wt.t()) for wt in ws])
-        row = {"shape": [n, k], "copies": count, "cublas_us": ms * 1e3 / count, "cublas_tb_s": gb / ms,
-               "grid": {}}
-        for bn in (1, 2, 4):
-            for bk in (256, 512, 1024, 2048):
-                for warps in (2, 4, 8):
-                    if bk > max(256, 1 << (k - 1).bit_length()):
-                        continue
-                    run = launcher(bn, bk, warps)
-                    run()
-                    err = (yy.float() - ref).abs().max().item()
-                    ms = timed_graph(run)
-                    row["grid"][f"{bn},{bk},{warps}"] = {"us": ms * 1e3 / count, "tb_s": gb / ms, "max_err": err}
-        best = min(row["grid"], key=lambda c: row["grid"][c]["us"])
-        picked = ",".join(map(str, eg.tiles(n, k)))
-        row.update(best=best, best_us=row["grid"][best]["us"], picked=picked,
-                   picked_us=row["grid"].get(picked, {}).get("us"))
-        results[name] = row
-        print(f"{name:<8} {n}x{k}: cublas {row['cublas_us']:.2f} us ({row['cublas_tb_s']:.2f} TB/s), best {best} "
-              f"{row['best_us']:.2f} us ({row['grid'][best]['tb_s']:.2f} TB/s), picked {picked} {row['picked_us']} us",
-              flush=True)
+            ms = timed_graph(lambda: [torch.matmul(xx, wt.t()) for wt in ws])
+            row = {"shape": [n, k], "rows": rows, "copies": count, "cublas_us": ms * 1e3 / count,
+                   "cublas_tb_s": gb / ms, "grid": {}}
+            if rows == 1:
+                grid = [(bn, bk, w) for bn in (1, 2, 4) for bk in (256, 512, 1024, 2048) for w in (2, 4, 8)
+                        if bk <= max(256, 1 << (k - 1).bit_length())]
+                picked = eg.tiles(n, k)
+            else:
+                bm = max(16, 1 << (rows - 1).bit_length())
+                grid = [(bm, bn, bk, 4, st) for bn in (16, 32, 64) for bk in (64, 128, 256) for st in (3, 5)]
+                picked = eg.dot_tiles(rows, n, k)
+            if picked not in grid:
+                grid.append(picked)
+            for cfg in grid:
+                run = launcher(cfg)
+                run()
+                err = (yy.float() - ref).abs().max().item()
+                ms = timed_graph(run)
+                row["grid"][",".join(map(str, cfg))] = {"us": ms * 1e3 / count, "tb_s": gb / ms, "max_err": err}
+            best = min(row["grid"], key=lambda c: row["grid"][c]["us"])
+            pk = ",".join(map(str, picked))
+            row.update(best=best, best_us=row["grid"][best]["us"], picked=pk, picked_us=row["grid"][pk]["us"])
+            results[f"{name}_rows{rows}"] = row
+            print(f"{name:<8} {n}x{k} rows {rows:>2}: cublas {row['cublas_us']:.2f} us ({row['cublas_tb_s']:.2f} TB/s), "
+                  f"best {best} {row['best_us']:.2f} us ({row['grid'][best]['tb_s']:.2f} TB/s), picked {pk} "
+                  f"{row['picked_us']:.2f} us", flush=True)
         del ws
     print(write_record("gemv-sweep", {"argv": sys.argv, "shape": shape}, results, out_dir))
 

@@ -1,12 +1,14 @@
-"""One row times a weight matrix (y = x Wᵀ + b for a single token: decoding, drafting) as a Triton
-GEMV, used by models/linear.py on the GPU in place of cuBLAS.
+"""Matmuls of a few rows (y = x Wᵀ + b for the tokens of a decode, draft or verify step) as Triton
+kernels, used by models/linear.py on the GPU in place of cuBLAS.
 
 At batch 1 a projection is a stream of weight bytes. cuBLAS picks kernels built for matrices (tiles
 of 64 to 128 output rows, split-K with a second reduction kernel for the narrow ones) that reach
-2.5 to 4.2 TB/s on the H200 for Llama-3.1-8B's projections; this kernel, one program per output row
-reading the row in 1024-wide slices, reaches 3.5 to 4.4 TB/s on the same weights
-(bench/gpu/layer_probe.py, BENCHMARKS.md). The sum runs in float32 in slice order, so results differ
-from cuBLAS's by rounding only.
+2.5 to 4.2 TB/s on the H200 for Llama-3.1-8B's projections; a GEMV with one program per output row,
+reading the row in 1024-wide slices, reaches 3.5 to 4.5 TB/s on the same weights, and on SmolLM2's
+small projections takes 2 to 3.5 µs where cuBLAS takes 3.3 to 5.3 (bench/gpu/layer_probe.py sweep,
+BENCHMARKS.md). One row (decoding, drafting) takes that GEMV; 2 to MAX_ROWS rows (verify) a
+tensor-core kernel that reads each weight tile once for all rows; longer inputs stay with cuBLAS.
+Sums run in float32, so results differ from cuBLAS's by rounding only.
 
 Enabled by runtime/compile.py for float16 and bfloat16 on the GPU; `EAGLET_GEMV=0` keeps cuBLAS (for
 side-by-side runs). Under TRITON_INTERPRET=1 (the CPU tests) it runs on any device.
@@ -25,6 +27,7 @@ except ImportError:  # CPU installs without Triton
 
 _on = False
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_ROWS = 64  # more rows (prefill) go to cuBLAS
 
 
 def enable(on: bool = True) -> None:
@@ -33,34 +36,54 @@ def enable(on: bool = True) -> None:
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
-    return (_on and triton is not None and rows == 1 and x.dtype in (torch.bfloat16, torch.float16)
+    return (_on and triton is not None and 1 <= rows <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and weight.is_contiguous() and not torch.is_grad_enabled()
             and (x.is_cuda or INTERPRET))
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
 def tiles(n: int, k: int) -> tuple[int, int, int]:
-    """(output rows per program, slice width, warps), from the probe: one row per program in 1024-wide
-    slices won on every Llama-3.1-8B projection but the 14336-wide down projection (two rows, 512)."""
-    if k >= 8192:
-        return 2, 512, 4
-    return 1, min(1024, max(64, 1 << (k - 1).bit_length())), 4
+    """The GEMV's (output rows per program, slice width, warps), from the sweep on the H200: for
+    Llama-3.1-8B's widths one row per program in 1024-wide slices with 8 warps is within 1.2% of the
+    best tile on every projection; SmolLM2's narrow ones (576, 1536) do best with two rows (four for
+    the 49152-row head) and the whole width in one slice."""
+    if k >= 2048:
+        return 1, 1024, 8
+    bn, bk = (4 if n >= 16384 else 2), max(64, _pow2(k))
+    return bn, bk, 4 if bn * bk >= 4096 else 2
+
+
+def dot_tiles(rows: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """The tensor-core kernel's (row tile, output columns per program, slice width, warps, stages)."""
+    return max(16, _pow2(rows)), 32, min(128, max(16, _pow2(k))), 4, 4
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., K) holding one row, weight (N, K) contiguous, bias (N,) or None -> (..., N)."""
+    """x (..., K) holding 1 to MAX_ROWS rows, weight (N, K) contiguous, bias (N,) or None -> (..., N)."""
     return torch.ops.eaglet.gemv(x, weight, bias)
 
 
 @torch.library.custom_op("eaglet::gemv", mutates_args=())
 def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     n, k = weight.shape
-    xr = x.reshape(k)
-    if xr.stride(0) != 1:
+    xr = x.reshape(-1, k)
+    if xr.stride(1) != 1:
         xr = xr.contiguous()
-    y = torch.empty(n, dtype=x.dtype, device=x.device)
-    bn, bk, warps = tiles(n, k)
-    _kernel[(triton.cdiv(n, bn),)](xr, weight, bias if bias is not None else y, y, n, K=k, BN=bn, BK=bk,
-                                   EVEN_K=k % bk == 0, HAS_BIAS=bias is not None, num_warps=warps)
+    m = xr.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    b = bias if bias is not None else y  # not read
+    if m == 1:
+        bn, bk, warps = tiles(n, k)
+        _kernel[(triton.cdiv(n, bn),)](xr, weight, b, y, n, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
+                                       HAS_BIAS=bias is not None, num_warps=warps)
+    else:
+        bm, bn, bk, warps, stages = dot_tiles(m, n, k)
+        _dot_kernel[(triton.cdiv(n, bn),)](xr, weight, b, y, m, n, xr.stride(0), K=k, BM=bm, BN=bn, BK=bk,
+                                           EVEN_K=k % bk == 0, HAS_BIAS=bias is not None, num_warps=warps,
+                                           num_stages=stages)
     return y.view(*x.shape[:-1], n)
 
 
@@ -92,3 +115,27 @@ if triton is not None:
         if HAS_BIAS:
             y += tl.load(B + rows, mask=rm, other=0.0).to(tl.float32)
         tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rm)
+
+    @triton.jit
+    def _dot_kernel(X, W, B, Y, M, N, sx, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """Y (M, N) = X (M, K) Wᵀ (+ B) for M <= BM rows: each program streams BN rows of W once."""
+        m = tl.arange(0, BM)
+        cols = tl.program_id(0) * BN + tl.arange(0, BN)
+        mm, cm = m < M, cols < N
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            if EVEN_K:
+                x = tl.load(X + m[:, None] * sx + kk[None, :], mask=mm[:, None], other=0.0)
+                w = tl.load(W + cols[:, None] * K + kk[None, :], mask=cm[:, None], other=0.0,
+                            eviction_policy="evict_first")
+            else:
+                km = kk < K
+                x = tl.load(X + m[:, None] * sx + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+                w = tl.load(W + cols[:, None] * K + kk[None, :], mask=cm[:, None] & km[None, :], other=0.0,
+                            eviction_policy="evict_first")
+            acc = tl.dot(x, tl.trans(w), acc)
+        if HAS_BIAS:
+            acc += tl.load(B + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + m[:, None] * N + cols[None, :], acc.to(Y.dtype.element_ty), mask=mm[:, None] & cm[None, :])
