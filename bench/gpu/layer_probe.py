@@ -15,7 +15,7 @@ A probe for choosing the decode step's design, not part of the package.
 cuBLAS for each projection of a model shape, all layers' weights in turn, and what `gemv.tiles` picks.
 
   python3 bench/gpu/layer_probe.py OUT_DIR
-  python3 bench/gpu/layer_probe.py OUT_DIR sweep [llama-3.1-8b | smollm2-135m]
+  python3 bench/gpu/layer_probe.py OUT_DIR sweep [llama-3.1-8b | smollm2-135m] [ROWS, e.g. 1,6,16,64]
 """
 import statistics
 import sys
@@ -184,6 +184,9 @@ SWEEP_SHAPES = {
 }
 
 
+ROWS = (1, 6, 16, 64)
+
+
 def sweep(out_dir: str, shape: str) -> None:
     from eaglet.models import gemv as eg
 
@@ -193,7 +196,7 @@ def sweep(out_dir: str, shape: str) -> None:
         count = 1 if name == "lm_head" else layers
         ws = [torch.empty(n, k, dtype=torch.bfloat16, device=dev).normal_(0, 0.02) for _ in range(count)]
         gb = n * k * 2 * count / 1e9
-        for rows in (1, 6, 16, 64):
+        for rows in ROWS:
             xx = torch.randn(rows, k, dtype=torch.bfloat16, device=dev)
             yy = torch.empty(rows, n, dtype=torch.bfloat16, device=dev)
             ref = F.linear(xx, ws[0]).float()
@@ -215,19 +218,25 @@ def sweep(out_dir: str, shape: str) -> None:
             ms = timed_graph(lambda: [torch.matmul(xx, wt.t()) for wt in ws])
             row = {"shape": [n, k], "rows": rows, "copies": count, "cublas_us": ms * 1e3 / count,
                    "cublas_tb_s": gb / ms, "grid": {}}
+            ms = timed_graph(lambda: [(wt @ xx.t()).t().contiguous() for wt in ws])
+            row["cublas_w_xt_us"] = ms * 1e3 / count  # the other orientation, as the CPU path multiplies
             if rows == 1:
                 grid = [(bn, bk, w) for bn in (1, 2, 4) for bk in (256, 512, 1024, 2048) for w in (2, 4, 8)
                         if bk <= max(256, 1 << (k - 1).bit_length())]
                 picked = eg.tiles(n, k)
             else:
                 bm = max(16, 1 << (rows - 1).bit_length())
-                grid = [(bm, bn, bk, 4, st) for bn in (16, 32, 64) for bk in (64, 128, 256) for st in (3, 5)]
+                grid = [(bm, bn, bk, w, st) for bn in (16, 32, 64, 128) for bk in (128, 256, 512) for w in (4, 8)
+                        for st in (2, 3, 4) if bn * bk <= 16384]
                 picked = eg.dot_tiles(rows, n, k)
             if picked not in grid:
                 grid.append(picked)
             for cfg in grid:
                 run = launcher(cfg)
-                run()
+                try:
+                    run()
+                except triton.runtime.errors.OutOfResources:
+                    continue
                 err = (yy.float() - ref).abs().max().item()
                 ms = timed_graph(run)
                 row["grid"][",".join(map(str, cfg))] = {"us": ms * 1e3 / count, "tb_s": gb / ms, "max_err": err}
@@ -244,6 +253,8 @@ def sweep(out_dir: str, shape: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[2] == "sweep":
+        if len(sys.argv) > 4:
+            ROWS = tuple(int(r) for r in sys.argv[4].split(","))
         sweep(sys.argv[1], sys.argv[3] if len(sys.argv) > 3 else "llama-3.1-8b")
     else:
         main(sys.argv[1] if len(sys.argv) > 1 else "/tmp")
