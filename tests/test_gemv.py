@@ -31,7 +31,7 @@ def gemv_on():
 
 @pytest.mark.parametrize("rows,n,k,bias", [(1, 96, 576, False), (1, 37, 100, True), (1, 33, 9000, True),
                                            (1, 64, 1024, False), (2, 40, 576, True), (6, 64, 256, False),
-                                           (16, 33, 100, True), (64, 50, 300, False)])
+                                           (16, 33, 100, True), (6, 70, 9000, False), (3, 2100, 40, True)])
 def test_matches_linear(rows, n, k, bias, gemv_on):
     g = torch.Generator().manual_seed(n + k)
     w = (torch.randn(n, k, generator=g) * 0.05).half().to(DEV)
@@ -44,12 +44,16 @@ def test_matches_linear(rows, n, k, bias, gemv_on):
     torch.testing.assert_close(y.float(), ref, atol=2e-3, rtol=2e-3)
 
 
-def test_tiles():
+def test_tiles(gemv_on):
     assert gemv.tiles(4096, 14336) == (1, 1024, 8)  # Llama-3.1-8B's down projection
     assert gemv.tiles(960, 576) == (2, 1024, 2)  # SmolLM2's q/k/v
-    assert gemv.tiles(49152, 576) == (4, 1024, 4)  # its head
+    assert gemv.tiles(49152, 576) == (4, 1024, 2)  # its head
+    assert gemv.tiles(576, 1536) == (2, 2048, 4)
     assert gemv.tiles(10, 40) == (2, 64, 2)
-    assert gemv.dot_tiles(6, 4096, 4096)[0] == 16 and gemv.dot_tiles(40, 4096, 4096)[0] == 64
+    assert gemv.dot_tiles(6, 4096, 14336) == (16, 32, 512, 4, 4)
+    assert gemv.dot_tiles(16, 28672, 4096) == (16, 32, 128, 4, 3)
+    assert gemv.dot_tiles(6, 49152, 576) is None  # SmolLM2's head: cuBLAS
+    assert not gemv.usable(torch.ones(6, 576).half(), torch.ones(49152, 576).half(), 6)
 
 
 def test_linear_routes_single_half_rows_without_grad(gemv_on, monkeypatch):
@@ -60,7 +64,7 @@ def test_linear_routes_single_half_rows_without_grad(gemv_on, monkeypatch):
         linear(torch.randn(1, 1, 16).half().to(DEV), w)
         linear(torch.randn(1, 16).half().to(DEV), w)
         linear(torch.randn(1, 3, 16).half().to(DEV), w)  # three rows: a verify step
-        linear(torch.randn(2, 40, 16).half().to(DEV), w)  # 80 rows: prefill
+        linear(torch.randn(2, 10, 16).half().to(DEV), w)  # 20 rows: more than MAX_ROWS
         linear(torch.randn(1, 16).to(DEV), w.float())  # float32
     linear(torch.randn(1, 16).half().to(DEV), w)  # autograd on: training
     gemv.enable(False)

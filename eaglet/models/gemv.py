@@ -7,7 +7,8 @@ of 64 to 128 output rows, split-K with a second reduction kernel for the narrow 
 reading the row in 1024-wide slices, reaches 3.5 to 4.5 TB/s on the same weights, and on SmolLM2's
 small projections takes 2 to 3.5 µs where cuBLAS takes 3.3 to 5.3 (bench/gpu/layer_probe.py sweep,
 BENCHMARKS.md). One row (decoding, drafting) takes that GEMV; 2 to MAX_ROWS rows (verify) a
-tensor-core kernel that reads each weight tile once for all rows; longer inputs stay with cuBLAS.
+tensor-core kernel that reads each weight tile once for all rows, where the sweep found it faster
+than cuBLAS (by 3 to 20%; not for SmolLM2's head); longer inputs stay with cuBLAS.
 Sums run in float32, so results differ from cuBLAS's by rounding only.
 
 Enabled by runtime/compile.py for float16 and bfloat16 on the GPU; `EAGLET_GEMV=0` keeps cuBLAS (for
@@ -27,7 +28,7 @@ except ImportError:  # CPU installs without Triton
 
 _on = False
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-MAX_ROWS = 64  # more rows (prefill) go to cuBLAS
+MAX_ROWS = 16  # more rows go to cuBLAS: at 64 it matched the best tile of the sweep
 
 
 def enable(on: bool = True) -> None:
@@ -38,7 +39,7 @@ def enable(on: bool = True) -> None:
 def usable(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
     return (_on and triton is not None and 1 <= rows <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and weight.is_contiguous() and not torch.is_grad_enabled()
-            and (x.is_cuda or INTERPRET))
+            and (x.is_cuda or INTERPRET) and (rows == 1 or dot_tiles(rows, *weight.shape) is not None))
 
 
 def _pow2(n: int) -> int:
@@ -52,13 +53,24 @@ def tiles(n: int, k: int) -> tuple[int, int, int]:
     the 49152-row head) and the whole width in one slice."""
     if k >= 2048:
         return 1, 1024, 8
-    bn, bk = (4 if n >= 16384 else 2), max(64, _pow2(k))
-    return bn, bk, 4 if bn * bk >= 4096 else 2
+    bk = max(64, _pow2(k))
+    return (4 if n >= 16384 else 2), bk, 4 if bk >= 2048 else 2
 
 
-def dot_tiles(rows: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-    """The tensor-core kernel's (row tile, output columns per program, slice width, warps, stages)."""
-    return max(16, _pow2(rows)), 32, min(128, max(16, _pow2(k))), 4, 4
+def dot_tiles(rows: int, n: int, k: int) -> tuple[int, int, int, int, int] | None:
+    """The tensor-core kernel's (row tile, output columns per program, slice width, warps, stages) for
+    2 to MAX_ROWS rows, or None where cuBLAS was as fast. From the sweep at 6 and 16 rows: Llama-3.1-8B's
+    14336-wide down projection and the 4096-row ones take 512-wide slices, the wide gate-up and head
+    128-wide ones in three stages, q/k/v 64 columns; SmolLM2's narrow ones 16 to 32 columns."""
+    if k >= 2048:
+        if k >= 8192 or n <= 4096:
+            return 16, 32, 512, 4, 4
+        return (16, 32, 128, 4, 3) if n >= 16384 else (16, 64, 256, 4, 4)
+    if n >= 16384:
+        return None
+    if n >= 2048:
+        return 16, 32, min(128, max(16, _pow2(k))), 4, 4
+    return (16, 16, 512, 4, 4) if k > 1024 else (16, 16, min(256, max(16, _pow2(k))), 4, 3)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
