@@ -46,6 +46,25 @@ def gemv(x_ptr, w_ptr, y_ptr, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.const
 
 
 @triton.jit
+def rows_gemv(X, W, Y, M, N, sx, K: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """A candidate for 2 to 8 rows (verify): eaglet's GEMV on CUDA cores with every row multiplied by
+    each weight slice as it streams by; for narrow models the multiplies are cheap and the tensor-core
+    kernel's tiles are mostly padding."""
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    rm = rows < N
+    m = tl.arange(0, MP)
+    acc = tl.zeros((MP, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        cols = k0 + tl.arange(0, BK)
+        cm = cols < K
+        w = tl.load(W + rows[:, None] * K + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        x = tl.load(X + m[:, None] * sx + cols[None, :], mask=(m < M)[:, None] & cm[None, :], other=0.0)
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+    tl.store(Y + m[:, None] * N + rows[None, :], acc.to(Y.dtype.element_ty), mask=(m < M)[:, None] & rm[None, :])
+
+
+@triton.jit
 def read_into_l2(p, n, sink, BLOCK: tl.constexpr):
     """Read p[0:n] (keeping it in L2, evict_last) and write one float per program, so the reads stay."""
     pid, nprog = tl.program_id(0), tl.num_programs(0)
@@ -204,7 +223,11 @@ def sweep(out_dir: str, shape: str) -> None:
             def launcher(cfg):
                 def run():
                     for wt in ws:
-                        if rows == 1:
+                        if len(cfg) == 4:  # the rows_gemv candidate
+                            bn, bk, warps, mp = cfg
+                            rows_gemv[(triton.cdiv(n, bn),)](xx, wt, yy, rows, n, k, K=k, MP=mp, BN=bn, BK=bk,
+                                                             num_warps=warps)
+                        elif rows == 1:
                             bn, bk, warps = cfg
                             eg._kernel[(triton.cdiv(n, bn),)](xx, wt, yy, yy, n, K=k, BN=bn, BK=bk,
                                                               EVEN_K=k % bk == 0, HAS_BIAS=False, num_warps=warps)
@@ -229,6 +252,12 @@ def sweep(out_dir: str, shape: str) -> None:
                 grid = [(bm, bn, bk, w, st) for bn in (16, 32, 64, 128) for bk in (128, 256, 512) for w in (4, 8)
                         for st in (2, 3, 4) if bn * bk <= 16384]
                 picked = eg.dot_tiles(rows, n, k)
+                if rows <= 8:
+                    mp = 1 << (rows - 1).bit_length()
+                    grid += [(bn, bk, w, mp) for bn in (1, 2) for bk in (256, 512, 1024) for w in (4, 8)
+                             if bk <= max(256, 1 << (k - 1).bit_length())]
+            if picked is None:  # cuBLAS
+                picked = grid[0]
             if picked not in grid:
                 grid.append(picked)
             for cfg in grid:
