@@ -5,10 +5,10 @@ At batch 1 a projection is a stream of weight bytes. cuBLAS picks kernels built 
 of 64 to 128 output rows, split-K with a second reduction kernel for the narrow ones) that reach
 2.5 to 4.2 TB/s on the H200 for Llama-3.1-8B's projections; a GEMV with one program per output row,
 reading the row in 1024-wide slices, reaches 3.5 to 4.5 TB/s on the same weights, and on SmolLM2's
-small projections takes 2 to 3.5 µs where cuBLAS takes 3.3 to 5.3 (bench/gpu/layer_probe.py sweep,
+small projections takes 1.7 to 2.9 µs where cuBLAS takes 3.3 to 5.2 (bench/gpu/layer_probe.py sweep,
 BENCHMARKS.md). One row (decoding, drafting) takes that GEMV; 2 to MAX_ROWS rows (verify) a
 tensor-core kernel that reads each weight tile once for all rows, where the sweep found it faster
-than cuBLAS (by 3 to 20%; not for SmolLM2's head); longer inputs stay with cuBLAS.
+than cuBLAS (by 3 to 22%; not for SmolLM2's head); longer inputs stay with cuBLAS.
 Sums run in float32, so results differ from cuBLAS's by rounding only.
 
 Enabled by runtime/compile.py for float16 and bfloat16 on the GPU; `EAGLET_GEMV=0` keeps cuBLAS (for
