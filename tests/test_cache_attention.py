@@ -4,8 +4,6 @@ stores the new keys and values where the indexed store would and attends like SD
 prefix and the new tokens (causal or a tree mask), in one split and in several, in one tile of query
 rows and in several; a model decoding and verifying with it matches the SDPA path; EAGLE-3 chain
 drafting runs through it and greedy speculation stays lossless."""
-import os
-
 import pytest
 import torch
 
@@ -17,18 +15,10 @@ from eaglet.models.attention import AttnMeta
 from eaglet.spec.speculator import Speculator
 
 from .test_spec_greedy import random_head
+from .triton_kernels import switched_on, triton_device
 
-pytest.importorskip("triton")
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1 (set by conftest)", allow_module_level=True)
-
-
-@pytest.fixture
-def kernel_on():
-    ca.enable()
-    yield
-    ca.enable(False)
+DEV = triton_device()
+kernel_on = switched_on(ca)
 
 
 def reference(qkv, k_cache, v_cache, start, mask, groups):

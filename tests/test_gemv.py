@@ -4,8 +4,6 @@ and the tensor-core kernel (2 to 64 rows) equal F.linear for even and ragged wid
 bias; linear() sends them 1 to 64 rows, and only where they may run (no autograd, half precision);
 as a custom op they trace under torch.compile; a model prefilling and decoding through them gives the
 logits of the cuBLAS/MKL path."""
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,17 +14,10 @@ from eaglet.models import gemv
 from eaglet.models.attention import AttnMeta
 from eaglet.models.linear import linear
 
-pytest.importorskip("triton")
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1 (set by conftest)", allow_module_level=True)
+from .triton_kernels import switched_on, triton_device
 
-
-@pytest.fixture
-def gemv_on():
-    gemv.enable()
-    yield
-    gemv.enable(False)
+DEV = triton_device()
+gemv_on = switched_on(gemv)
 
 
 @pytest.mark.parametrize("rows,n,k,bias", [(1, 96, 576, False), (1, 37, 100, True), (1, 33, 9000, True),

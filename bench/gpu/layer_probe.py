@@ -5,7 +5,8 @@ its 32 layers (random bfloat16 weights, one set per layer as in the model, so no
   layer      the same with five small kernels per layer between them (norms, RoPE, attention, SiLU)
   prefetch   `layer`, with each projection's first bytes read into L2 on a second stream while
              the small kernels before it run (HBM is idle then): what overlap could win back
-  triton     `gemms` with a Triton GEMV instead of cuBLAS (best of a few tile shapes per projection)
+  triton     `gemms` with eaglet's Triton GEMV (eaglet/models/gemv.py) instead of cuBLAS (best of a few
+             tile shapes per projection; the first run, at d22c624, used the probe's own copy of it)
 
 Each variant is one CUDA graph of a whole step, replayed; median of 7 replays after warm-up. Also the
 read bandwidth (a Triton reduction over 4 GB) and the copy bandwidth eaglet's roofline uses.
@@ -30,19 +31,6 @@ from eaglet.perf.record import write_record
 H, Q, KV, I, V, L = 4096, 4096, 1024, 14336, 128256, 32
 SHAPES = {"qkv": (Q + 2 * KV, H), "o": (H, Q), "gate_up": (2 * I, H), "down": (H, I)}
 dev = torch.device("cuda")
-
-
-@triton.jit
-def gemv(x_ptr, w_ptr, y_ptr, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
-    acc = tl.zeros((BN, BK), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        cols = k0 + tl.arange(0, BK)
-        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=rows[:, None] < N, other=0.0,
-                    eviction_policy="evict_first")
-        x = tl.load(x_ptr + cols)
-        acc += w.to(tl.float32) * x[None, :].to(tl.float32)
-    tl.store(y_ptr + rows, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=rows < N)
 
 
 @triton.jit
@@ -100,6 +88,8 @@ def timed_graph(step, reps: int = 7) -> float:
 
 
 def main(out_dir: str) -> None:
+    from eaglet.models import gemv as eg
+
     torch.manual_seed(0)
     w = {name: [torch.empty(n, k, dtype=torch.bfloat16, device=dev).normal_(0, 0.02) for _ in range(L)]
          for name, (n, k) in SHAPES.items()}
@@ -174,7 +164,8 @@ def main(out_dir: str) -> None:
         row = {"cublas_tb_s": gb / timed_graph(one(cublas))}
         for bn, bk, warps in configs:
             def tri(xx, ww, yy, bn=bn, bk=bk, warps=warps):
-                gemv[(triton.cdiv(n, bn),)](xx, ww, yy, n, k, BN=bn, BK=bk, num_warps=warps)
+                eg._kernel[(triton.cdiv(n, bn),)](xx, ww, yy, yy, n, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
+                                                  HAS_BIAS=False, num_warps=warps)
             tri(x[name], w[name][0], y[name])
             err = (y[name].float() - ref.float()).abs().max().item()
             tb = gb / timed_graph(one(tri))
@@ -187,7 +178,8 @@ def main(out_dir: str) -> None:
     def triton_best(xx, ww, yy):
         n, k = ww.shape
         bn, bk, warps = best_cfg.get(next((s for s, v in SHAPES.items() if v == (n, k)), ""), (4, 1024, 8))
-        gemv[(triton.cdiv(n, bn),)](xx, ww, yy, n, k, BN=bn, BK=bk, num_warps=warps)
+        eg._kernel[(triton.cdiv(n, bn),)](xx, ww, yy, yy, n, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
+                                          HAS_BIAS=False, num_warps=warps)
 
     results["gemms_triton"] = per_step(timed_graph(lambda: step(triton_best)))
     results["layer_triton"] = per_step(timed_graph(lambda: step(triton_best, True)))

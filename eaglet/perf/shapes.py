@@ -49,18 +49,26 @@ def random_model(name: str, device, dtype: torch.dtype, seed: int = 0, compile: 
     return model.eval().requires_grad_(False)
 
 
+def weight_bytes(model: CausalLM) -> int:
+    """Bytes of every weight, each tensor once (tied weights share storage; on the meta device,
+    where nothing has an address, they share the Parameter)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        key = id(p) if p.device.type == "meta" else p.data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += p.numel() * p.element_size()
+    return total
+
+
 def decode_bytes(model: CausalLM, context: int = 0) -> int:
     """Bytes one batch-1 decode step must read: every weight once (the input embedding table only
     when tied to the output head, since a lookup reads one row), plus K and V of `context` tokens."""
     c = model.config
-    seen, total = set(), 0
-    for name, p in model.named_parameters():
-        if p.data_ptr() in seen:
-            continue
-        seen.add(p.data_ptr())
-        if name == "model.embed_tokens.weight" and not c.tie_embeddings:
-            continue
-        total += p.numel() * p.element_size()
+    total = weight_bytes(model)
+    if not c.tie_embeddings:
+        emb = model.model.embed_tokens.weight
+        total -= emb.numel() * emb.element_size()
     kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * context * next(model.parameters()).element_size()
     return total + kv
 

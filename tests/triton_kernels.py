@@ -1,0 +1,26 @@
+"""What the Triton kernel tests share: the device they run on (the GPU, or the CPU through Triton's
+interpreter, which conftest turns on without a GPU), skipping a module where neither can run, and a
+fixture that turns a kernel module on for one test."""
+import os
+
+import pytest
+import torch
+
+
+def triton_device() -> str:
+    """Call at module level: 'cuda' or 'cpu', or skip the module."""
+    pytest.importorskip("triton")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1 (set by conftest)", allow_module_level=True)
+    return dev
+
+
+def switched_on(module):
+    """A fixture that calls module.enable() for the test and module.enable(False) after it."""
+    @pytest.fixture
+    def on():
+        module.enable()
+        yield
+        module.enable(False)
+    return on
