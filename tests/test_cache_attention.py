@@ -53,14 +53,17 @@ def tree_mask(b, t, gen):
     return m
 
 
-# (rows, kv heads, query heads per kv head, head dim, new tokens, kv_len, tree, slots per split or None)
-CASES = [(2, 3, 3, 64, 1, 256, False, None), (3, 2, 4, 128, 1, 700, False, None), (3, 3, 3, 64, 1, 256, False, 64),
-         (3, 1, 1, 64, 1, 200, False, 64), (1, 8, 4, 128, 1, 2048, False, None), (2, 3, 3, 64, 6, 256, False, None),
-         (3, 3, 3, 64, 6, 300, True, 64), (2, 2, 4, 64, 20, 512, True, None), (2, 1, 4, 64, 32, 400, False, 128)]
+# (rows, kv heads, query heads per kv head, head dim, new tokens, kv_len, tree, slots per split or None,
+#  query rows per program or None)
+CASES = [(2, 3, 3, 64, 1, 256, False, None, None), (3, 2, 4, 128, 1, 700, False, None, None),
+         (3, 3, 3, 64, 1, 256, False, 64, None), (3, 1, 1, 64, 1, 200, False, 64, None),
+         (1, 8, 4, 128, 1, 2048, False, None, None), (2, 3, 3, 64, 6, 256, False, None, None),
+         (3, 3, 3, 64, 6, 300, True, 64, None), (2, 2, 4, 64, 20, 512, True, None, None),
+         (2, 1, 4, 64, 32, 400, False, 128, None), (2, 2, 4, 64, 16, 300, True, 128, 16)]
 
 
-@pytest.mark.parametrize("b,hkv,g,d,t,kv_len,tree,chunk", CASES)
-def test_matches_sdpa_and_stores(b, hkv, g, d, t, kv_len, tree, chunk):
+@pytest.mark.parametrize("b,hkv,g,d,t,kv_len,tree,chunk,rows", CASES)
+def test_matches_sdpa_and_stores(b, hkv, g, d, t, kv_len, tree, chunk, rows):
     gen = torch.Generator().manual_seed(0)
     dt = torch.float16
     qkv = torch.randn(b, t, hkv * (g + 2), d, generator=gen).to(DEV, dt)
@@ -74,7 +77,7 @@ def test_matches_sdpa_and_stores(b, hkv, g, d, t, kv_len, tree, chunk):
     start = start.to(DEV)
     mask = tree_mask(b, t, gen).to(DEV) if tree else None
     want, k_want, v_want = reference(qkv, cache[0], cache[1], start, mask, g)
-    got = ca.cache_attention(qkv, cache[0], cache[1], start[:, None].expand(b, 3)[:, 0], mask, kv_len, g, chunk)
+    got = ca.cache_attention(qkv, cache[0], cache[1], start[:, None].expand(b, 3)[:, 0], mask, kv_len, g, chunk, rows)
     if chunk:
         assert -(-kv_len // chunk) > 1  # the combine kernel ran
     assert got.shape == (b, t, hkv * g * d) and got.dtype == dt

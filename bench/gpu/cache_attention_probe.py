@@ -10,6 +10,8 @@ and the split size that suits each span. Two views, both graphed, medians of CUD
   kernel on and off (everything else the same).
 
   python3 bench/gpu/cache_attention_probe.py OUT_DIR
+  python3 bench/gpu/cache_attention_probe.py OUT_DIR tiles   # batch 1, 1-64 new tokens: every tile of
+      # 16-64 query rows a program and split size, per layer (is one 64-row tile why 16 tokens cost more?)
 """
 import sys
 
@@ -68,6 +70,32 @@ def layer_probe(shape: str, b: int, kv_len: int, t: int) -> dict:
     return out
 
 
+def tiles_probe(out_dir: str) -> None:
+    """Per layer, batch 1: the kernel at every query-row tile (16, 32, 64 rows a program) and split
+    size (the rule's, 128, 256) for 1, 6, 16 and 64 new tokens."""
+    ca.enable()
+    results = {}
+    for shape, (hkv, g, d) in HEADS.items():
+        for kv_len in (512, 2048):
+            for t in (1, 6, 16, 64):
+                cache = torch.randn(LAYERS, 2, 1, hkv, kv_len + 64, d, device="cuda", dtype=torch.bfloat16)
+                qkv = torch.randn(1, t, hkv * (g + 2), d, device="cuda", dtype=torch.bfloat16)
+                start = torch.full((1,), kv_len - t, device="cuda")
+                row = {"rule": list(ca.row_tiles(g, t))}
+                for rows in (16, 32, 64):
+                    if rows > max(16, 1 << (g * t - 1).bit_length()):
+                        continue
+                    for chunk in (None, 128, 256):
+                        row[f"{rows}/{chunk or 'rule'}"] = per_call_us(
+                            lambda i, c=chunk, r=rows: ca.cache_attention(qkv, cache[i, 0], cache[i, 1], start, None,
+                                                                          kv_len, g, c, r))
+                results[f"{shape}/{kv_len}/t{t}"] = row
+                print(shape, kv_len, t, {k: (round(x, 2) if isinstance(x, float) else x) for k, x in row.items()},
+                      flush=True)
+                del cache
+    print(write_record("cache-attention-tiles", {"argv": sys.argv}, results, out_dir))
+
+
 def main(out_dir: str) -> None:
     ca.enable()
     results = {"per_layer_us": {}, "step_ms": {}}
@@ -92,4 +120,7 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "/tmp")
+    if len(sys.argv) > 2 and sys.argv[2] == "tiles":
+        tiles_probe(sys.argv[1])
+    else:
+        main(sys.argv[1] if len(sys.argv) > 1 else "/tmp")

@@ -77,17 +77,20 @@ def split_size(kv_len: int, programs: int) -> int:
 
 
 def cache_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
-                    mask: torch.Tensor | None, kv_len: int, groups: int, chunk: int | None = None) -> torch.Tensor:
+                    mask: torch.Tensor | None, kv_len: int, groups: int, chunk: int | None = None,
+                    rows: int | None = None) -> torch.Tensor:
     """qkv (B, T, H + 2 Hkv, D): rotated queries, rotated keys, values of T new tokens per row (query
     head h = kv * groups + g); k_cache, v_cache (B, Hkv, S, D): this layer's cache rows; start (B,):
     the slot of each row's first new token (every slot before it is visible; any stride); mask (B, T, T) bool,
     new token t sees new token u, or None for causal; kv_len: slots a step may attend over (>= every
-    start + T). Stores the new keys and values; returns the attention output (B, T, H * D)."""
+    start + T); chunk, rows: slots per split and query rows per program, instead of the rules
+    (split_size, row_tiles; for probes). Stores the new keys and values; returns the attention
+    output (B, T, H * D)."""
     b, t, heads, d = qkv.shape
     hkv = k_cache.shape[1]
     h = heads - 2 * hkv
     assert h == hkv * groups and qkv.stride(-1) == 1 and k_cache.stride(-1) == 1
-    rows, tiles = row_tiles(groups, t)
+    rows, tiles = row_tiles(groups, t) if rows is None else (rows, -(-groups * t // rows))
     chunk = chunk or split_size(kv_len, b * hkv * tiles)
     splits = -(-kv_len // chunk)
     if splits > MAX_SPLITS:
