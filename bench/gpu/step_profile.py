@@ -2,7 +2,9 @@
 of an EAGLE-3 chain step, per step (count and microseconds, from torch.profiler's CUDA activity,
 which sees the kernels inside CUDA graph replays), against the wall time per step; then, phase by
 phase (decode; draft, verify, accept), every kernel of one captured graph, from replaying that
-graph alone. A probe for choosing what to fuse next, not part of the package.
+graph alone; and per step the GPU's busy time (the union of its kernels) against the span they
+cover, with the host's time in cudaGraphLaunch: where a step's wall time exceeds its kernels'. A
+probe for choosing what to fuse next, not part of the package.
 
   python3 bench/gpu/step_profile.py MODEL.gguf DRAFTER_DIR OUT_DIR
   python3 bench/gpu/step_profile.py --shape llama-3.1-8b OUT_DIR   # plain decoding of a random-weight
@@ -68,6 +70,27 @@ def phase_graphs(gen, reps: int = 20) -> dict:
     return out
 
 
+def busy_and_launches(prof) -> tuple[float, float, float, int]:
+    """From one profiled generate call: the GPU's busy time (the union of its kernels' intervals),
+    the span from the first kernel's start to the last one's end, and the host's time in
+    cudaGraphLaunch (µs, with the number of launches): how much of a step the GPU sits idle, and
+    whether launching graphs could be why."""
+    spans, launch_us, launches = [], 0.0, 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            spans.append((e.time_range.start, e.time_range.end))
+        elif "cudaGraphLaunch" in e.name:
+            launch_us += e.time_range.end - e.time_range.start
+            launches += 1
+    spans.sort()
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return busy, (spans[-1][1] - spans[0][0]) if spans else 0.0, launch_us, launches
+
+
 def profile_system(gen, ids, cfg, steps_of) -> dict:
     gen.generate([ids], cfg)  # warm-up: graphs captured
     gen.generate([ids], cfg)
@@ -81,8 +104,12 @@ def profile_system(gen, ids, cfg, steps_of) -> dict:
         torch.cuda.synchronize()
     steps = steps_of(out)
     rows = kernel_table(prof, steps)
+    busy, first_to_last, launch_us, launches = busy_and_launches(prof)
     return {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps,
-            "gpu_us_per_step": sum(r[2] for r in rows), "kernels_per_step": sum(r[1] for r in rows), **summary(rows)}
+            "gpu_us_per_step": sum(r[2] for r in rows), "kernels_per_step": sum(r[1] for r in rows),
+            "gpu_busy_us_per_step": busy / steps, "gpu_first_to_last_us_per_step": first_to_last / steps,
+            "graph_launch_host_us_per_step": launch_us / steps, "graph_launches_per_step": launches / steps,
+            **summary(rows)}
 
 
 def summary(rows: list[tuple[str, float, float]], top: int | None = None) -> dict:
@@ -126,7 +153,9 @@ def main(model_path: str, draft: str, out_dir: str) -> None:
             print(f"{name} graph {phase}: {r['kernels']:.0f} kernels, {r['gpu_us']:.0f} us GPU ({r['key']})")
     for name, r in results.items():
         print(f"{name}: {r['steps']} steps, wall {r['wall_ms_per_step']:.3f} ms/step, GPU {r['gpu_us_per_step']:.0f} us "
-              f"in {r['kernels_per_step']:.0f} kernels per step")
+              f"in {r['kernels_per_step']:.0f} kernels per step; GPU busy {r['gpu_busy_us_per_step']:.0f} of "
+              f"{r['gpu_first_to_last_us_per_step']:.0f} us (first kernel to last), cudaGraphLaunch "
+              f"{r['graph_launch_host_us_per_step']:.0f} us host in {r['graph_launches_per_step']:.1f} launches")
         print_summary(r)
     path = write_record("step-profile", {"model": model_path, "draft": draft, "max_new_tokens": 128}, results, out_dir,
                         models={"target": loaded.path, "drafter": draft})
