@@ -274,6 +274,12 @@ def test_data_train_eval_commands(capsys, model_dir, source, tmp_path):
         assert all("accept length" in ln for ln in lines[:2])
         record = lines[-1].removeprefix("record: ")
         assert lines[-1].startswith("record: ") and os.path.exists(record)
+
+        rc, out, err = run_cli(capsys, "eval-draft", *common, "--draft", str(tmp_path / "train" / "drafter"),
+                               "--prompts", str(prompts), "--max-new-tokens", "6", "--ignore-eos",
+                               "--out", str(tmp_path / "records"))
+        assert rc == 0, err
+        assert "(12 tokens," in out  # 2 prompts x 6 tokens, none stopped early
     finally:
         torch.set_num_threads(torch_threads)
 
@@ -351,3 +357,27 @@ def test_sampled_replies_repeat_and_differ_from_greedy(regenerated, target, tok,
     assert [r["id"] for r in other] == [r["id"] for r in rows]
     assert all(o["input_ids"][:o["prompt_len"]] == r["input_ids"][:r["prompt_len"]] for o, r in zip(other, rows))
     assert sum(o["input_ids"] != r["input_ids"] for o, r in zip(other, rows)) > len(rows) // 2
+
+
+def test_eval_draft_ignore_eos_reaches_generation(monkeypatch):
+    """--ignore-eos makes eval-draft generate as `eaglet bench` does (past EOS); without it replies end at EOS."""
+    from eaglet.perf import eval_draft
+
+    seen = []
+
+    class Recorder:
+        def __init__(self, *args):
+            pass
+
+        def generate(self, ids, cfg):
+            seen.append((len(ids), cfg.max_new_tokens, cfg.ignore_eos))
+            return []
+
+    class Chat:
+        def apply_chat(self, messages):
+            return [1, 2]
+
+    monkeypatch.setattr(eval_draft, "Generator", Recorder)
+    eval_draft.evaluate(None, Chat(), None, ["a", "b", "c"], 5, 2, ignore_eos=True)
+    eval_draft.evaluate(None, Chat(), None, ["a"], 5, 2)
+    assert seen == [(2, 5, True), (1, 5, True), (1, 5, False)]

@@ -27,9 +27,10 @@ def parse_setting(text: str, method: str, draft: str | None) -> SpecConfig:
 
 
 def evaluate(model, tokenizer, speculator: Speculator, prompts: list[str], max_new_tokens: int,
-             batch: int) -> dict:
+             batch: int, ignore_eos: bool = False) -> dict:
+    """Replies end at EOS, or (`ignore_eos`) run all max_new_tokens as `eaglet bench` runs them."""
     gen = Generator(model, tokenizer, speculator)
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens)
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
     ids = [tokenizer.apply_chat([{"role": "user", "content": p}]) for p in prompts]
     total = SpecMetrics()
     tokens = 0

@@ -70,6 +70,8 @@ def add_train_parsers(sub) -> None:
     e.add_argument("--prompts", default="mtbench", help="mtbench, humaneval, or a JSONL file")
     e.add_argument("--num-prompts", type=int)
     e.add_argument("--max-new-tokens", type=int, default=256)
+    e.add_argument("--ignore-eos", action="store_true",
+                   help="generate all max-new-tokens past EOS, as `eaglet bench` does (its τ counts those tokens)")
     e.add_argument("--settings", nargs="+", default=["chain:5"],
                    help="chain:STEPS or tree:STEPS,TOPK,TOKENS (several allowed)")
     e.add_argument("--batch", type=int, default=16, help="prompts per batch (τ does not depend on it)")
@@ -143,7 +145,7 @@ def cmd_eval_draft(args) -> int:
     results = {}
     for text, spec in zip(args.settings, settings):
         sp = load_speculator(spec, loaded.model, None if args.model is None else loaded.path)
-        r = evaluate(loaded.model, loaded.tokenizer, sp, prompts, args.max_new_tokens, args.batch)
+        r = evaluate(loaded.model, loaded.tokenizer, sp, prompts, args.max_new_tokens, args.batch, args.ignore_eos)
         results[text] = r
         rates = " ".join(f"{x:.2f}" for x in r["acceptance_rate_per_pos"])
         print(f"{text:<16} accept length {r['accept_length']:.2f}   per-position acceptance {rates}   "
