@@ -90,12 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="eaglet vs transformers, plain vs speculative, side by side",
                        description="Measure systems side by side in one process on the same prompts (greedy, "
-                                   "EOS ignored): transformers generate (plain and prompt lookup), eaglet plain "
+                                   "EOS ignored unless --stop-at-eos): transformers generate (plain and prompt lookup), eaglet plain "
                                    "(graphed and eager), n-gram, EAGLE-3 chain and tree. Prints tok/s, τ, ratios "
                                    "(vs eaglet plain, transformers, the memory roofline) and time per phase; writes "
                                    "a JSON record and a PNG. --shape measures a random-weight model of a real shape.")
     add_model_args(b)
     b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--stop-at-eos", action="store_true",
+                   help="end each reply at EOS (as served replies and speculative-decoding benchmarks do) and "
+                        "count the tokens each system made; default: every reply runs --max-new-tokens")
     b.add_argument("--prompts", help="mtbench, humaneval, or a JSONL file with a 'prompt' field per line "
                                      "(default: 3 built-in chat prompts)")
     b.add_argument("--num-prompts", type=int, default=3)

@@ -197,7 +197,18 @@ def test_data_self_prompts_bad_flags(capsys, model_dir, tmp_path, flags):
     assert not (tmp_path / "d").exists()
 
 
-def test_bench_times_systems_in_rounds_and_records_every_repeat(capsys, model_dir, tmp_path, monkeypatch):
+@pytest.fixture
+def chat_dir(model_dir, tmp_path):
+    """The tiny model with a chat template (bench applies one)."""
+    d = tmp_path / "chat"
+    shutil.copytree(model_dir, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_bench_times_systems_in_rounds_and_records_every_repeat(capsys, chat_dir, tmp_path, monkeypatch):
     """`eaglet bench` on the CPU: each system's warm-up, then rounds that run every system once in
     turn (a slow spell of a shared machine falls on all of them), and a record with each repeat's
     seconds, the median tok/s and whether the tokens equal plain's."""
@@ -211,17 +222,40 @@ def test_bench_times_systems_in_rounds_and_records_every_repeat(capsys, model_di
         calls = {n: (lambda ids, n=n, f=f: (order.append(n), f(ids))) for n, f in fns.items()}
         return real(calls, prompts, device, repeats)
     monkeypatch.setattr(bench, "run_systems", spy)
-    chat_dir = tmp_path / "chat"  # bench applies the chat template: give the tiny tokenizer one
-    shutil.copytree(model_dir, chat_dir)
-    cfg = json.loads((chat_dir / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    (chat_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
     rc = main(["bench", "--model", str(chat_dir), "--device", "cpu", "--num-prompts", "2", "--max-new-tokens", "4",
                "--repeats", "3", "--systems", "plain", "ngram", "--out", str(tmp_path)])
     assert rc == 0, capsys.readouterr().err
     assert order == ["plain", "ngram"] + (["plain"] * 2 + ["ngram"] * 2) * 3  # warm-ups, then 3 rounds
     systems = json.loads(next(tmp_path.glob("bench-cpu-*.json")).read_text())["results"]["systems"]
     for r in systems.values():
-        assert len(r["seconds"]) == 3 and r["tok_s"] == pytest.approx(2 * 4 / statistics.median(r["seconds"]))
+        # the tiny model's context leaves one of the prompts fewer than 4 new tokens: tok/s counts those made
+        assert len(r["seconds"]) == 3 and 2 <= r["new_tokens"] <= 2 * 4
+        assert r["tok_s"] == pytest.approx(r["new_tokens"] / statistics.median(r["seconds"]))
     assert systems["ngram"]["tokens_equal_plain"] == "2/2"
     assert systems["ngram"]["vs_eaglet_plain"] == pytest.approx(systems["ngram"]["tok_s"] / systems["plain"]["tok_s"])
+
+
+def test_bench_stop_at_eos_counts_each_systems_tokens(capsys, chat_dir, tmp_path):
+    """--stop-at-eos: replies end at EOS and tok/s counts the tokens made. The model's EOS is set to
+    the first token plain greedy decoding gives the first prompt, so that reply is one token long."""
+    import statistics
+
+    from eaglet import GenerationConfig, Generator, load_model
+    from eaglet.perf.bench import bench_prompts
+
+    loaded = load_model(str(chat_dir), device="cpu")
+    ids = loaded.tokenizer.apply_chat([{"role": "user", "content": bench_prompts(None, 1)[0]}])
+    first = Generator(loaded.model, loaded.tokenizer).generate([ids], GenerationConfig(max_new_tokens=1, ignore_eos=True))
+    config = json.loads((chat_dir / "config.json").read_text())
+    config["eos_token_id"] = first[0].tokens[0]
+    (chat_dir / "config.json").write_text(json.dumps(config))
+    rc = main(["bench", "--model", str(chat_dir), "--device", "cpu", "--num-prompts", "2", "--max-new-tokens", "6",
+               "--repeats", "1", "--systems", "plain", "ngram", "--stop-at-eos", "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "(or up to EOS)" in out
+    systems = json.loads(next(tmp_path.glob("bench-cpu-*.json")).read_text())["results"]["systems"]
+    for r in systems.values():
+        assert 2 <= r["new_tokens"] <= 1 + 6  # the first reply is its EOS alone
+        assert r["tok_s"] == pytest.approx(r["new_tokens"] / statistics.median(r["seconds"]))
+    assert systems["ngram"]["new_tokens"] == systems["plain"]["new_tokens"]

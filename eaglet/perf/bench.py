@@ -135,7 +135,9 @@ def phases_pass(gen, prompts, cfg, device) -> dict:
     totals = gen.timer.totals()
     gen.timer = None
     gen._dec = None
-    steps = max(v["count"] for k, v in totals.items() if k != "prefill")
+    steps = max((v["count"] for k, v in totals.items() if k != "prefill"), default=0)
+    if steps == 0:  # every reply ended at its first token (EOS)
+        return {"steps": 0, "ms_per_step": {}}
     ms = {k: v["ms"] / steps for k, v in totals.items()}
     ms["other"] = wall_ms / steps - sum(ms.values())
     return {"steps": steps, "ms_per_step": ms}
@@ -158,7 +160,7 @@ def run_bench(args) -> dict:
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     prompts = [tok.apply_chat([{"role": "user", "content": p}]) for p in bench_prompts(args.prompts, args.num_prompts)]
     n_new = args.max_new_tokens
-    cfg = GenerationConfig(max_new_tokens=n_new, ignore_eos=True)
+    cfg = GenerationConfig(max_new_tokens=n_new, ignore_eos=not args.stop_at_eos)
     gens = eaglet_systems(args, model, tok, names)
 
     fns, outputs, metrics = {}, {}, {}
@@ -179,18 +181,21 @@ def run_bench(args) -> dict:
 
                 @torch.inference_mode()
                 def hf(ids, extra=extra, name=name):
-                    out = ref.generate(torch.tensor([ids], device=device), max_new_tokens=n_new,
-                                       min_new_tokens=n_new, do_sample=False,
+                    if not args.stop_at_eos:
+                        extra = {**extra, "min_new_tokens": n_new}
+                    out = ref.generate(torch.tensor([ids], device=device), max_new_tokens=n_new, do_sample=False,
                                        pad_token_id=tok.hf.pad_token_id or 0, **extra)
                     outputs.setdefault(name, {})[tuple(ids)] = out[0, len(ids):].tolist()
                 fns[name] = hf
 
     results: dict = {"systems": {}}
-    total_tokens = n_new * len(prompts)
     timed = run_systems({name: fns[name] for name in names}, prompts, device, args.repeats)
     for name in names:
         r = timed[name]
-        r["tok_s"] = total_tokens / statistics.median(r["seconds"])
+        # greedy: each round makes the same tokens; at EOS a system may stop early (near-ties in bfloat16
+        # can also lengthen a reply), so each counts its own
+        r["new_tokens"] = sum(len(outputs[name][tuple(ids)]) for ids in prompts)
+        r["tok_s"] = r["new_tokens"] / statistics.median(r["seconds"])
         if name in metrics:
             m = metrics[name]
             r["accept_length"] = m.accept_length
@@ -215,7 +220,7 @@ def run_bench(args) -> dict:
         if results["roofline"]:
             r["vs_roofline"] = r["tok_s"] / results["roofline"]["ceiling_tok_s"]
 
-    print_table(results, device, dtype, n_new, len(prompts), args.repeats)
+    print_table(results, device, dtype, n_new, len(prompts), args.repeats, args.stop_at_eos)
     flags = {k: v for k, v in vars(args).items() if k != "func"}
     flags["cuda_graphs"] = device.type == "cuda" and not args.eager
     flags["torch_compile"] = device.type == "cuda" and not args.no_compile
@@ -225,9 +230,9 @@ def run_bench(args) -> dict:
     return results
 
 
-def print_table(results, device, dtype, n_new, n_prompts, repeats) -> None:
-    print(f"device={device.type} dtype={str(dtype).split('.')[-1]} new tokens={n_new} prompts={n_prompts} "
-          f"repeats={repeats}")
+def print_table(results, device, dtype, n_new, n_prompts, repeats, stop_at_eos: bool = False) -> None:
+    print(f"device={device.type} dtype={str(dtype).split('.')[-1]} new tokens={n_new}"
+          f"{' (or up to EOS)' if stop_at_eos else ''} prompts={n_prompts} repeats={repeats}")
     print(f"{'system':<22}{'tok/s':>9}{'τ':>6}{'x plain':>9}{'x HF':>8}{'x roof':>8}  same   "
           f"{'ms/step: draft':>15}{'verify':>8}{'accept':>8}{'decode':>8}{'prefill':>8}{'other':>8}")
     for name, r in results["systems"].items():
