@@ -15,7 +15,7 @@ from eaglet.models.attention import AttnMeta
 from eaglet.spec.speculator import Speculator
 
 from .test_spec_greedy import random_head
-from .triton_kernels import switched_on, triton_device
+from .triton_kernels import greedy_logits, switched_on, triton_device
 
 DEV = triton_device()
 kernel_on = switched_on(ca)
@@ -118,22 +118,14 @@ def test_model_decoding_matches_sdpa(half_model, kernel_on):
         ca.cache_attention = lambda *a, **k: calls.append(1) or inner(*a, **k)
         try:
             cache = KVCache.for_model(c, 2, 64, torch.float16, DEV)
-            ids, logits = prompt, []
-            for _ in range(13):
-                t = ids.shape[1]
-                pos = cache.lens[:, None] + torch.arange(t, device=DEV)
-                h, _ = model(ids, pos, cache, AttnMeta.build(cache.lens, pos, cache.kv_len(t)))
-                cache.advance(t)
-                lg = model.logits(h[:, -1]).float()
-                logits.append(lg)
-                ids = lg.argmax(-1, keepdim=True)
+            logits = greedy_logits(model, cache, prompt, 13)
             pos = cache.lens[:, None] + depth
             h, _ = model(tree_ids, pos, cache, AttnMeta.build(cache.lens, pos, cache.kv_len(5), tree_mask=tree))
             tree_logits = model.logits(h).float()
         finally:
             ca.cache_attention = inner
         assert len(calls) == (14 * c.num_layers if on else 0)
-        runs.append((torch.stack(logits), tree_logits, cache.kv[..., :cache.host_lens.max() + 5, :].clone()))
+        runs.append((logits, tree_logits, cache.kv[..., :cache.host_lens.max() + 5, :].clone()))
     for a, b in zip(*runs):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 

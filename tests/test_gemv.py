@@ -11,10 +11,9 @@ import torch.nn.functional as F
 from eaglet import load_model
 from eaglet.kvcache import KVCache
 from eaglet.models import gemv
-from eaglet.models.attention import AttnMeta
 from eaglet.models.linear import linear
 
-from .triton_kernels import switched_on, triton_device
+from .triton_kernels import greedy_logits, switched_on, triton_device
 
 DEV = triton_device()
 gemv_on = switched_on(gemv)
@@ -95,17 +94,7 @@ def test_model_decoding_matches(tiny_dirs, gemv_on, monkeypatch):
     runs = []
     for on in (True, False):
         gemv.enable(on)
-        cache = KVCache.for_model(c, 1, 32, torch.float16, DEV)
-        ids, logits = prompt, []
-        for _ in range(9):
-            t = ids.shape[1]
-            pos = cache.lens[:, None] + torch.arange(t, device=DEV)
-            h, _ = model(ids, pos, cache, AttnMeta.build(cache.lens, pos, cache.kv_len(t)))
-            cache.advance(t)
-            lg = model.logits(h[:, -1]).float()
-            logits.append(lg)
-            ids = lg.argmax(-1, keepdim=True)
-        runs.append(torch.stack(logits))
+        runs.append(greedy_logits(model, KVCache.for_model(c, 1, 32, torch.float16, DEV), prompt, 9))
         assert len(calls) == (9 * (4 * c.num_layers + 1) if on else 0)
         calls.clear()
     torch.testing.assert_close(runs[0], runs[1], atol=2e-2, rtol=2e-2)

@@ -24,3 +24,19 @@ def switched_on(module):
         yield
         module.enable(False)
     return on
+
+
+def greedy_logits(model, cache, prompt: torch.Tensor, steps: int) -> torch.Tensor:
+    """Feed `prompt` (B, T) into `cache`, then `steps - 1` greedy one-token steps: (steps, B, V) float
+    logits of each forward's last token."""
+    from eaglet.models.attention import AttnMeta
+
+    ids, logits = prompt, []
+    for _ in range(steps):
+        t = ids.shape[1]
+        pos = cache.lens[:, None] + torch.arange(t, device=ids.device)
+        h, _ = model(ids, pos, cache, AttnMeta.build(cache.lens, pos, cache.kv_len(t)))
+        cache.advance(t)
+        logits.append(model.logits(h[:, -1]).float())
+        ids = logits[-1].argmax(-1, keepdim=True)
+    return torch.stack(logits)
