@@ -3,6 +3,8 @@
 #   bash bench/gpu/runtime.sh test     # graphed == eager tokens, 20 MT-bench prompts, every drafter
 #   bash bench/gpu/runtime.sh smollm2  # eaglet bench: all systems side by side on SmolLM2
 #   bash bench/gpu/runtime.sh shapes   # eaglet bench --shape: Llama-3.1-8B and Qwen3-8B, random weights
+#   bash bench/gpu/runtime.sh probes   # kernel choices (no model needed): cache-attention row tiles and splits,
+#                                      # few-row matmul tiles (GEMV, dot, rows_gemv) for 2-16 rows
 #   bash bench/gpu/runtime.sh eagle3   # the EAGLE-3 bar: plain, chain 5, tree on all 80 MT-bench prompts x 256 tokens
 #                                      # (MAXNEW=128: the 2026-11-30 runs; the first 128 tokens are the harder half;
 #                                      #  EOS=1: replies end at EOS, as eval-draft's τ and served replies do)
@@ -31,4 +33,17 @@ case $phase in
     for s in ${SHAPES:-llama-3.1-8b qwen3-8b}; do
       python3 -m eaglet bench --shape $s --context 512 --max-new-tokens 128 --repeats 3 --out "$out"
     done ;;
+  probes)
+    here=$(dirname "$0")
+    python3 "$here/cache_attention_probe.py" "$out" tiles > "$out/cache-attention-tiles.log" 2>&1
+    python3 "$here/layer_probe.py" "$out" sweep smollm2-135m 2,4,6,8,16 > "$out/sweep-smollm2.log" 2>&1
+    python3 "$here/layer_probe.py" "$out" sweep llama-3.1-8b 2,4,6,8 > "$out/sweep-llama.log" 2>&1
+    grep -hv Warn "$out"/*.log | grep -v "^ " | tail -60 ;;
 esac
+rc=$?
+# a call brings back at most 8 files: past 6, the records travel as one tarball (unpack with tar xzf)
+if [ -n "${OUT:-}" ] && [ "$(ls "$out" | wc -l)" -gt 6 ]; then
+  tgz="$OUT/records-$phase-$(date +%H%M%S).tgz"
+  tar czf "$tgz" -C "$OUT" records && rm -rf "$out" && echo "records packed into $tgz"
+fi
+exit $rc
