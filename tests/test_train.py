@@ -311,6 +311,36 @@ def test_init_from_fine_tunes_an_existing_drafter(trained, data, target, tmp_pat
     assert ft_head.cfg.draft_vocab_size == 64 and torch.equal(ft_head.d2t, tr.head.d2t)
 
 
+def test_init_from_can_widen_the_drafters_mlp(trained, data, target, tmp_path):
+    """--init-from with a wider --intermediate-size: the widened head computes exactly what the
+    drafter did, training moves the added width, and the export (SGLang format) says the new width;
+    a narrower one is refused."""
+    tr, out, _ = trained
+    width = tr.head.cfg.layer.intermediate_size
+    wide = tr.head.widen_mlp(2 * width, torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(5)
+    ids, taps = torch.randint(0, 128, (2, 9), generator=g), torch.randn(2, 9, 3 * 64, generator=g)
+    emb = F.embedding(ids, target.model.embed_tokens.weight)
+    with torch.no_grad():
+        before = tr.head.logits(run_head(tr.head, emb, tr.head.fc(taps)))
+        after = wide.logits(run_head(wide, emb, wide.fc(taps)))
+    assert torch.allclose(before, after, rtol=0, atol=1e-6)
+    logs = []
+    ft = Trainer(config(data[0], tmp_path / "wide", max_steps=2, init_from=str(out / "drafter"),
+                        intermediate_size=2 * width), target, progress=False, log=logs.append)
+    assert ft.head.midlayer.mlp.down_proj.weight.shape == (64, 2 * width)
+    assert any(f"MLP widened from {width} to {2 * width}" in m for m in logs)
+    ft.train()
+    assert ft.head.midlayer.mlp.down_proj.weight[:, width:].abs().sum() > 0  # the added width learned
+    saved = json.loads((tmp_path / "wide" / "drafter" / "config.json").read_text())
+    assert saved["intermediate_size"] == 2 * width
+    head, _ = load_eagle3(tmp_path / "wide" / "drafter", target.config, "cpu", torch.float32)
+    assert head.cfg.layer.intermediate_size == 2 * width
+    with pytest.raises(InvalidInput, match="narrower"):
+        Trainer(config(data[0], tmp_path / "narrow", max_steps=1, init_from=str(out / "drafter"),
+                       intermediate_size=width // 2), target, progress=False, log=logs.append)
+
+
 def test_ttt_attention_equals_the_masked_attention():
     """TTTAttention (causal scores plus diagonals) equals SDPA over all steps' keys with the
     (T, (k+1)T) mask of ttt_mask, step by step, forward and gradients, grouped-query heads."""

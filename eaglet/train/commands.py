@@ -53,7 +53,9 @@ def add_train_parsers(sub) -> None:
     t.add_argument("--max-len", type=int, default=1024)
     t.add_argument("--ttt-steps", type=int, default=7)
     t.add_argument("--draft-vocab", type=int, default=16384)
-    t.add_argument("--intermediate-size", type=int, help="the head's MLP width (default: the target's)")
+    t.add_argument("--intermediate-size", type=int,
+                   help="the head's MLP width (default: the target's); with --init-from, widen the drafter's "
+                        "MLP to it (the same function at first: the added width starts at zero)")
     t.add_argument("--init-from", help="fine-tune this drafter instead of starting fresh")
     t.add_argument("--save-every", type=int, default=200)
     t.add_argument("--max-steps", type=int)

@@ -8,7 +8,7 @@ as embeddings so the head's state dict never holds a copy of it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -72,6 +72,29 @@ class Eagle3Head(nn.Module):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
         self.register_buffer("inv_freq", rope_inv_freq(c.rope, c.head_dim), persistent=False)
+
+    def widen_mlp(self, size: int, generator: torch.Generator | None = None) -> "Eagle3Head":
+        """This head with a wider MLP that computes exactly what this one does: the new gate and up
+        rows are random (at the scale of the old ones), the new down columns zero, so training starts
+        from this head's function and grows into the added width. The head stays in the SGLang
+        format (intermediate_size is in its config.json)."""
+        mlp, old = self.midlayer.mlp, self.cfg.layer.intermediate_size
+        if mlp.fused:
+            raise ValueError("widen_mlp: the head's projections are fused (inference only)")
+        if size < old:
+            raise ValueError(f"widen_mlp: {size} is narrower than the head's MLP ({old})")
+        wide = Eagle3Head(replace(self.cfg, layer=self.cfg.layer.replace(intermediate_size=size)))
+        wide = wide.to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+        state = dict(self.state_dict())
+        extra = size - old
+        for name in ("gate_proj", "up_proj"):
+            w = getattr(mlp, name).weight.detach()
+            new = torch.randn(extra, w.shape[1], generator=generator, dtype=torch.float32).to(w) * w.float().std()
+            state[f"midlayer.mlp.{name}.weight"] = torch.cat([w, new])
+        down = mlp.down_proj.weight.detach()
+        state["midlayer.mlp.down_proj.weight"] = torch.cat([down, down.new_zeros(down.shape[0], extra)], 1)
+        wide.load_state_dict(state)
+        return wide
 
     def fuse_projections(self) -> None:
         """For inference: q/k/v and gate/up each as one matmul (models.llama.fuse_linears), three
