@@ -58,10 +58,11 @@ def compile_kernels(model: nn.Module) -> int:
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     enable_functions()
     from ..models import cache_attention
-    # its bfloat16 dot products need Ampere or newer; older GPUs keep SDPA
-    cache_attention.enable(torch.cuda.get_device_capability(next(model.parameters()).device)[0] >= 8)
+    # their bfloat16 dot products need Ampere or newer; older GPUs keep SDPA and cuBLAS
+    ampere = torch.cuda.get_device_capability(next(model.parameters()).device)[0] >= 8
+    cache_attention.enable(ampere)
     from ..models import gemv
-    gemv.enable()
+    gemv.enable(ampere)
     n = 0
     for m in model.modules():
         if isinstance(m, (RMSNorm, RoPE, MLP)):
