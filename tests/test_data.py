@@ -279,7 +279,9 @@ def test_data_train_eval_commands(capsys, model_dir, source, tmp_path):
                                "--prompts", str(prompts), "--max-new-tokens", "6", "--ignore-eos",
                                "--out", str(tmp_path / "records"))
         assert rc == 0, err
-        assert "(12 tokens," in out  # 2 prompts x 6 tokens, none stopped early
+        rec = json.loads(open(out.strip().splitlines()[-1].removeprefix("record: ")).read())
+        assert rec["flags"]["ignore_eos"] is True
+        assert rec["results"]["chain:5"]["new_tokens"] == 12  # 2 prompts x 6 tokens, none stopped early
     finally:
         torch.set_num_threads(torch_threads)
 

@@ -76,6 +76,16 @@ def trained(data, target, tmp_path_factory):
     return tr, out, result
 
 
+@torch.no_grad()
+def head_logits(head: Eagle3Head, target) -> torch.Tensor:
+    """The head's logits over fixed random tokens and taps (the same for every head): two heads
+    that compute the same function give the same."""
+    g = torch.Generator().manual_seed(5)
+    ids, taps = torch.randint(0, 128, (2, 9), generator=g), torch.randn(2, 9, 3 * 64, generator=g)
+    emb = F.embedding(ids, target.model.embed_tokens.weight)
+    return head.logits(run_head(head, emb, head.fc(taps)))
+
+
 def run_head(head: Eagle3Head, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     """The head over (B, T) pairs from an empty cache, plain causal attention (as at inference)."""
     c, (b, t) = head.cfg.layer, emb.shape[:2]
@@ -277,13 +287,7 @@ def test_export_loads_in_the_speculative_core(trained, target):
     head, embed = load_eagle3(out / "drafter", target.config, "cpu", torch.float32)
     assert embed is None and head.cfg.aux_layers == tr.head.cfg.aux_layers
     assert torch.equal(head.d2t, tr.head.d2t) and torch.equal(head.t2d, tr.head.t2d)
-    g = torch.Generator().manual_seed(5)
-    ids, taps = torch.randint(0, 128, (2, 9), generator=g), torch.randn(2, 9, 3 * 64, generator=g)
-    emb = F.embedding(ids, target.model.embed_tokens.weight)
-    with torch.no_grad():
-        mine = tr.head.logits(run_head(tr.head, emb, tr.head.fc(taps)))
-        theirs = head.logits(run_head(head, emb, head.fc(taps)))
-    assert torch.allclose(mine, theirs, rtol=0, atol=1e-6)
+    assert torch.allclose(head_logits(tr.head, target), head_logits(head, target), rtol=0, atol=1e-6)
 
     prompts = [r["input_ids"][:PROMPT] for r in [*tr.rows[:3]]] + [[5, 9, 17], list(range(3, 20))]
     plain = [c.tokens for c in Generator(target, None).generate(prompts, GREEDY)]
@@ -318,13 +322,7 @@ def test_init_from_can_widen_the_drafters_mlp(trained, data, target, tmp_path):
     tr, out, _ = trained
     width = tr.head.cfg.layer.intermediate_size
     wide = tr.head.widen_mlp(2 * width, torch.Generator().manual_seed(0))
-    g = torch.Generator().manual_seed(5)
-    ids, taps = torch.randint(0, 128, (2, 9), generator=g), torch.randn(2, 9, 3 * 64, generator=g)
-    emb = F.embedding(ids, target.model.embed_tokens.weight)
-    with torch.no_grad():
-        before = tr.head.logits(run_head(tr.head, emb, tr.head.fc(taps)))
-        after = wide.logits(run_head(wide, emb, wide.fc(taps)))
-    assert torch.allclose(before, after, rtol=0, atol=1e-6)
+    assert torch.allclose(head_logits(tr.head, target), head_logits(wide, target), rtol=0, atol=1e-6)
     logs = []
     ft = Trainer(config(data[0], tmp_path / "wide", max_steps=2, init_from=str(out / "drafter"),
                         intermediate_size=2 * width), target, progress=False, log=logs.append)

@@ -55,7 +55,8 @@ def usable(x: torch.Tensor, tokens: int) -> bool:
             and x.dtype in (torch.bfloat16, torch.float16) and (x.is_cuda or INTERPRET))
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): Triton block sizes."""
     return 1 << max(0, n - 1).bit_length()
 
 
@@ -63,7 +64,7 @@ def row_tiles(groups: int, tokens: int) -> tuple[int, int]:
     """Query rows per program and programs per row and kv head: a kv head's groups * tokens query
     rows in tiles of 16 to 64 (tl.dot needs at least 16)."""
     n = groups * tokens
-    rows = min(64, max(16, _pow2(n)))
+    rows = min(64, max(16, pow2(n)))
     return rows, -(-n // rows)
 
 
@@ -71,9 +72,9 @@ def split_size(kv_len: int, programs: int) -> int:
     """Cached slots per split, for `programs` programs before splitting: short spans in one split;
     longer ones in splits of 128 (up to 512 slots) or 256, as many as keep ~256 programs busy."""
     if kv_len <= 256:
-        return max(64, _pow2(kv_len))
+        return max(64, pow2(kv_len))
     splits = min(max(1, 256 // programs), -(-kv_len // (128 if kv_len <= 512 else 256)), MAX_SPLITS)
-    return max(64, _pow2(-(-kv_len // splits)))
+    return max(64, pow2(-(-kv_len // splits)))
 
 
 def cache_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
@@ -109,11 +110,11 @@ def cache_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         qkv.stride(0), qkv.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), start.stride(0),
         m.stride(0) if tree else 0, m.stride(1) if tree else 0, m.stride(2) if tree else 0,
         out.stride(0), out.stride(1),
-        H=h, HKV=hkv, G=groups, TILES=tiles, ROWS=rows, TP=max(16, _pow2(t)), D=d, BLOCK=64,
+        H=h, HKV=hkv, G=groups, TILES=tiles, ROWS=rows, TP=max(16, pow2(t)), D=d, BLOCK=64,
         TREE=tree, SPLIT=splits > 1)
     if splits > 1:
         _combine[(b, hkv * tiles)](part_m, part_l, part_o, out, splits, t, out.stride(0), out.stride(1),
-                                   G=groups, TILES=tiles, ROWS=rows, D=d, SP=max(2, _pow2(splits)))
+                                   G=groups, TILES=tiles, ROWS=rows, D=d, SP=max(2, pow2(splits)))
     return out
 
 

@@ -20,6 +20,8 @@ import os
 
 import torch
 
+from .cache_attention import pow2
+
 try:
     import triton
     import triton.language as tl
@@ -42,18 +44,14 @@ def usable(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
             and (x.is_cuda or INTERPRET) and (rows == 1 or dot_tiles(rows, *weight.shape) is not None))
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def tiles(n: int, k: int) -> tuple[int, int, int]:
     """The GEMV's (output rows per program, slice width, warps), from the sweep on the H200: for
-    Llama-3.1-8B's widths one row per program in 1024-wide slices with 8 warps is within 1.2% of the
+    Llama-3.1-8B's widths one row per program in 1024-wide slices with 8 warps is within 2.3% of the
     best tile on every projection; SmolLM2's narrow ones (576, 1536) do best with two rows (four for
     the 49152-row head) and the whole width in one slice."""
     if k >= 2048:
         return 1, 1024, 8
-    bk = max(64, _pow2(k))
+    bk = max(64, pow2(k))
     return (4 if n >= 16384 else 2), bk, 4 if bk >= 2048 else 2
 
 
@@ -69,8 +67,8 @@ def dot_tiles(rows: int, n: int, k: int) -> tuple[int, int, int, int, int] | Non
     if n >= 16384:
         return None
     if n >= 2048:
-        return 16, 32, min(128, max(16, _pow2(k))), 4, 4
-    return (16, 16, 512, 4, 4) if k > 1024 else (16, 16, min(256, max(16, _pow2(k))), 4, 3)
+        return 16, 32, min(128, max(16, pow2(k))), 4, 4
+    return (16, 16, 512, 4, 4) if k > 1024 else (16, 16, min(256, max(16, pow2(k))), 4, 3)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Every linear layer of the models goes through `linear`, so the matmul can be chosen per device.
 
-On the GPU a single row (decoding, drafting) goes to models/gemv.py's Triton GEMV, which streams the
-weights faster than cuBLAS (bench/gpu/layer_probe.py), and everything else to F.linear. On the CPU, for the few rows of a
-decode or verify step, MKL streams the weights faster as W @ xᵀ than as F.linear's x @ Wᵀ
+On the GPU up to 16 rows (decoding, drafting, verify) go to models/gemv.py's Triton kernels, which
+stream the weights faster than cuBLAS (bench/gpu/layer_probe.py), and longer inputs to F.linear.
+On the CPU, for the few rows of a decode or verify step, MKL streams the weights faster as W @ xᵀ
+than as F.linear's x @ Wᵀ
 (bench/cpu/matmul_probe.py, record bench/results/matmul-probe-cpu-*.json: 1.5x for one row,
 2.3x for two, still 1.4x at 64), and one row is doubled because W @ x for a single column is the slow
 GEMV again. Longer inputs (prefill) keep F.linear.

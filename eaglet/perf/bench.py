@@ -1,5 +1,6 @@
 """`eaglet bench`: systems side by side in one process, on the same prompts and the same number of
-new tokens (greedy, EOS ignored so every run makes exactly that many):
+new tokens (greedy, EOS ignored so every run makes exactly that many; with --stop-at-eos replies end
+at EOS and each system's tok/s counts the tokens it made):
 
   transformers          transformers `generate` (the baseline)
   transformers-lookup   transformers `generate` with prompt lookup (its n-gram speculation)

@@ -2,12 +2,12 @@
 
 - modules: the elementwise pieces of every layer (RMSNorm with its fused residual add, RoPE with
   the grouped-query relayout, the MLP's gate-up / SiLU·mul / down) each become one generated kernel
-  instead of five to ten small ones. Matmuls of several rows stay cuBLAS.
+  instead of five to ten small ones.
 - attention of a few new tokens per row over the cache (decoding, drafting, verify): one Triton
   kernel that stores the new keys and values, attends and lays out the output
   (models/cache_attention.py) instead of an indexed store, a relayout, a mask, SDPA and a copy.
-- matmuls of a single row (decoding, drafting): a Triton GEMV (models/gemv.py), faster than
-  cuBLAS at streaming the weights; `EAGLET_GEMV=0` keeps cuBLAS.
+- matmuls of up to 16 rows (decoding, drafting, verify): Triton kernels (models/gemv.py), faster
+  than cuBLAS at streaming the weights; longer inputs and `EAGLET_GEMV=0` keep cuBLAS.
 - functions marked `@fusable`: the index arithmetic around the model (attention masks, greedy
   acceptance), dozens of tiny kernels per speculation step each, become a few.
 

@@ -160,10 +160,10 @@ class Trainer:
             head, _ = load_eagle3(self.cfg.init_from, tcfg, self.device, torch.float32)
             size, had = self.cfg.intermediate_size, head.cfg.layer.intermediate_size
             if size and size != had:  # the same function in a wider MLP (Eagle3Head.widen_mlp)
-                if size < had:
-                    raise InvalidInput(f"--intermediate-size {size} is narrower than the drafter's MLP ({had}) "
-                                       f"in {self.cfg.init_from}: a drafter can only be widened")
-                head = head.widen_mlp(size, torch.Generator().manual_seed(self.cfg.seed))
+                try:
+                    head = head.widen_mlp(size, torch.Generator().manual_seed(self.cfg.seed))
+                except ValueError as e:
+                    raise InvalidInput(f"--intermediate-size: {e} ({self.cfg.init_from})") from None
                 self.log(f"MLP widened from {had} to {size}")
             head.requires_grad_(True).train()
             self.log(f"initialised from {self.cfg.init_from} (draft vocabulary kept)")
