@@ -93,6 +93,18 @@ def test_split_size_covers_the_span():
             assert (c >= n) == (n <= 256 or programs > 128)  # one split only for short spans or a full GPU
 
 
+def test_row_tiles_cover_every_query_row():
+    for g in (1, 3, 4, 8):
+        for t in (1, 6, 16, 20, 64, 256):
+            for heads in (1, 8, 16, 17, 512):
+                rows, tiles = ca.row_tiles(g, t, heads)
+                assert rows in (16, 32, 64) and (tiles - 1) * rows < g * t <= tiles * rows
+                if heads <= 16 and g * t <= 64:
+                    assert rows == 16  # few programs: small tiles (the H200 probe)
+                if heads > 16:
+                    assert tiles == -(-g * t // 64)  # many programs: the fewest tiles
+
+
 @pytest.fixture(scope="module")
 def half_model(tiny_dirs):
     """The tiny SmolLM2-shaped model (4 query heads on 1 kv head) in float16."""

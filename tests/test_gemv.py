@@ -41,7 +41,7 @@ def test_tiles(gemv_on):
     assert gemv.tiles(576, 1536) == (2, 2048, 4)
     assert gemv.tiles(10, 40) == (2, 64, 2)
     assert gemv.dot_tiles(6, 4096, 14336) == (16, 32, 512, 4, 4)
-    assert gemv.dot_tiles(16, 28672, 4096) == (16, 32, 128, 4, 3)
+    assert gemv.dot_tiles(16, 28672, 4096) == (16, 64, 128, 4, 3)
     assert gemv.dot_tiles(6, 49152, 576) is None  # SmolLM2's head: cuBLAS
     assert not gemv.usable(torch.ones(6, 576).half(), torch.ones(49152, 576).half(), 6)
 

@@ -66,7 +66,7 @@ def layer_probe(shape: str, b: int, kv_len: int, t: int) -> dict:
             out[f"triton/{chunk}"] = per_call_us(
                 lambda i, c=chunk: ca.cache_attention(qkv, cache[i, 0], cache[i, 1], start, None, kv_len, g, c))
     out["triton/default"] = per_call_us(lambda i: ca.cache_attention(qkv, cache[i, 0], cache[i, 1], start, None, kv_len, g))
-    out["default_split"] = ca.split_size(kv_len, b * hkv * ca.row_tiles(g, t)[1])
+    out["default_split"] = ca.split_size(kv_len, b * hkv * ca.row_tiles(g, t, b * hkv)[1])
     return out
 
 
@@ -81,7 +81,7 @@ def tiles_probe(out_dir: str) -> None:
                 cache = torch.randn(LAYERS, 2, 1, hkv, kv_len + 64, d, device="cuda", dtype=torch.bfloat16)
                 qkv = torch.randn(1, t, hkv * (g + 2), d, device="cuda", dtype=torch.bfloat16)
                 start = torch.full((1,), kv_len - t, device="cuda")
-                row = {"rule": list(ca.row_tiles(g, t))}
+                row = {"rule": list(ca.row_tiles(g, t, hkv))}
                 for rows in (16, 32, 64):
                     if rows > max(16, 1 << (g * t - 1).bit_length()):
                         continue

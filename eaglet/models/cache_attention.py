@@ -60,11 +60,16 @@ def pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def row_tiles(groups: int, tokens: int) -> tuple[int, int]:
+def row_tiles(groups: int, tokens: int, heads: int = 1) -> tuple[int, int]:
     """Query rows per program and programs per row and kv head: a kv head's groups * tokens query
-    rows in tiles of 16 to 64 (tl.dot needs at least 16)."""
+    rows in tiles of 16 to 64 (tl.dot needs at least 16). With few programs (heads = batch x kv
+    heads <= 16) small tiles win: more programs stream the cache; at 6 and 16 new tokens a 16-row
+    tile took 0.73-0.83x the time of the 32- or 64-row one on the H200 (batch 1, SmolLM2 and
+    Llama-3.1-8B heads, cache-attention-tiles-gpu-20261130-092317.json). With many programs one
+    tile per head reads the cache once."""
     n = groups * tokens
-    rows = min(64, max(16, pow2(n)))
+    cap = 64 if heads > 16 else 16 if n <= 64 else 32
+    rows = min(cap, max(16, pow2(n)))
     return rows, -(-n // rows)
 
 
@@ -91,7 +96,7 @@ def cache_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     hkv = k_cache.shape[1]
     h = heads - 2 * hkv
     assert h == hkv * groups and qkv.stride(-1) == 1 and k_cache.stride(-1) == 1
-    rows, tiles = row_tiles(groups, t) if rows is None else (rows, -(-groups * t // rows))
+    rows, tiles = row_tiles(groups, t, b * hkv) if rows is None else (rows, -(-groups * t // rows))
     chunk = chunk or split_size(kv_len, b * hkv * tiles)
     splits = -(-kv_len // chunk)
     if splits > MAX_SPLITS:
