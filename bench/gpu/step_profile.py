@@ -9,6 +9,8 @@ probe for choosing what to fuse next, not part of the package.
   python3 bench/gpu/step_profile.py MODEL.gguf DRAFTER_DIR OUT_DIR
   python3 bench/gpu/step_profile.py --shape llama-3.1-8b OUT_DIR   # plain decoding of a random-weight
       # shape (eaglet bench --shape's model, context 512): where a step short of the roofline goes
+  python3 bench/gpu/step_profile.py --forward llama-3.1-8b OUT_DIR [1,2,16]  # bench --shape's graphed
+      # forward of T tokens, kernel by kernel for each T: what a verify of 16 adds to a decode step
 """
 import re
 import sys
@@ -189,8 +191,42 @@ def main_shape(shape: str, out_dir: str, context: int = 512) -> None:
     print(f"record: {path}")
 
 
+@torch.inference_mode()
+def main_forward(shape: str, out_dir: str, tokens: tuple[int, ...] = (1, 2, 16), context: int = 576,
+                 reps: int = 20) -> None:
+    """The graphed forward of T tokens of `bench --shape`'s curve (its context: 512 + 64), each T's
+    kernels from `reps` replays, and the kernels that grow most from the first T to the last."""
+    from eaglet.perf.curves import forward_steps
+    from eaglet.perf.shapes import random_model
+
+    model = random_model(shape, torch.device("cuda"), torch.bfloat16)
+    tables = {}
+    for t, step in forward_steps(model, tokens, context, graphs=True):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                step()
+            torch.cuda.synchronize()
+        rows = kernel_table(prof, reps)
+        tables[t] = {n: (c, us) for n, c, us in rows}
+        print(f"T={t}: {sum(r[2] for r in rows):.0f} us in {sum(r[1] for r in rows):.0f} kernels", flush=True)
+        print_summary(summary(rows), top=10)
+    lo, hi = tables[tokens[0]], tables[tokens[-1]]
+    grew = sorted(((n, hi.get(n, (0, 0.0)), lo.get(n, (0, 0.0))) for n in set(lo) | set(hi)),
+                  key=lambda r: -(r[1][1] - r[2][1]))
+    print(f"grew most from T={tokens[0]} to T={tokens[-1]} (count, us at each):")
+    for n, (c1, u1), (c0, u0) in grew[:15]:
+        print(f"  {u1 - u0:+8.1f} us  {c0:5.1f} x {u0:7.1f} -> {c1:5.1f} x {u1:7.1f}  {n[:110]}")
+    results = {str(t): {"gpu_us": sum(us for _, us in tab.values()), "kernels": sum(c for c, _ in tab.values()),
+                        "all": [{"name": n[:160], "count": c, "us": us} for n, (c, us) in tab.items()]}
+               for t, tab in tables.items()}
+    print(f"record: {write_record('forward-profile', {'shape': shape, 'context': context, 'tokens': list(tokens)}, results, out_dir)}")
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "--shape":
         main_shape(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "--forward":
+        main_forward(sys.argv[2], sys.argv[3], tuple(map(int, sys.argv[4].split(","))) if len(sys.argv) > 4 else (1, 2, 16))
     else:
         main(*sys.argv[1:4])

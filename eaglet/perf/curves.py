@@ -33,10 +33,10 @@ def time_ms(fn, device, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def forward_curve(model: CausalLM, tokens: tuple[int, ...], context: int, graphs: bool, batch: int = 1,
-                  repeats: int = 20) -> dict[str, float]:
-    """{str(T): ms} for one forward of T tokens (logits of every row included) on `batch` rows
-    holding `context` committed tokens. Nothing is committed, so every call sees the same state."""
+def forward_steps(model: CausalLM, tokens: tuple[int, ...], context: int, graphs: bool, batch: int = 1):
+    """Yields (T, step) for each T: `step()` runs one forward of T tokens (logits of every row
+    included) on `batch` rows holding `context` committed tokens, warmed up (and captured when
+    `graphs`). Nothing is committed, so every call sees the same state."""
     p = next(model.parameters())
     dev, cfg = p.device, model.config
     cache = KVCache.for_model(cfg, batch, context + max(tokens) + 128, p.dtype, dev)
@@ -48,7 +48,6 @@ def forward_curve(model: CausalLM, tokens: tuple[int, ...], context: int, graphs
         model(ids[:, lo:hi], pos, cache, AttnMeta.build(cache.lens, pos, cache.kv_len(hi - lo)))
         cache.advance(hi - lo)
     runner = GraphRunner(dev, graphs)
-    out = {}
     for t in tokens:
         x = ids[:, context:context + t]
         pos = cache.lens[:, None] + torch.arange(t, device=dev)  # (B, T)
@@ -61,6 +60,13 @@ def forward_curve(model: CausalLM, tokens: tuple[int, ...], context: int, graphs
         step = lambda body=body, t=t: runner.run(("fwd", t), body)  # noqa: E731
         for _ in range(3):  # eager warm-up, capture, first replay
             step()
-        out[str(t)] = time_ms(step, dev, repeats)
+        yield t, step
     cache.kv_limit = None
-    return out
+
+
+@torch.inference_mode()
+def forward_curve(model: CausalLM, tokens: tuple[int, ...], context: int, graphs: bool, batch: int = 1,
+                  repeats: int = 20) -> dict[str, float]:
+    """{str(T): ms} for one forward of T tokens at `context` (forward_steps), median of `repeats`."""
+    dev = next(model.parameters()).device
+    return {str(t): time_ms(step, dev, repeats) for t, step in forward_steps(model, tokens, context, graphs, batch)}
