@@ -3,6 +3,7 @@ decoding and every drafter, batch 1 and a batch of 20. Skipped without a GPU. Th
 SmolLM2-135M-Instruct with its bundled drafter ($EAGLET_TEST_GGUF or the installed default)."""
 import json
 import os
+from pathlib import Path
 
 # cuBLAS may pick workspace-dependent (split-K) kernels, and a graph is captured on another stream
 # than eager work runs on: a fixed workspace configuration makes both pick the same kernels. Must
@@ -15,6 +16,7 @@ import torch  # noqa: E402
 from eaglet.config import SpecConfig  # noqa: E402
 from eaglet.datasets import load_prompts  # noqa: E402
 from eaglet.generate import GenerationConfig, Generator  # noqa: E402
+from eaglet.perf.record import environment, path_fingerprint, write_atomic  # noqa: E402
 from eaglet.spec.speculator import bundled_drafter, load_speculator  # noqa: E402
 from eaglet.weights import load_model  # noqa: E402
 
@@ -32,9 +34,10 @@ def smollm2():
     loaded = load_model(os.environ.get("EAGLET_TEST_GGUF"), dtype="bfloat16", device="cuda")
     prompts = [loaded.tokenizer.apply_chat([{"role": "user", "content": p}]) for p in load_prompts("mtbench")[:20]]
     yield loaded.model, loaded.tokenizer, prompts
-    if os.environ.get("EAGLET_TEST_RECORD"):
-        with open(os.environ["EAGLET_TEST_RECORD"], "w") as f:
-            json.dump(RESULTS, f, indent=1)
+    if os.environ.get("EAGLET_TEST_RECORD"):  # the environment too, as every record has
+        rec = {"kind": "cuda-graphs-test", "environment": environment(),
+               "models": {"target": path_fingerprint(loaded.path)}, "results": RESULTS}
+        write_atomic(Path(os.environ["EAGLET_TEST_RECORD"]), json.dumps(rec, indent=1))
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
