@@ -13,7 +13,9 @@ read bandwidth (a Triton reduction over 4 GB) and the copy bandwidth eaglet's ro
 A probe for choosing the decode step's design, not part of the package.
 
 `sweep` times eaglet's own GEMV kernel (eaglet/models/gemv.py) over a grid of tile shapes against
-cuBLAS for each projection of a model shape, all layers' weights in turn, and what `gemv.tiles` picks.
+cuBLAS for each projection of a model shape, all layers' weights in turn, and what `gemv.tiles` picks;
+for 2 to 16 rows also two candidates: `rows_gemv` (CUDA cores, up to 8 rows) and `dot_splitk` (the
+tensor-core kernel with K split across programs, configs of six numbers, the last the split).
 
   python3 bench/gpu/layer_probe.py OUT_DIR
   python3 bench/gpu/layer_probe.py OUT_DIR sweep [llama-3.1-8b | smollm2-135m] [ROWS, e.g. 1,6,16,64]
@@ -50,6 +52,37 @@ def rows_gemv(X, W, Y, M, N, sx, K: tl.constexpr, MP: tl.constexpr, BN: tl.const
         x = tl.load(X + m[:, None] * sx + cols[None, :], mask=(m < M)[:, None] & cm[None, :], other=0.0)
         acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
     tl.store(Y + m[:, None] * N + rows[None, :], acc.to(Y.dtype.element_ty), mask=(m < M)[:, None] & rm[None, :])
+
+
+@triton.jit
+def dot_splitk(X, W, Y, P, C, M, N, sx, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               SPLIT: tl.constexpr):
+    """A candidate for 2 to 16 rows (verify): eaglet's tensor-core kernel with K cut into SPLIT ranges,
+    so SPLIT times as many programs stream the weights (the 8B's 4096-row projections give the
+    plain kernel one program per SM). Each program writes its range's float32 sums to P (SPLIT, BM, N);
+    the last of a column block to finish (counter C, which it resets) adds the ranges and writes Y:
+    one kernel, no second reduction launch. Needs K % (SPLIT * BK) == 0."""
+    cb = tl.program_id(0)
+    s = tl.program_id(1)
+    m = tl.arange(0, BM)
+    cols = cb * BN + tl.arange(0, BN)
+    mm, cm = m < M, cols < N
+    KS: tl.constexpr = K // SPLIT
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, KS, BK):
+        kk = s * KS + k0 + tl.arange(0, BK)
+        x = tl.load(X + m[:, None] * sx + kk[None, :], mask=mm[:, None], other=0.0)
+        w = tl.load(W + cols[:, None] * K + kk[None, :], mask=cm[:, None], other=0.0, eviction_policy="evict_first")
+        acc = tl.dot(x, tl.trans(w), acc)
+    part = P + m[:, None] * N + cols[None, :]
+    tl.store(part + s * BM * N, acc, mask=cm[None, :])
+    tl.debug_barrier()  # every thread's partial stored before the program says it is done
+    if tl.atomic_add(C + cb, 1, sem="acq_rel") == SPLIT - 1:
+        tot = tl.zeros((BM, BN), dtype=tl.float32)
+        for i in range(SPLIT):
+            tot += tl.load(part + i * BM * N, mask=cm[None, :], other=0.0, cache_modifier=".cg")
+        tl.store(Y + m[:, None] * N + cols[None, :], tot.to(Y.dtype.element_ty), mask=mm[:, None] & cm[None, :])
+        tl.atomic_xchg(C + cb, 0)
 
 
 @triton.jit
@@ -210,12 +243,19 @@ def sweep(out_dir: str, shape: str) -> None:
         for rows in ROWS:
             xx = torch.randn(rows, k, dtype=torch.bfloat16, device=dev)
             yy = torch.empty(rows, n, dtype=torch.bfloat16, device=dev)
-            ref = F.linear(xx, ws[0]).float()
+            part = torch.empty(8 * 16 * n, dtype=torch.float32, device=dev)  # split-K: up to 8 ranges of 16 rows
+            count_ = torch.zeros(triton.cdiv(n, 16), dtype=torch.int32, device=dev)  # one counter a column block
+            ref = F.linear(xx, ws[-1]).float()  # what yy holds after a run: the last layer's product
 
             def launcher(cfg):
                 def run():
                     for wt in ws:
-                        if len(cfg) == 4:  # the rows_gemv candidate
+                        if len(cfg) == 6:  # the split-K candidate
+                            bm, bn, bk, warps, stages, split = cfg
+                            dot_splitk[(triton.cdiv(n, bn), split)](xx, wt, yy, part, count_, rows, n, k, K=k, BM=bm,
+                                                                    BN=bn, BK=bk, SPLIT=split, num_warps=warps,
+                                                                    num_stages=stages)
+                        elif len(cfg) == 4:  # the rows_gemv candidate
                             bn, bk, warps, mp = cfg
                             rows_gemv[(triton.cdiv(n, bn),)](xx, wt, yy, rows, n, k, K=k, MP=mp, BN=bn, BK=bk,
                                                              num_warps=warps)
@@ -244,6 +284,8 @@ def sweep(out_dir: str, shape: str) -> None:
                 grid = [(bm, bn, bk, w, st) for bn in (16, 32, 64, 128) for bk in (128, 256, 512) for w in (4, 8)
                         for st in (2, 3, 4) if bn * bk <= 16384]
                 picked = eg.dot_tiles(rows, n, k)
+                grid += [(bm, bn, bk, 4, st, sp) for bn in (32, 64, 128) for bk in (64, 128, 256) for st in (3, 4)
+                         for sp in (2, 3, 4, 8) if bm <= 16 and bn * bk <= 16384 and k % (sp * bk) == 0]
                 if rows <= 8:
                     mp = 1 << (rows - 1).bit_length()
                     grid += [(bn, bk, w, mp) for bn in (1, 2) for bk in (256, 512, 1024) for w in (4, 8)
