@@ -59,8 +59,9 @@ def dot_tiles(rows: int, n: int, k: int) -> tuple[int, int, int, int, int] | Non
     """The tensor-core kernel's (row tile, output columns per program, slice width, warps, stages) for
     2 to MAX_ROWS rows, or None where cuBLAS was as fast. From the sweep at 6 and 16 rows: Llama-3.1-8B's
     14336-wide down projection and the 4096-row ones take 512-wide slices, the wide gate-up and head
-    128-wide ones in three stages, 64 columns as q/k/v (the head 1.02-1.05x faster than with 32,
-    gemv-sweep-gpu-20261130-092559.json); SmolLM2's narrow ones 16 to 32 columns."""
+    128-wide ones in three stages, 64 columns as q/k/v (the head 1.02-1.07x faster than with 32 at
+    2-16 rows, gate-up within 1%: gemv-sweep-gpu-20261130-073651/-092559.json); SmolLM2's narrow
+    ones 16 to 32 columns."""
     if k >= 2048:
         if k >= 8192 or n <= 4096:
             return 16, 32, 512, 4, 4
