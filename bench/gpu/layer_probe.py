@@ -19,7 +19,9 @@ tensor-core kernel with K split across programs, configs of six numbers, the las
 
   python3 bench/gpu/layer_probe.py OUT_DIR
   python3 bench/gpu/layer_probe.py OUT_DIR sweep [llama-3.1-8b | smollm2-135m] [ROWS, e.g. 1,6,16,64]
+  SWEEP=split python3 ...   (2 to 16 rows: what dot_tiles picks against the split-K candidates only)
 """
+import os
 import statistics
 import sys
 
@@ -229,6 +231,7 @@ SWEEP_SHAPES = {
 
 
 ROWS = (1, 6, 16, 64)
+SPLIT_ONLY = os.environ.get("SWEEP") == "split"  # the picked tile and the split-K candidates only
 
 
 def sweep(out_dir: str, shape: str) -> None:
@@ -243,7 +246,7 @@ def sweep(out_dir: str, shape: str) -> None:
         for rows in ROWS:
             xx = torch.randn(rows, k, dtype=torch.bfloat16, device=dev)
             yy = torch.empty(rows, n, dtype=torch.bfloat16, device=dev)
-            part = torch.empty(8 * 16 * n, dtype=torch.float32, device=dev)  # split-K: up to 8 ranges of 16 rows
+            part = torch.empty(9 * 16 * n, dtype=torch.float32, device=dev)  # split-K: up to 9 ranges of 16 rows
             count_ = torch.zeros(triton.cdiv(n, 16), dtype=torch.int32, device=dev)  # one counter a column block
             ref = F.linear(xx, ws[-1]).float()  # what yy holds after a run: the last layer's product
 
@@ -284,9 +287,15 @@ def sweep(out_dir: str, shape: str) -> None:
                 grid = [(bm, bn, bk, w, st) for bn in (16, 32, 64, 128) for bk in (128, 256, 512) for w in (4, 8)
                         for st in (2, 3, 4) if bn * bk <= 16384]
                 picked = eg.dot_tiles(rows, n, k)
-                grid += [(bm, bn, bk, 4, st, sp) for bn in (32, 64, 128) for bk in (64, 128, 256) for st in (3, 4)
-                         for sp in (2, 3, 4, 8) if bm <= 16 and bn * bk <= 16384 and k % (sp * bk) == 0]
-                if rows <= 8:
+                if k < 2048:  # SmolLM2's narrow projections: short K loops, split finer
+                    split = [(bm, bn, bk, 4, st, sp) for bn in (16, 32) for bk in (32, 64, 128, 256) for st in (3, 4)
+                             for sp in (2, 3, 4, 6, 8, 9) if k % (sp * bk) == 0]
+                else:
+                    split = [(bm, bn, bk, 4, 4, sp) for bn in (32, 64, 128) for bk in (128, 256) for sp in (2, 4, 8)
+                             if bn * bk <= 16384 and k % (sp * bk) == 0]
+                split = split if bm <= 16 else []
+                grid = [picked or grid[0]] + split if SPLIT_ONLY else grid + split
+                if rows <= 8 and not SPLIT_ONLY:
                     mp = 1 << (rows - 1).bit_length()
                     grid += [(bn, bk, w, mp) for bn in (1, 2) for bk in (256, 512, 1024) for w in (4, 8)
                              if bk <= max(256, 1 << (k - 1).bit_length())]
