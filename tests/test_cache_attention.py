@@ -85,6 +85,39 @@ def test_matches_sdpa_and_stores(b, hkv, g, d, t, kv_len, tree, chunk, rows):
     assert torch.equal(cache[0], k_want) and torch.equal(cache[1], v_want)
 
 
+@pytest.mark.parametrize("t,tree,norm", [(1, False, False), (6, True, False), (16, False, True), (5, True, True)])
+def test_rotates_and_norms_as_it_loads(t, tree, norm):
+    """Given the projection's raw q, k, v with cos/sin (and Qwen3's per-head q/k RMSNorm), the kernel
+    attends and stores what the RoPE and RMSNorm modules' output would give it."""
+    from eaglet.config import RopeConfig, rope_inv_freq
+    from eaglet.models.llama import RMSNorm, rope_cos_sin, rotate_half
+
+    gen = torch.Generator().manual_seed(2)
+    b, hkv, g, d, kv_len, dt = 2, 2, 3, 64, 128, torch.float16
+    qkv = torch.randn(b, t, hkv * (g + 2), d, generator=gen).to(DEV, dt)
+    cache = torch.randn(2, b, hkv, kv_len, d, generator=gen).to(DEV, dt)
+    start = torch.tensor([40, 100 - t]).to(DEV)
+    positions = start[:, None] + torch.arange(t, device=DEV)
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(RopeConfig(theta=10000.0), d).to(DEV), dt)
+    h = hkv * g
+    q, k, v = qkv[:, :, :h], qkv[:, :, h:h + hkv], qkv[:, :, h + hkv:]
+    qk_norm = None
+    if norm:
+        qn, kn = RMSNorm(d, 1e-6), RMSNorm(d, 1e-6)
+        for n in (qn, kn):
+            n.weight.data = (0.5 + torch.rand(d, generator=gen)).to(DEV, dt)
+        q, k = qn(q), kn(k)
+        qk_norm = (qn.weight, kn.weight, 1e-6)
+    rq, rk = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    mask = tree_mask(b, t, gen).to(DEV) if tree else None
+    want, k_want, v_want = reference(torch.cat([rq, rk, v], 2), cache[0], cache[1], start, mask, g)
+    got = ca.cache_attention(qkv, cache[0], cache[1], start, mask, kv_len, g, rope=(cos, sin), qk_norm=qk_norm)
+    torch.testing.assert_close(got.float().cpu(), want, atol=4e-3, rtol=4e-3)
+    torch.testing.assert_close(cache[0].float(), k_want.float(), atol=2e-3, rtol=2e-3)  # rotated keys stored
+    assert torch.equal(cache[1], v_want)
+    assert not torch.allclose(cache[0][0, :, 40:40 + t].float(), k[0].transpose(0, 1).float())  # not the raw keys
+
+
 def test_split_size_covers_the_span():
     for n in (1, 100, 256, 257, 512, 513, 2048, 4096, 32768):
         for programs in (1, 3, 48, 128, 1024):
@@ -112,10 +145,13 @@ def half_model(tiny_dirs):
 
 
 @torch.inference_mode()
-def test_model_decoding_matches_sdpa(half_model, kernel_on):
+@pytest.mark.parametrize("arch", ["smollm2", "qwen3"])
+def test_model_decoding_matches_sdpa(half_model, tiny_dirs, arch, kernel_on):
     """A 9-token block, 12 one-token steps, then a 5-node tree block (not committed), with the
-    kernel and without: the same logits and the same cache."""
-    model = half_model
+    kernel and without: the same logits and the same cache (Qwen3: its q/k norm in the kernel)."""
+    model = half_model if arch == "smollm2" else load_model(tiny_dirs[arch][0], dtype="float16", device=DEV,
+                                                            tokenizer=False).model
+    assert model.config.qk_norm == (arch == "qwen3")
     c = model.config
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, c.vocab_size, (2, 9), generator=gen).to(DEV)

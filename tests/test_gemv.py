@@ -1,7 +1,7 @@
 """The few-row matmul kernels (models/gemv.py) on the CPU through Triton's interpreter (conftest sets
 TRITON_INTERPRET=1 without a GPU), in float16 (the interpreter has no bfloat16): the GEMV (one row)
 and the tensor-core kernel (2 to 64 rows) equal F.linear for even and ragged widths, with and without
-bias; linear() sends them 1 to 64 rows, and only where they may run (no autograd, half precision);
+bias, and with the MLP's SiLU·mul fused in (`glu`); linear() sends them 1 to 64 rows, and only where they may run (no autograd, half precision);
 as a custom op they trace under torch.compile; a model prefilling and decoding through them gives the
 logits of the cuBLAS/MKL path."""
 import pytest
@@ -32,6 +32,22 @@ def test_matches_linear(rows, n, k, bias, gemv_on):
     ref = F.linear(x.float(), w.float(), None if b is None else b.float())
     assert y.shape == (1, rows, n) and y.dtype == torch.float16
     torch.testing.assert_close(y.float(), ref, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("rows,i,k,bias", [(1, 48, 576, False), (1, 37, 100, True), (2, 48, 576, True),
+                                           (6, 70, 9000, False), (16, 33, 100, True)])
+def test_glu_matches_silu_of_gate_times_up(rows, i, k, bias, gemv_on):
+    """gate-up and SiLU·mul in one kernel equal F.linear, chunk, silu(gate) * up on the rounded
+    products; the up rows are the second half of the weight (and of the bias)."""
+    g = torch.Generator().manual_seed(i + k)
+    w = (torch.randn(2 * i, k, generator=g) * 0.05).half().to(DEV)
+    b = torch.randn(2 * i, generator=g).half().to(DEV) if bias else None
+    x = torch.randn(1, rows, k, generator=g).half().to(DEV)
+    with torch.no_grad():
+        y = gemv.glu(x, w, b)
+    gate, up = F.linear(x.float(), w.float(), None if b is None else b.float()).half().float().chunk(2, -1)
+    assert y.shape == (1, rows, i) and y.dtype == torch.float16
+    torch.testing.assert_close(y.float(), F.silu(gate) * up, atol=2e-3, rtol=2e-3)
 
 
 def test_tiles(gemv_on):
@@ -77,17 +93,18 @@ def test_custom_op_traces(gemv_on):
     around it)."""
     w = torch.randn(24, 40).half().to(DEV)
     x = torch.randn(1, 1, 40).half().to(DEV)
-    torch.library.opcheck(torch.ops.eaglet.gemv.default, (x, w, None),
-                          test_utils=("test_schema", "test_faketensor"))
+    for op in (torch.ops.eaglet.gemv.default, torch.ops.eaglet.gemv_glu.default):
+        torch.library.opcheck(op, (x, w, None), test_utils=("test_schema", "test_faketensor"))
 
 
 @torch.inference_mode()
 def test_model_decoding_matches(tiny_dirs, gemv_on, monkeypatch):
     """The tiny SmolLM2-shaped model in float16: a 6-token prompt, then 8 one-token steps, through the
-    kernel (every projection and the head of each step) and through F.linear: the same logits."""
+    kernel (every projection and the head of each step; gate-up with SiLU·mul as one) and through
+    F.linear: the same logits."""
     calls = []
-    inner = gemv.gemv
-    monkeypatch.setattr(gemv, "gemv", lambda *a: calls.append(1) or inner(*a))
+    for name in ("gemv", "glu"):
+        monkeypatch.setattr(gemv, name, lambda *a, f=getattr(gemv, name), n=name: calls.append(n) or f(*a))
     model = load_model(tiny_dirs["smollm2"][0], dtype="float16", device=DEV, tokenizer=False).model
     c = model.config
     prompt = torch.randint(3, c.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0)).to(DEV)
@@ -95,6 +112,7 @@ def test_model_decoding_matches(tiny_dirs, gemv_on, monkeypatch):
     for on in (True, False):
         gemv.enable(on)
         runs.append(greedy_logits(model, KVCache.for_model(c, 1, 32, torch.float16, DEV), prompt, 9))
-        assert len(calls) == (9 * (4 * c.num_layers + 1) if on else 0)
+        assert calls.count("gemv") == (9 * (3 * c.num_layers + 1) if on else 0)
+        assert calls.count("glu") == (9 * c.num_layers if on else 0)
         calls.clear()
     torch.testing.assert_close(runs[0], runs[1], atol=2e-2, rtol=2e-2)

@@ -200,7 +200,7 @@ def main(out_dir: str) -> None:
         for bn, bk, warps in configs:
             def tri(xx, ww, yy, bn=bn, bk=bk, warps=warps):
                 eg._kernel[(triton.cdiv(n, bn),)](xx, ww, yy, yy, n, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
-                                                  HAS_BIAS=False, num_warps=warps)
+                                                  HAS_BIAS=False, GLU=False, num_warps=warps)
             tri(x[name], w[name][0], y[name])
             err = (y[name].float() - ref.float()).abs().max().item()
             tb = gb / timed_graph(one(tri))
@@ -214,7 +214,7 @@ def main(out_dir: str) -> None:
         n, k = ww.shape
         bn, bk, warps = best_cfg.get(next((s for s, v in SHAPES.items() if v == (n, k)), ""), (4, 1024, 8))
         eg._kernel[(triton.cdiv(n, bn),)](xx, ww, yy, yy, n, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
-                                          HAS_BIAS=False, num_warps=warps)
+                                          HAS_BIAS=False, GLU=False, num_warps=warps)
 
     results["gemms_triton"] = per_step(timed_graph(lambda: step(triton_best)))
     results["layer_triton"] = per_step(timed_graph(lambda: step(triton_best, True)))
@@ -264,12 +264,12 @@ def sweep(out_dir: str, shape: str) -> None:
                                                              num_warps=warps)
                         elif rows == 1:
                             bn, bk, warps = cfg
-                            eg._kernel[(triton.cdiv(n, bn),)](xx, wt, yy, yy, n, K=k, BN=bn, BK=bk,
-                                                              EVEN_K=k % bk == 0, HAS_BIAS=False, num_warps=warps)
+                            eg._kernel[(triton.cdiv(n, bn),)](xx, wt, yy, yy, n, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
+                                                              HAS_BIAS=False, GLU=False, num_warps=warps)
                         else:
                             bm, bn, bk, warps, stages = cfg
                             eg._dot_kernel[(triton.cdiv(n, bn),)](xx, wt, yy, yy, rows, n, k, K=k, BM=bm, BN=bn,
-                                                                  BK=bk, EVEN_K=k % bk == 0, HAS_BIAS=False,
+                                                                  BK=bk, EVEN_K=k % bk == 0, HAS_BIAS=False, GLU=False,
                                                                   num_warps=warps, num_stages=stages)
                 return run
 

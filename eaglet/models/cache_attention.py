@@ -5,7 +5,8 @@ The general path (models/llama.py) stores the new keys and values with an indexe
 out the queries, builds an additive mask and calls SDPA, then copies the output back to token
 order: six or seven kernels per layer, each a few microseconds of launch latency while the bytes
 they move take well under one. Here one kernel does all of it. It reads q, k and v of the new
-tokens from the packed tensor RoPE writes (B, T, H + 2 Hkv, D), stores k and v at slots
+tokens from the q/k/v projection's output (B, T, H + 2 Hkv, D), applies RoPE (after Qwen3's q/k
+RMSNorm) to q and k as it loads them, stores k and v at slots
 start .. start+T-1 of each row, and attends each query over the slots before `start` (all
 visible: the committed prefix and any block entries of earlier forwards) and over the new tokens
 themselves, causally or as a tree mask allows. The new tokens' keys are used from registers, so
@@ -84,13 +85,16 @@ def split_size(kv_len: int, programs: int) -> int:
 
 def cache_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
                     mask: torch.Tensor | None, kv_len: int, groups: int, chunk: int | None = None,
-                    rows: int | None = None) -> torch.Tensor:
-    """qkv (B, T, H + 2 Hkv, D): rotated queries, rotated keys, values of T new tokens per row (query
-    head h = kv * groups + g); k_cache, v_cache (B, Hkv, S, D): this layer's cache rows; start (B,):
+                    rows: int | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+    """qkv (B, T, H + 2 Hkv, D): queries, keys, values of T new tokens per row (query head
+    h = kv * groups + g); k_cache, v_cache (B, Hkv, S, D): this layer's cache rows; start (B,):
     the slot of each row's first new token (every slot before it is visible; any stride); mask (B, T, T) bool,
     new token t sees new token u, or None for causal; kv_len: slots a step may attend over (>= every
     start + T); chunk, rows: slots per split and query rows per program, instead of the rules
-    (split_size, row_tiles; for probes). Stores the new keys and values; returns the attention
+    (split_size, row_tiles; for probes); rope: cos, sin (B, T, 1, D) in the rotate-half layout, or
+    None when q and k come rotated; qk_norm: (q weight, k weight, eps) of an RMSNorm over each head
+    before the rotation (Qwen3). Stores the new (rotated) keys and values; returns the attention
     output (B, T, H * D)."""
     b, t, heads, d = qkv.shape
     hkv = k_cache.shape[1]
@@ -110,13 +114,17 @@ def cache_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         part_m = part_l = part_o = out  # not read
     tree = mask is not None
     m = mask if tree else start  # not read without a tree
+    cos, sin = rope if rope is not None else (out, out)  # not read without RoPE
+    assert rope is None or (cos.shape[:2] == (b, t) and cos.stride() == sin.stride() and cos.stride(-1) == 1)
+    assert qk_norm is None or rope is not None  # the kernel norms q and k on the way to rotating them
+    qw, kw, eps = qk_norm if qk_norm is not None else (out, out, 0.0)
     _attend[(b, hkv * tiles, splits)](
-        qkv, k_cache, v_cache, start, m, out, part_m, part_l, part_o, 1.0 / math.sqrt(d), chunk, t,
-        qkv.stride(0), qkv.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), start.stride(0),
-        m.stride(0) if tree else 0, m.stride(1) if tree else 0, m.stride(2) if tree else 0,
-        out.stride(0), out.stride(1),
+        qkv, k_cache, v_cache, start, m, out, part_m, part_l, part_o, cos, sin, qw, kw, eps, 1.0 / math.sqrt(d),
+        chunk, t, qkv.stride(0), qkv.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        start.stride(0), m.stride(0) if tree else 0, m.stride(1) if tree else 0, m.stride(2) if tree else 0,
+        out.stride(0), out.stride(1), cos.stride(0), cos.stride(1),
         H=h, HKV=hkv, G=groups, TILES=tiles, ROWS=rows, TP=max(16, pow2(t)), D=d, BLOCK=64,
-        TREE=tree, SPLIT=splits > 1)
+        TREE=tree, SPLIT=splits > 1, ROPE=rope is not None, QK_NORM=qk_norm is not None)
     if splits > 1:
         _combine[(b, hkv * tiles)](part_m, part_l, part_o, out, splits, t, out.stride(0), out.stride(1),
                                    G=groups, TILES=tiles, ROWS=rows, D=d, SP=max(2, pow2(splits)))
@@ -125,10 +133,35 @@ def cache_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 if triton is not None:
     @triton.jit
-    def _attend(QKV, K, V, START, MASK, OUT, PM, PL, PO, scale, chunk, T,
-                s_b, s_t, sk_b, sk_h, sk_s, s_start, sm_b, sm_t, sm_u, so_b, so_t,
+    def _head(QKV, COS, SIN, W, eps, off, tok, sc_b, sc_t, b, m, D: tl.constexpr, ROPE: tl.constexpr,
+              NORM: tl.constexpr):
+        """Rows of one head's q or k at QKV + off (len(off) rows of D), tokens `tok`, rows `m` real:
+        RMSNorm'd with W when NORM, rotated by RoPE when ROPE (the rotate-half partner of element i
+        is i + D/2 mod D, read again from memory), rounded once to the input's dtype like the
+        compiled modules."""
+        d = tl.arange(0, D)
+        x = tl.load(QKV + off[:, None] + d[None, :], mask=m[:, None], other=0.0)
+        if ROPE:
+            dr = (d + D // 2) % D
+            xf = x.to(tl.float32)
+            x2 = tl.load(QKV + off[:, None] + dr[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+            if NORM:  # RMSNorm(head): weight * (x / rms).to(dtype), rounded
+                inv = tl.rsqrt(tl.sum(xf * xf, 1) / D + eps)[:, None]
+                xf = (tl.load(W + d).to(tl.float32)[None, :] * (xf * inv).to(x.dtype).to(tl.float32)).to(x.dtype)
+                x2 = (tl.load(W + dr).to(tl.float32)[None, :] * (x2 * inv).to(x.dtype).to(tl.float32)).to(x.dtype)
+                xf, x2 = xf.to(tl.float32), x2.to(tl.float32)
+            cs = b * sc_b + tok[:, None] * sc_t + d[None, :]
+            cos = tl.load(COS + cs, mask=m[:, None], other=0.0).to(tl.float32)
+            sin = tl.load(SIN + cs, mask=m[:, None], other=0.0).to(tl.float32)
+            x = (xf * cos + tl.where(d < D // 2, -x2, x2) * sin).to(x.dtype)
+        return x
+
+    @triton.jit
+    def _attend(QKV, K, V, START, MASK, OUT, PM, PL, PO, COS, SIN, QW, KW, eps, scale, chunk, T,
+                s_b, s_t, sk_b, sk_h, sk_s, s_start, sm_b, sm_t, sm_u, so_b, so_t, sc_b, sc_t,
                 H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, TILES: tl.constexpr, ROWS: tl.constexpr,
-                TP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, TREE: tl.constexpr, SPLIT: tl.constexpr):
+                TP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, TREE: tl.constexpr, SPLIT: tl.constexpr,
+                ROPE: tl.constexpr, QK_NORM: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1) // TILES
         tile = tl.program_id(1) % TILES
@@ -139,11 +172,11 @@ if triton is not None:
         r = tile * ROWS + tl.arange(0, ROWS)  # query rows: token r // G, head h * G + r % G
         tq = r // G
         rm = tq < T
-        q = tl.load(QKV + b * s_b + tq[:, None] * s_t + (h * G + r % G)[:, None] * D + d[None, :],
-                    mask=rm[:, None], other=0.0)
+        q = _head(QKV, COS, SIN, QW, eps, b * s_b + tq * s_t + (h * G + r % G) * D, tq, sc_b, sc_t, b, rm, D, ROPE,
+                  QK_NORM)
         u = tl.arange(0, TP)  # the new tokens as keys
         um = u < T
-        k_new = tl.load(QKV + b * s_b + u[:, None] * s_t + (H + h) * D + d[None, :], mask=um[:, None], other=0.0)
+        k_new = _head(QKV, COS, SIN, KW, eps, b * s_b + u * s_t + (H + h) * D, u, sc_b, sc_t, b, um, D, ROPE, QK_NORM)
         v_new = tl.load(QKV + b * s_b + u[:, None] * s_t + (H + HKV + h) * D + d[None, :], mask=um[:, None], other=0.0)
         cache = b * sk_b + h * sk_h
         keep = tl.where(last & (tile == 0), um, False)[:, None]  # one writer per row and kv head

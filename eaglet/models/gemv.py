@@ -78,25 +78,39 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return torch.ops.eaglet.gemv(x, weight, bias)
 
 
-@torch.library.custom_op("eaglet::gemv", mutates_args=())
-def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The MLP's gate-up and SiLU·mul in one kernel: weight (2I, K) the gate rows then the up rows
+    (bias likewise) -> silu(gate) * up (..., I). Each program reads its gate rows and the matching
+    up rows, rounds both products to x's dtype (as the separate matmul would) and multiplies."""
+    return torch.ops.eaglet.gemv_glu(x, weight, bias)
+
+
+def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: bool) -> torch.Tensor:
     n, k = weight.shape
     xr = x.reshape(-1, k)
     if xr.stride(1) != 1:
         xr = xr.contiguous()
     m = xr.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = n // 2 if glu else n  # output columns; with glu each program also reads the rows `out` further on
+    y = torch.empty(m, out, dtype=x.dtype, device=x.device)
     b = bias if bias is not None else y  # not read
     if m == 1:
         bn, bk, warps = tiles(n, k)
-        _kernel[(triton.cdiv(n, bn),)](xr, weight, b, y, n, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
-                                       HAS_BIAS=bias is not None, num_warps=warps)
+        bn = max(1, bn // 2) if glu else bn  # the same weight rows a program as the plain matmul
+        _kernel[(triton.cdiv(out, bn),)](xr, weight, b, y, out, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
+                                         HAS_BIAS=bias is not None, GLU=glu, num_warps=warps)
     else:
         bm, bn, bk, warps, stages = dot_tiles(m, n, k)
-        _dot_kernel[(triton.cdiv(n, bn),)](xr, weight, b, y, m, n, xr.stride(0), K=k, BM=bm, BN=bn, BK=bk,
-                                           EVEN_K=k % bk == 0, HAS_BIAS=bias is not None, num_warps=warps,
-                                           num_stages=stages)
-    return y.view(*x.shape[:-1], n)
+        bn = max(16, bn // 2) if glu else bn
+        _dot_kernel[(triton.cdiv(out, bn),)](xr, weight, b, y, m, out, xr.stride(0), K=k, BM=bm, BN=bn, BK=bk,
+                                             EVEN_K=k % bk == 0, HAS_BIAS=bias is not None, GLU=glu,
+                                             num_warps=warps, num_stages=stages)
+    return y.view(*x.shape[:-1], out)
+
+
+@torch.library.custom_op("eaglet::gemv", mutates_args=())
+def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _run(x, weight, bias, False)
 
 
 @_gemv_op.register_fake
@@ -104,50 +118,76 @@ def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+@torch.library.custom_op("eaglet::gemv_glu", mutates_args=())
+def _glu_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _run(x, weight, bias, True)
+
+
+@_glu_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
+
+
 if triton is not None:
     @triton.jit
+    def _silu_mul(g, u, dtype: tl.constexpr):
+        """silu(g) * u of two float32 products, each first rounded to `dtype` like a matmul's output."""
+        g = g.to(dtype).to(tl.float32)
+        return g * tl.sigmoid(g) * u.to(dtype).to(tl.float32)
+
+    @triton.jit
     def _kernel(X, W, B, Y, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                HAS_BIAS: tl.constexpr):
+                HAS_BIAS: tl.constexpr, GLU: tl.constexpr):
+        """Y (N,) = W X (+ B) for one row X; with GLU, silu(W[:N] X) * (W[N:] X)."""
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         rm = rows < N
         acc = tl.zeros((BN, BK), dtype=tl.float32)
+        acc2 = tl.zeros((BN, BK), dtype=tl.float32)  # the up rows (GLU)
         for k0 in range(0, K, BK):
             cols = k0 + tl.arange(0, BK)
-            if EVEN_K:
-                w = tl.load(W + rows[:, None] * K + cols[None, :], mask=rm[:, None], other=0.0,
-                            eviction_policy="evict_first")
-                x = tl.load(X + cols)
-            else:
-                cm = cols < K
-                w = tl.load(W + rows[:, None] * K + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0,
-                            eviction_policy="evict_first")
-                x = tl.load(X + cols, mask=cm, other=0.0)
+            wm = rm[:, None] if EVEN_K else rm[:, None] & (cols < K)[None, :]
+            x = tl.load(X + cols) if EVEN_K else tl.load(X + cols, mask=cols < K, other=0.0)
+            w = tl.load(W + rows[:, None] * K + cols[None, :], mask=wm, other=0.0, eviction_policy="evict_first")
             acc += w.to(tl.float32) * x[None, :].to(tl.float32)
+            if GLU:
+                w2 = tl.load(W + (rows + N)[:, None] * K + cols[None, :], mask=wm, other=0.0,
+                             eviction_policy="evict_first")
+                acc2 += w2.to(tl.float32) * x[None, :].to(tl.float32)
         y = tl.sum(acc, 1)
         if HAS_BIAS:
             y += tl.load(B + rows, mask=rm, other=0.0).to(tl.float32)
+        if GLU:
+            y2 = tl.sum(acc2, 1)
+            if HAS_BIAS:
+                y2 += tl.load(B + N + rows, mask=rm, other=0.0).to(tl.float32)
+            y = _silu_mul(y, y2, Y.dtype.element_ty)
         tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rm)
 
     @triton.jit
     def _dot_kernel(X, W, B, Y, M, N, sx, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """Y (M, N) = X (M, K) Wᵀ (+ B) for M <= BM rows: each program streams BN rows of W once."""
+                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr):
+        """Y (M, N) = X (M, K) Wᵀ (+ B) for M <= BM rows: each program streams BN rows of W once (with
+        GLU also the BN rows N further on, and writes silu(first) * second)."""
         m = tl.arange(0, BM)
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
         mm, cm = m < M, cols < N
         acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc2 = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
             kk = k0 + tl.arange(0, BK)
-            if EVEN_K:
-                x = tl.load(X + m[:, None] * sx + kk[None, :], mask=mm[:, None], other=0.0)
-                w = tl.load(W + cols[:, None] * K + kk[None, :], mask=cm[:, None], other=0.0,
-                            eviction_policy="evict_first")
-            else:
-                km = kk < K
-                x = tl.load(X + m[:, None] * sx + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
-                w = tl.load(W + cols[:, None] * K + kk[None, :], mask=cm[:, None] & km[None, :], other=0.0,
-                            eviction_policy="evict_first")
+            xm = mm[:, None] if EVEN_K else mm[:, None] & (kk < K)[None, :]
+            wm = cm[:, None] if EVEN_K else cm[:, None] & (kk < K)[None, :]
+            x = tl.load(X + m[:, None] * sx + kk[None, :], mask=xm, other=0.0)
+            w = tl.load(W + cols[:, None] * K + kk[None, :], mask=wm, other=0.0, eviction_policy="evict_first")
             acc = tl.dot(x, tl.trans(w), acc)
+            if GLU:
+                w2 = tl.load(W + (cols + N)[:, None] * K + kk[None, :], mask=wm, other=0.0,
+                             eviction_policy="evict_first")
+                acc2 = tl.dot(x, tl.trans(w2), acc2)
         if HAS_BIAS:
             acc += tl.load(B + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+        if GLU:
+            if HAS_BIAS:
+                acc2 += tl.load(B + N + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+            acc = _silu_mul(acc, acc2, Y.dtype.element_ty)
         tl.store(Y + m[:, None] * N + cols[None, :], acc.to(Y.dtype.element_ty), mask=mm[:, None] & cm[None, :])

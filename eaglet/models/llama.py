@@ -17,7 +17,7 @@ from torch import nn
 from ..config import ModelConfig, rope_inv_freq
 from ..kvcache import KVCache
 from ..runtime.compile import fusable
-from . import cache_attention
+from . import cache_attention, gemv
 from .attention import AttnMeta
 from .linear import Linear, linear
 
@@ -45,23 +45,21 @@ class RoPE(nn.Module):
     what attention and the cache take: q (B, Hkv, G*T, D), each kv head's G query heads stacked as
     rows (head h = kv * G + g, row g * T + t), and keys with values (B, T, 2, Hkv, D). A module with
     no weights, so the runtime compiles it: rotation and relayout become one kernel per output
-    instead of a rotation and then a copy. With one token (decoding) q's heads are already in
-    that order, so q, k and v go into one tensor, one kernel, and both results are views of it.
-    `packed` returns that tensor (B, T, H + 2 Hkv, D) at any T: what cache_attention reads."""
+    instead of a rotation and then a copy. With one token q's heads are already in that order, so
+    q, k and v go into one tensor, one kernel, and both results are views of it. (A few tokens
+    over the cache on the GPU skip it: cache_attention rotates as it loads.)"""
 
     def __init__(self, groups: int):
         super().__init__()
         self.groups = groups
 
-    def forward(self, q, k, v, cos, sin, packed: bool = False):
+    def forward(self, q, k, v, cos, sin):
         b, t, h, d = q.shape
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         hkv = h // self.groups
-        if packed or t == 1:
-            out = torch.cat([q, k, v], 2)  # (B, T, H + 2 Hkv, D)
-            if packed:
-                return out
+        if t == 1:
+            out = torch.cat([q, k, v], 2)  # (B, 1, H + 2 Hkv, D)
             return out[:, 0, :h].view(b, hkv, self.groups, d), out[:, :, h:].view(b, 1, 2, hkv, d)
         q = q.view(b, t, hkv, self.groups, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, self.groups * t, d)
         return q, torch.stack([k, v], 2)
@@ -133,18 +131,20 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache: KVCache, meta: AttnMeta) -> torch.Tensor:
         b, t, _ = x.shape
+        if isinstance(cache, KVCache) and meta.fast and cache_attention.usable(x, t):
+            # a few tokens per row: q/k norm, RoPE, store, attend and lay out in one kernel
+            qkv = (linear(x, self.qkv_weight, self.qkv_bias) if self.fused else torch.cat(self.project(x), -1))
+            norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
+            o = cache_attention.cache_attention(qkv.view(b, t, -1, self.d), cache.k[self.layer, :b],
+                                                cache.v[self.layer, :b], meta.slots[:, 0], meta.block_mask,
+                                                meta.kv_len, self.nh // self.nkv, rope=(cos, sin), qk_norm=norm)
+            return self.o_proj(o)
         q, k, v = self.project(x)
         q = q.view(b, t, self.nh, self.d)
         k = k.view(b, t, self.nkv, self.d)
         v = v.view(b, t, self.nkv, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if isinstance(cache, KVCache) and meta.fast and cache_attention.usable(x, t):
-            # a few tokens per row: store, attend and lay out in one kernel
-            qkv = self.rope(q, k, v, cos, sin, packed=True)  # (B, T, H + 2 Hkv, D)
-            o = cache_attention.cache_attention(qkv, cache.k[self.layer, :b], cache.v[self.layer, :b], meta.slots[:, 0],
-                                                meta.block_mask, meta.kv_len, self.nh // self.nkv)
-            return self.o_proj(o)
         q, kv = self.rope(q, k, v, cos, sin)  # (B, Hkv, G*T, D), (B, T, 2, Hkv, D)
         if hasattr(cache, "attend"):  # training (train/ttt.py): the stand-in computes the attention itself
             k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # (B, Hkv, T, D)
@@ -176,6 +176,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fused:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if gemv.usable(x, self.gate_up_weight, x.numel() // x.shape[-1]):  # few rows on the GPU: one kernel
+            return self.down_proj(gemv.glu(x, self.gate_up_weight, self.gate_up_bias))
         gate, up = linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, -1)
         return self.down_proj(F.silu(gate) * up)
 
