@@ -20,6 +20,7 @@ tensor-core kernel with K split across programs, configs of six numbers, the las
   python3 bench/gpu/layer_probe.py OUT_DIR
   python3 bench/gpu/layer_probe.py OUT_DIR sweep [llama-3.1-8b | smollm2-135m] [ROWS, e.g. 1,6,16,64]
   SWEEP=split python3 ...   (2 to 16 rows: what dot_tiles picks against the split-K candidates only)
+  python3 bench/gpu/layer_probe.py OUT_DIR glu [SHAPE] [ROWS]   (gate-up + SiLU·mul: unfused against gemv.glu)
 """
 import os
 import statistics
@@ -323,10 +324,68 @@ def sweep(out_dir: str, shape: str) -> None:
     print(write_record("gemv-sweep", {"argv": sys.argv, "shape": shape}, results, out_dir))
 
 
+def glu_sweep(out_dir: str, shape: str) -> None:
+    """The MLP's gate-up then SiLU·mul: eaglet's few-row matmul with what dot_tiles/tiles pick, then the
+    compiled SiLU·mul kernel (the unfused path), against `gemv.glu` (one kernel) over a grid of tiles."""
+    from eaglet.models import gemv as eg
+
+    layers, shapes = SWEEP_SHAPES[shape]
+    n, k = shapes["gate_up"]
+    i = n // 2
+    ws = [torch.empty(n, k, dtype=torch.bfloat16, device=dev).normal_(0, 0.02) for _ in range(layers)]
+    gb = n * k * 2 * layers / 1e9
+    silu_mul = torch.compile(lambda y: F.silu(y[..., :i]) * y[..., i:], dynamic=True)
+    eg.enable()
+    results = {}
+    for rows in ROWS:
+        xx = torch.randn(rows, k, dtype=torch.bfloat16, device=dev)
+        yy = torch.empty(rows, i, dtype=torch.bfloat16, device=dev)
+        ref = silu_mul(F.linear(xx, ws[-1]))
+        row = {"shape": [n, k], "rows": rows, "copies": layers, "grid": {}}
+        ms = timed_graph(lambda: [silu_mul(eg.gemv(xx, wt)) for wt in ws])
+        row["unfused_us"] = ms * 1e3 / layers
+        ms = timed_graph(lambda: [eg.gemv(xx, wt) for wt in ws])
+        row["matmul_alone_us"] = ms * 1e3 / layers
+        ms = timed_graph(lambda: [eg.glu(xx, wt) for wt in ws])
+        row["glu_picked_us"] = ms * 1e3 / layers
+        if rows == 1:
+            grid = [(bn, bk, w) for bn in (1, 2, 4) for bk in (256, 512, 1024, 2048) for w in (2, 4, 8)
+                    if bk <= max(256, 1 << (k - 1).bit_length())]
+        else:
+            grid = [(16, bn, bk, w, st) for bn in (16, 32, 64) for bk in (64, 128, 256) for w in (4, 8)
+                    for st in (2, 3, 4) if bn * bk <= 16384]
+        for cfg in grid:
+            def run(cfg=cfg):
+                for wt in ws:
+                    if rows == 1:
+                        bn, bk, w = cfg
+                        eg._kernel[(triton.cdiv(i, bn),)](xx, wt, yy, yy, i, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
+                                                          HAS_BIAS=False, GLU=True, num_warps=w)
+                    else:
+                        bm, bn, bk, w, st = cfg
+                        eg._dot_kernel[(triton.cdiv(i, bn),)](xx, wt, yy, yy, rows, i, k, K=k, BM=bm, BN=bn, BK=bk,
+                                                              EVEN_K=k % bk == 0, HAS_BIAS=False, GLU=True,
+                                                              num_warps=w, num_stages=st)
+            try:
+                run()
+            except triton.runtime.errors.OutOfResources:
+                continue
+            err = (yy.float() - ref.float()).abs().max().item()
+            ms = timed_graph(run)
+            row["grid"][",".join(map(str, cfg))] = {"us": ms * 1e3 / layers, "tb_s": gb / ms, "max_err": err}
+        best = min(row["grid"], key=lambda c: row["grid"][c]["us"])
+        row.update(best=best, best_us=row["grid"][best]["us"])
+        results[f"glu_rows{rows}"] = row
+        print(f"gate_up {n}x{k} rows {rows:>2}: matmul + silu·mul {row['unfused_us']:.2f} us (matmul alone "
+              f"{row['matmul_alone_us']:.2f}), glu picked {row['glu_picked_us']:.2f}, best {best} {row['best_us']:.2f} us",
+              flush=True)
+    print(write_record("glu-sweep", {"argv": sys.argv, "shape": shape}, results, out_dir))
+
+
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[2] == "sweep":
+    if len(sys.argv) > 2 and sys.argv[2] in ("sweep", "glu"):
         if len(sys.argv) > 4:
             ROWS = tuple(int(r) for r in sys.argv[4].split(","))
-        sweep(sys.argv[1], sys.argv[3] if len(sys.argv) > 3 else "llama-3.1-8b")
+        (sweep if sys.argv[2] == "sweep" else glu_sweep)(sys.argv[1], sys.argv[3] if len(sys.argv) > 3 else "llama-3.1-8b")
     else:
         main(sys.argv[1] if len(sys.argv) > 1 else "/tmp")
