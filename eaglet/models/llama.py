@@ -176,7 +176,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fused:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        if gemv.usable(x, self.gate_up_weight, x.numel() // x.shape[-1]):  # few rows on the GPU: one kernel
+        if gemv.usable(x, self.gate_up_weight, x.numel() // x.shape[-1], glu=True):  # few rows on the GPU: one kernel
             return self.down_proj(gemv.glu(x, self.gate_up_weight, self.gate_up_bias))
         gate, up = linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, -1)
         return self.down_proj(F.silu(gate) * up)
