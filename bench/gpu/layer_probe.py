@@ -18,7 +18,7 @@ for 2 to 16 rows also two candidates: `rows_gemv` (CUDA cores, up to 8 rows) and
 tensor-core kernel with K split across programs, configs of six numbers, the last the split).
 
   python3 bench/gpu/layer_probe.py OUT_DIR
-  python3 bench/gpu/layer_probe.py OUT_DIR sweep [llama-3.1-8b | smollm2-135m] [ROWS, e.g. 1,6,16,64]
+  python3 bench/gpu/layer_probe.py OUT_DIR sweep [llama-3.1-8b | qwen3-8b | smollm2-135m] [ROWS, e.g. 1,6,16,64]
   SWEEP=split python3 ...   (2 to 16 rows: what dot_tiles picks against the split-K candidates only)
   python3 bench/gpu/layer_probe.py OUT_DIR glu [SHAPE] [ROWS]   (gate-up + SiLU·mul: unfused against gemv.glu)
 """
@@ -226,6 +226,8 @@ def main(out_dir: str) -> None:
 SWEEP_SHAPES = {
     "llama-3.1-8b": (32, {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
                           "lm_head": (128256, 4096)}),
+    "qwen3-8b": (36, {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
+                      "lm_head": (151936, 4096)}),
     "smollm2-135m": (30, {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
                           "lm_head": (49152, 576)}),
 }
