@@ -4,10 +4,12 @@
   the grouped-query relayout, the MLP's gate-up / SiLU·mul / down) each become one generated kernel
   instead of five to ten small ones.
 - attention of a few new tokens per row over the cache (decoding, drafting, verify): one Triton
-  kernel that stores the new keys and values, attends and lays out the output
-  (models/cache_attention.py) instead of an indexed store, a relayout, a mask, SDPA and a copy.
+  kernel that rotates q and k (RoPE), stores the new keys and values, attends and lays out the
+  output (models/cache_attention.py) instead of RoPE, an indexed store, a relayout, a mask, SDPA
+  and a copy.
 - matmuls of up to 16 rows (decoding, drafting, verify): Triton kernels (models/gemv.py), faster
-  than cuBLAS at streaming the weights; longer inputs and `EAGLET_GEMV=0` keep cuBLAS.
+  than cuBLAS at streaming the weights, the MLP's gate-up with its SiLU·mul in the same kernel;
+  longer inputs and `EAGLET_GEMV=0` keep cuBLAS.
 - functions marked `@fusable`: the index arithmetic around the model (attention masks, greedy
   acceptance), dozens of tiny kernels per speculation step each, become a few.
 
