@@ -5,6 +5,7 @@ uninterrupted one exactly, checkpoints survive a crash mid-write, the exported d
 trained head and speculates losslessly, --init-from fine-tunes an existing drafter, and two
 ranks under torchrun train exactly what one process accumulating their batches does."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -378,6 +379,37 @@ def test_targets_from_hidden_equal_those_from_logits(target):
     assert torch.equal(a.in_vocab, b.in_vocab) and 0 < int(a.in_vocab.sum()) < 21  # both kinds occur
     full = Eagle3Head(Eagle3Config.for_target(target.config))  # the whole vocabulary: everything is draftable
     assert bool(Targets.from_hidden(full, hidden, target.lm_head.weight).in_vocab.all())
+
+
+def test_sharpened_targets(target):
+    """target_temperature: 1 is the target's distribution, below 1 the same argmax with more mass on
+    it, 0 all of it (hard labels); from the hidden states as from the logits."""
+    torch.manual_seed(6)
+    head = Eagle3Head(Eagle3Config.for_target(target.config, draft_vocab_size=40))
+    head.set_vocab(torch.randperm(128)[:40].sort().values)
+    hidden = 3 * torch.randn(2, 5, target.config.hidden_size)
+    logits = target.logits(hidden)
+    soft, half, hard = (Targets.from_logits(head, logits, t) for t in (1.0, 0.5, 0.0))
+    assert torch.allclose(soft.p, Targets.from_logits(head, logits).p)
+    assert torch.equal(half.p.argmax(-1), soft.arg) and bool((half.p.amax(-1) > soft.p.amax(-1)).all())
+    assert torch.equal(hard.p, F.one_hot(soft.arg, 40).float())
+    for t in (0.5, 0.0):
+        assert torch.allclose(Targets.from_hidden(head, hidden, target.lm_head.weight, t).p,
+                              Targets.from_logits(head, logits, t).p, atol=1e-6)
+
+
+def test_hard_labels_train(data, target, tmp_path):
+    """--target-temperature 0: the cross-entropy against the target's argmax starts near log(64) a
+    step (64 draft ids, an untrained head; 3 steps weighted 1, 0.8, 0.64) and 30 steps lower it and
+    raise the first step's accuracy."""
+    tr = make_trainer(config(data[0], tmp_path / "hard", max_steps=30, target_temperature=0.0), target)
+    tr.train()
+    losses = [h["loss"] for h in tr.history]
+    assert abs(losses[0] - 2.44 * math.log(64)) < 2.0, losses
+    assert sum(losses[:5]) / 5 - sum(losses[-5:]) / 5 > 1.0, losses
+    assert min(h["acc"][0] for h in tr.history[-5:]) > 0.3
+    with pytest.raises(InvalidInput, match="target-temperature"):
+        config(data[0], tmp_path / "bad", target_temperature=-1.0)
 
 
 def test_several_data_directories_are_read_together(data, target, tmp_path):

@@ -1,7 +1,8 @@
 """Why τ is lower than the training accuracy suggests: on the same MT-bench continuations, the
 drafter's training-time-test accuracy per step (what train-draft reports on its batches) next to
-the acceptance the speculation loop measures, and how often the target's choice is outside the
-draft vocabulary (never draftable, and not counted by the training accuracy). A probe, CPU.
+the acceptance the speculation loop measures, how often the target's choice is outside the
+draft vocabulary (never draftable, and not counted by the training accuracy), and the first step's
+accuracy by how sure the target was of its own pick. A probe, CPU.
 
   .venv/bin/python bench/cpu/drafter_gap.py [--prompts mtbench] [--num-prompts 16] [--max-new-tokens 128]
 
@@ -53,6 +54,23 @@ def simulate_chain(preds, seqs, prompt_lens) -> dict:
     return {"drafts": drafts, "accepted_per_pos": acc, "accept_length": 1 + sum(acc) / max(drafts, 1)}
 
 
+BUCKETS = (0.0, 0.3, 0.5, 0.7, 0.9, 1.01)
+
+
+def by_confidence(top_p, hit, buckets=BUCKETS) -> list[dict]:
+    """Step-0 accuracy split by how sure the target was of the token the head had to guess (its
+    greedy token's probability): misses where the target itself hesitates are near-ties no head
+    resolves; misses where it was sure are what the head failed to learn."""
+    rows = []
+    for lo, hi in zip(buckets, buckets[1:]):
+        m = (top_p >= lo) & (top_p < hi)
+        n = int(m.sum())
+        rows.append({"target_p": [lo, min(hi, 1.0)], "positions": n, "share": n / max(len(top_p), 1),
+                     "head_accuracy": float(hit[m].float().mean()) if n else None,
+                     "share_of_misses": float((~hit & m).sum() / max(int((~hit).sum()), 1))})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", default="mtbench", help="mtbench, humaneval, sharegpt-train, sharegpt-heldout or a JSONL file")
@@ -95,9 +113,16 @@ def main() -> None:
                              capture=head.cfg.aux_layers)
         target = Targets.from_hidden(head, hidden, model.lm_head.weight)
         out = ttt_loss(head, model.model.embed_tokens.weight, taps, target, ids, mask, steps=5)
-        full_arg = model.logits(hidden).argmax(-1)
+        logits = model.logits(hidden)
+        full_arg = logits.argmax(-1)
+        top_p = torch.stack([lg.softmax(-1).amax(-1) for lg in logits])  # (B, T) the target's certainty
+        del logits
         preds = ttt_argmax(head, model.model.embed_tokens.weight, taps, ids, 5)
     sim = simulate_chain(preds, seqs, [len(p) for p in prompts])
+    # step 0 at index t guesses x[t+2], the target's greedy pick at t+1 (sure of it with top_p[t+1])
+    guess = mask[:, 2:]
+    hit = (preds[0, :, :-2] == ids[:, 2:])[guess]
+    confidence = by_confidence(top_p[:, 1:-1][guess], hit)
     # target choices for the generated tokens (at t the target picks x[t+1]): draftable or not
     pick = mask[:, 1:]
     in_vocab = head.t2d[full_arg[:, :-1][pick]].float().mean().item()
@@ -107,13 +132,16 @@ def main() -> None:
                            "p_accept_given_previous": cond},
            "ttt_chain5_simulated": sim,
            "ttt_step_accuracy": out.step_acc, "ttt_positions_step0": out.tokens,
-           "target_choice_in_draft_vocab": in_vocab}
+           "target_choice_in_draft_vocab": in_vocab, "step0_by_target_confidence": confidence}
     print(f"loop: τ {res['spec_chain5']['accept_length']:.2f}, P(accept 1st) {cond[0]:.3f}, "
           f"P(accept k | k-1) {[round(c, 3) for c in cond]}")
     print(f"the loop replayed from the TTT's own predictions: τ {sim['accept_length']:.2f}, drafts {sim['drafts']} "
           f"(loop {drafts}), accepted per position {sim['accepted_per_pos']} (loop {acc_pos})")
     print(f"TTT accuracy per step on the same text: {[round(a, 3) for a in out.step_acc]} "
           f"(positions whose target choice is draftable: {in_vocab:.3f})")
+    print("step 0 by the target's probability of its own pick: " + "; ".join(
+        f"p {r['target_p'][0]:.1f}-{r['target_p'][1]:.1f}: {r['share']:.1%} of positions, head right "
+        f"{r['head_accuracy'] or 0:.2f}, {r['share_of_misses']:.1%} of misses" for r in confidence))
     path = write_record("drafter-gap", vars(args), res, args.out, models={"target": loaded.path,
                                                                           "drafter": str(bundled_drafter())})
     print(f"record: {path}")

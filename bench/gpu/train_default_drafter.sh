@@ -105,13 +105,15 @@ case $phase in
     # K=6 or 7), from the bundled drafter; a call stopped at TRAIN_SECONDS resumes in the next.
     # NPROC=2: data parallel over two GPUs (torchrun, NCCL), --batch-tokens per GPU.
     # WIDTH=N: widen the drafter's MLP to N first (its function kept; the added width starts at zero).
+    # TEMP=T: train toward the target's distribution sharpened to temperature T (0: its argmax).
     read -r data k lr <<< "$([ $phase = finetune ] && echo "more 5 2e-4" || echo "all ${K:-7} 1.5e-4")"
     mkdir -p ${OUT:-/tmp}/records
     launch="python3"; [ "${NPROC:-1}" -gt 1 ] && launch="python3 -m torch.distributed.run --nproc-per-node $NPROC"
     $launch -m eaglet train-draft --model $GGUF --dtype bfloat16 --data /tmp/$data-t* \
       --out /tmp/train$k --init-from ${INIT:-eaglet/drafters/smollm2-135m-instruct-eagle3} --epochs ${EPOCHS:-1} \
       --lr $lr --seed $((k - 1)) --batch-tokens 32768 --max-len 1024 --draft-vocab 16384 --save-every 200 \
-      --time-limit ${TRAIN_SECONDS:-540} ${WIDTH:+--intermediate-size $WIDTH} || exit 1
+      --time-limit ${TRAIN_SECONDS:-540} ${WIDTH:+--intermediate-size $WIDTH} \
+      ${TEMP:+--target-temperature $TEMP} || exit 1
     cp /tmp/train$k/train-draft-*.json ${OUT:-/tmp}/records/
     ln -sfn /tmp/train$k /tmp/train ;;
   train)

@@ -53,6 +53,9 @@ def add_train_parsers(sub) -> None:
     t.add_argument("--max-len", type=int, default=1024)
     t.add_argument("--ttt-steps", type=int, default=7)
     t.add_argument("--draft-vocab", type=int, default=16384)
+    t.add_argument("--target-temperature", type=float, default=1.0, metavar="T",
+                   help="train toward softmax(target logits / T) over the draft vocabulary: 1 = the target's "
+                        "distribution (EAGLE-3), below 1 sharper, 0 = its argmax only")
     t.add_argument("--intermediate-size", type=int,
                    help="the head's MLP width (default: the target's); with --init-from, widen the drafter's "
                         "MLP to it (the same function at first: the added width starts at zero)")
@@ -115,6 +118,7 @@ def cmd_train_draft(args) -> int:
     cfg = TrainConfig(data=args.data[0] if len(args.data) == 1 else tuple(args.data), out=args.out,
                       epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, grad_accum=args.grad_accum,
                       max_len=args.max_len, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab,
+                      target_temperature=args.target_temperature,
                       intermediate_size=args.intermediate_size, init_from=args.init_from,
                       save_every=args.save_every, max_steps=args.max_steps, time_limit=args.time_limit,
                       seed=args.seed)

@@ -46,6 +46,7 @@ class TrainConfig:
     ttt_steps: int = 7
     decay: float = 0.8
     draft_vocab: int = 16384
+    target_temperature: float = 1.0  # soft labels softmax(z / T); 0: the target's argmax (ttt.sharpen)
     intermediate_size: int | None = None
     init_from: str | None = None
     seed: int = 0
@@ -56,6 +57,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.lr <= 0 or self.epochs <= 0 or self.batch_tokens < 1 or self.ttt_steps < 1 or self.grad_accum < 1:
             raise InvalidInput("lr, epochs, batch-tokens, ttt-steps and grad-accum must be positive")
+        if not 0 <= self.target_temperature <= 10:
+            raise InvalidInput(f"target-temperature must be in [0, 10], got {self.target_temperature}")
 
 
 def batch_plan(lengths: list[int], cfg: TrainConfig) -> list[list[int]]:
@@ -214,7 +217,8 @@ class Trainer:
             cache, meta = AppendKV(self.target.config.num_layers), AttnMeta.build(zeros, pos, ids.shape[1],
                                                                                    sliding_window=window)
         hidden, taps = self.target(ids, pos, cache, meta, capture=self.head.cfg.aux_layers)
-        return taps.to(hdtype), Targets.from_hidden(self.head, hidden, self.target.lm_head.weight)  # no (B, T, V) logits
+        target = Targets.from_hidden(self.head, hidden, self.target.lm_head.weight, self.cfg.target_temperature)
+        return taps.to(hdtype), target  # no (B, T, V) logits
 
     def head_loss(self, ids, mask, embed, taps, target, cuda):
         """The TTT loss of the head on one batch (autocast to bfloat16 on the GPU)."""

@@ -7,8 +7,9 @@ next-token distribution at t+1+k (it predicts x[t+2+k]), restricted to the draft
 k attends to step-0 keys causally and, for each earlier step j >= 1, to its key at the same index
 only (a diagonal): exactly the committed prefix plus the node's own ancestors at inference.
 `TTTAttention` computes that as causal scores plus one diagonal score per earlier step, never a
-(T, (k+1)T) mask. Loss: sum_k 0.8^k * soft cross-entropy, on assistant tokens whose target argmax
-is in the draft vocabulary; the head's lm_head runs only at those positions.
+(T, (k+1)T) mask. Loss: sum_k 0.8^k * soft cross-entropy (against the target's distribution, or a
+sharpened one: `sharpen`), on assistant tokens whose target argmax is in the draft vocabulary; the
+head's lm_head runs only at those positions.
 """
 from __future__ import annotations
 
@@ -36,13 +37,14 @@ class Targets:
     in_vocab: torch.Tensor  # (B, T) bool: the target's argmax over its full vocabulary is draftable
 
     @staticmethod
-    def from_logits(head: Eagle3Head, logits: torch.Tensor) -> Targets:
+    def from_logits(head: Eagle3Head, logits: torch.Tensor, temperature: float = 1.0) -> Targets:
         """From full target logits (B, T, V)."""
         z = logits[..., head.draft_to_target()].float()  # (B, T, Vd)
-        return Targets(z.softmax(-1), z.argmax(-1), head.t2d[logits.argmax(-1)])
+        return Targets(sharpen(z, temperature), z.argmax(-1), head.t2d[logits.argmax(-1)])
 
     @staticmethod
-    def from_hidden(head: Eagle3Head, hidden: torch.Tensor, lm_weight: torch.Tensor) -> Targets:
+    def from_hidden(head: Eagle3Head, hidden: torch.Tensor, lm_weight: torch.Tensor,
+                    temperature: float = 1.0) -> Targets:
         """From the target's final hidden states (B, T, H) and its lm_head weight (V, H), without a
         full-vocabulary logits tensor: the draft rows' logits, and the best other logit's value."""
         z = F.linear(hidden, lm_weight[head.draft_to_target()]).float()  # (B, T, Vd)
@@ -50,7 +52,15 @@ class Targets:
         if not bool(head.t2d.all()):
             rest = F.linear(hidden, lm_weight[~head.t2d]).amax(-1)  # (B, T): best non-draftable logit
             in_vocab = z.amax(-1) >= rest
-        return Targets(z.softmax(-1), z.argmax(-1), in_vocab)
+        return Targets(sharpen(z, temperature), z.argmax(-1), in_vocab)
+
+
+def sharpen(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(z / temperature): 1 is the target's own distribution (EAGLE-3's soft labels), below 1
+    a sharper one, 0 its argmax alone (hard labels; greedy acceptance asks only for the argmax)."""
+    if temperature == 0:
+        return F.one_hot(z.argmax(-1), z.shape[-1]).to(z.dtype)
+    return (z / temperature).softmax(-1)
 
 
 class TTTAttention:
