@@ -223,6 +223,23 @@ def main(out_dir: str) -> None:
     print(write_record("layer-probe", {"argv": sys.argv, "layers": L, "shapes": SHAPES}, results, out_dir))
 
 
+def eaglet_kernel(cfg, xx, wt, yy, rows, n, k, glu=False):
+    """eaglet's GEMV (one row, cfg = rows a program, slice width, warps) or tensor-core kernel (cfg =
+    row tile, columns, slice width, warps, stages) with the given tile: yy (rows, n) = xx wtᵀ (glu:
+    silu of the first n rows' products times the next n's)."""
+    from eaglet.models import gemv as eg
+
+    if rows == 1:
+        bn, bk, warps = cfg
+        eg._kernel[(triton.cdiv(n, bn),)](xx, wt, yy, yy, n, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0, HAS_BIAS=False,
+                                          GLU=glu, num_warps=warps)
+    else:
+        bm, bn, bk, warps, stages = cfg
+        eg._dot_kernel[(triton.cdiv(n, bn),)](xx, wt, yy, yy, rows, n, k, K=k, BM=bm, BN=bn, BK=bk,
+                                              EVEN_K=k % bk == 0, HAS_BIAS=False, GLU=glu, num_warps=warps,
+                                              num_stages=stages)
+
+
 SWEEP_SHAPES = {
     "llama-3.1-8b": (32, {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
                           "lm_head": (128256, 4096)}),
@@ -265,15 +282,8 @@ def sweep(out_dir: str, shape: str) -> None:
                             bn, bk, warps, mp = cfg
                             rows_gemv[(triton.cdiv(n, bn),)](xx, wt, yy, rows, n, k, K=k, MP=mp, BN=bn, BK=bk,
                                                              num_warps=warps)
-                        elif rows == 1:
-                            bn, bk, warps = cfg
-                            eg._kernel[(triton.cdiv(n, bn),)](xx, wt, yy, yy, n, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
-                                                              HAS_BIAS=False, GLU=False, num_warps=warps)
                         else:
-                            bm, bn, bk, warps, stages = cfg
-                            eg._dot_kernel[(triton.cdiv(n, bn),)](xx, wt, yy, yy, rows, n, k, K=k, BM=bm, BN=bn,
-                                                                  BK=bk, EVEN_K=k % bk == 0, HAS_BIAS=False, GLU=False,
-                                                                  num_warps=warps, num_stages=stages)
+                            eaglet_kernel(cfg, xx, wt, yy, rows, n, k)
                 return run
 
             ms = timed_graph(lambda: [torch.matmul(xx, wt.t()) for wt in ws])
@@ -359,15 +369,7 @@ def glu_sweep(out_dir: str, shape: str) -> None:
         for cfg in grid:
             def run(cfg=cfg):
                 for wt in ws:
-                    if rows == 1:
-                        bn, bk, w = cfg
-                        eg._kernel[(triton.cdiv(i, bn),)](xx, wt, yy, yy, i, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
-                                                          HAS_BIAS=False, GLU=True, num_warps=w)
-                    else:
-                        bm, bn, bk, w, st = cfg
-                        eg._dot_kernel[(triton.cdiv(i, bn),)](xx, wt, yy, yy, rows, i, k, K=k, BM=bm, BN=bn, BK=bk,
-                                                              EVEN_K=k % bk == 0, HAS_BIAS=False, GLU=True,
-                                                              num_warps=w, num_stages=st)
+                    eaglet_kernel(cfg, xx, wt, yy, rows, i, k, glu=True)
             try:
                 run()
             except triton.runtime.errors.OutOfResources:
