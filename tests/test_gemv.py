@@ -1,9 +1,9 @@
 """The few-row matmul kernels (models/gemv.py) on the CPU through Triton's interpreter (conftest sets
 TRITON_INTERPRET=1 without a GPU), in float16 (the interpreter has no bfloat16): the GEMV (one row)
-and the tensor-core kernel (2 to 64 rows) equal F.linear for even and ragged widths, with and without
-bias, and with the MLP's SiLU·mul fused in (`glu`); linear() sends them 1 to 64 rows, and only where they may run (no autograd, half precision);
-as a custom op they trace under torch.compile; a model prefilling and decoding through them gives the
-logits of the cuBLAS/MKL path."""
+and the tensor-core kernel (2 to 16 rows) equal F.linear for even and ragged widths, with and without
+bias, and with the MLP's SiLU·mul fused in (`glu`); linear() sends them up to MAX_ROWS rows, and only
+where they may run (no autograd, half precision); as custom ops they trace under torch.compile; a
+model prefilling and decoding through them gives the logits of the cuBLAS/MKL path."""
 import pytest
 import torch
 import torch.nn.functional as F

@@ -10,7 +10,8 @@ BENCHMARKS.md). One row (decoding, drafting) takes that GEMV; 2 to MAX_ROWS rows
 tensor-core kernel that reads each weight tile once for all rows, where the sweep found it faster
 than cuBLAS (by 3 to 22%; not for SmolLM2's head); longer inputs stay with cuBLAS. `glu` is the
 MLP's gate-up with SiLU·mul in the same kernel: one kernel fewer per layer, 1.0 to 1.3 µs a layer
-faster than the two apart on SmolLM2 and 1.2 to 2.3 µs on Llama-3.1-8B (`glu_tiles`). Sums run in float32, so results differ from cuBLAS's by rounding only.
+faster than the two apart on SmolLM2 and 1.2 to 2.3 µs on Llama-3.1-8B (`glu_tiles`). Sums run
+in float32, so results differ from cuBLAS's by rounding only.
 
 Enabled by runtime/compile.py for float16 and bfloat16 on the GPU; `EAGLET_GEMV=0` keeps cuBLAS (for
 side-by-side runs). Under TRITON_INTERPRET=1 (the CPU tests) it runs on any device.
@@ -77,8 +78,10 @@ def dot_tiles(rows: int, n: int, k: int) -> tuple[int, int, int, int, int] | Non
 def glu_tiles(rows: int, k: int) -> tuple[int, ...]:
     """`glu`'s tiles (as `tiles` for one row, `dot_tiles` for more), per gate row and its up row. From
     bench/gpu/layer_probe.py glu on the H200 (glu-sweep-gpu-20261130-104834/-104923.json): Llama-3.1-8B's
-    gate-up at 1 / 2 / 16 rows 53.3 / 58.2 / 58.6 µs against 54.5 / 59.7 / 61.4 for the matmul and the
-    compiled SiLU·mul; SmolLM2's at 1 / 6 / 16 rows 3.0 / 4.2 / 4.3 µs against 4.0 / 5.5 / 5.5."""
+    gate-up at 1 / 2 / 16 rows 53.3 / 58.2 / 59.0 µs against 54.5 / 59.7 / 61.4 for the matmul and the
+    compiled SiLU·mul (at 2-16 rows 128-wide slices rather than 256: within 1% on Llama, 0.28 ms a
+    16-token forward faster on Qwen3-8B, bench-shape-qwen3-8b-gpu-20261130-110525/-110631.json);
+    SmolLM2's at 1 / 6 / 16 rows 3.0 / 4.2 / 4.3 µs against 4.0 / 5.5 / 5.5."""
     if rows == 1:
         return (1, 2048, 8) if k >= 2048 else (1, max(64, min(256, pow2(k))), 4)
     return (16, 32, 128, 4, 3) if k >= 2048 else (16, 32, min(128, max(16, pow2(k))), 4, 4)
