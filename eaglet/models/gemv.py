@@ -87,19 +87,30 @@ def glu_tiles(rows: int, k: int) -> tuple[int, ...]:
     return (16, 32, 128, 4, 3) if k >= 2048 else (16, 32, min(128, max(16, pow2(k))), 4, 4)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., K) holding 1 to MAX_ROWS rows, weight (N, K) contiguous, bias (N,) or None -> (..., N)."""
-    return torch.ops.eaglet.gemv(x, weight, bias)
+Norm = tuple[torch.Tensor, float]  # an RMSNorm's (weight, eps), applied to a matmul's input
 
 
-def glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, norm: Norm | None = None,
+         residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) holding 1 to MAX_ROWS rows, weight (N, K) contiguous, bias (N,) or None -> (..., N).
+    With `norm`, x is first RMSNorm'd (each program norms the rows it reads: no norm kernel, no
+    normed copy); with `residual` (..., N), the rounded product plus it is returned (the residual
+    stream after this projection: no add kernel). Both round as RMSNorm, F.linear and + would."""
+    nw, eps = norm if norm is not None else (None, 0.0)
+    return torch.ops.eaglet.gemv(x, weight, bias, nw, eps, residual)
+
+
+def glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, norm: Norm | None = None) -> torch.Tensor:
     """The MLP's gate-up and SiLU·mul in one kernel: weight (2I, K) the gate rows then the up rows
     (bias likewise) -> silu(gate) * up (..., I). Each program reads its gate rows and the matching
-    up rows, rounds both products to x's dtype (as the separate matmul would) and multiplies."""
-    return torch.ops.eaglet.gemv_glu(x, weight, bias)
+    up rows, rounds both products to x's dtype (as the separate matmul would) and multiplies.
+    `norm` as in `gemv`."""
+    nw, eps = norm if norm is not None else (None, 0.0)
+    return torch.ops.eaglet.gemv_glu(x, weight, bias, nw, eps)
 
 
-def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: bool) -> torch.Tensor:
+def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: bool,
+         nw: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
     n, k = weight.shape
     xr = x.reshape(-1, k)
     if xr.stride(1) != 1:
@@ -107,36 +118,53 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: 
     m = xr.shape[0]
     out = n // 2 if glu else n  # output columns; with glu each program also reads the rows `out` further on
     y = torch.empty(m, out, dtype=x.dtype, device=x.device)
-    b = bias if bias is not None else y  # not read
-    if m == 1:
-        bn, bk, warps = glu_tiles(1, k) if glu else tiles(n, k)
-        _kernel[(triton.cdiv(out, bn),)](xr, weight, b, y, out, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
-                                         HAS_BIAS=bias is not None, GLU=glu, num_warps=warps)
-    else:
-        bm, bn, bk, warps, stages = glu_tiles(m, k) if glu else dot_tiles(m, n, k)
-        _dot_kernel[(triton.cdiv(out, bn),)](xr, weight, b, y, m, out, xr.stride(0), K=k, BM=bm, BN=bn, BK=bk,
-                                             EVEN_K=k % bk == 0, HAS_BIAS=bias is not None, GLU=glu,
-                                             num_warps=warps, num_stages=stages)
+    cfg = (glu_tiles(m, k) if glu else tiles(n, k)) if m == 1 else (glu_tiles(m, k) if glu else dot_tiles(m, n, k))
+    r = residual.reshape(m, out).contiguous() if residual is not None else None
+    launch(xr, weight, y, cfg, glu, bias, nw, eps, r)
     return y.view(*x.shape[:-1], out)
 
 
+def launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: tuple[int, ...], glu: bool = False,
+           bias: torch.Tensor | None = None, nw: torch.Tensor | None = None, eps: float = 0.0,
+           residual: torch.Tensor | None = None) -> None:
+    """y (M, N') = x (M, K) weightᵀ with the tile `cfg`: three numbers (rows a program, slice width,
+    warps) run the GEMV (M = 1), five (row tile, columns a program, slice width, warps, stages) the
+    tensor-core kernel. N' is N, or N / 2 with glu. (bench/gpu/layer_probe.py sweeps tiles through it.)"""
+    m, k = x.shape
+    out = y.shape[1]
+    bk = cfg[1] if len(cfg) == 3 else cfg[2]
+    flags = dict(EVEN_K=k % bk == 0, HAS_BIAS=bias is not None, GLU=glu, NORM=nw is not None,
+                 RES=residual is not None)
+    args = (x, weight, bias if bias is not None else y, nw if nw is not None else y,
+            residual if residual is not None else y, y, eps)  # y stands in for what is not read
+    if len(cfg) == 3:
+        bn, _, warps = cfg
+        _kernel[(triton.cdiv(out, bn),)](*args, out, K=k, BN=bn, BK=bk, **flags, num_warps=warps)
+    else:
+        bm, bn, _, warps, stages = cfg
+        _dot_kernel[(triton.cdiv(out, bn),)](*args, m, out, x.stride(0), K=k, BM=bm, BN=bn, BK=bk, **flags,
+                                             num_warps=warps, num_stages=stages)
+
+
 @torch.library.custom_op("eaglet::gemv", mutates_args=())
-def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _run(x, weight, bias, False)
+def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: torch.Tensor | None,
+             eps: float, residual: torch.Tensor | None) -> torch.Tensor:
+    return _run(x, weight, bias, False, norm, eps, residual)
 
 
 @_gemv_op.register_fake
-def _(x, weight, bias):
+def _(x, weight, bias, norm, eps, residual):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 @torch.library.custom_op("eaglet::gemv_glu", mutates_args=())
-def _glu_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _run(x, weight, bias, True)
+def _glu_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: torch.Tensor | None,
+            eps: float) -> torch.Tensor:
+    return _run(x, weight, bias, True, norm, eps)
 
 
 @_glu_op.register_fake
-def _(x, weight, bias):
+def _(x, weight, bias, norm, eps):
     return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
 
 
@@ -148,17 +176,45 @@ if triton is not None:
         return g * tl.sigmoid(g) * u.to(dtype).to(tl.float32)
 
     @triton.jit
-    def _kernel(X, W, B, Y, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                HAS_BIAS: tl.constexpr, GLU: tl.constexpr):
-        """Y (N,) = W X (+ B) for one row X; with GLU, silu(W[:N] X) * (W[N:] X)."""
+    def _inv_rms(X, sx, m, mm, K: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, eps):
+        """1 / rms of rows m (mask mm) of X (row stride sx), as RMSNorm computes it in float32."""
+        ss = tl.zeros(m.shape, dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            xm = mm[:, None] if EVEN_K else mm[:, None] & (kk < K)[None, :]
+            x = tl.load(X + m[:, None] * sx + kk[None, :], mask=xm, other=0.0).to(tl.float32)
+            ss += tl.sum(x * x, 1)
+        return tl.rsqrt(ss / K + eps)
+
+    @triton.jit
+    def _normed(x, inv, NW, kk, km, EVEN_K: tl.constexpr):
+        """weight * (x * inv).to(dtype), rounded to x's dtype: RMSNorm's output for x (R, BK), inv (R,)."""
+        nw = tl.load(NW + kk) if EVEN_K else tl.load(NW + kk, mask=km, other=0.0)
+        xn = (x.to(tl.float32) * inv[:, None]).to(x.dtype).to(tl.float32)
+        return (xn * nw.to(tl.float32)[None, :]).to(x.dtype)
+
+    @triton.jit
+    def _kernel(X, W, B, NW, R, Y, eps, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr,
+                RES: tl.constexpr):
+        """Y (N,) = W X (+ B) for one row X; with GLU, silu(W[:N] X) * (W[N:] X); with NORM, X is
+        first RMSNorm'd with weight NW; with RES, the rounded result plus R (N,)."""
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         rm = rows < N
+        one = tl.arange(0, 1)
+        if NORM and K > BK:  # several slices: the statistics first (one slice: from the x it loads)
+            inv = _inv_rms(X, 0, one, one < 1, K, BK, EVEN_K, eps)
         acc = tl.zeros((BN, BK), dtype=tl.float32)
         acc2 = tl.zeros((BN, BK), dtype=tl.float32)  # the up rows (GLU)
         for k0 in range(0, K, BK):
             cols = k0 + tl.arange(0, BK)
             wm = rm[:, None] if EVEN_K else rm[:, None] & (cols < K)[None, :]
             x = tl.load(X + cols) if EVEN_K else tl.load(X + cols, mask=cols < K, other=0.0)
+            if NORM:
+                if K <= BK:
+                    xf = x.to(tl.float32)
+                    inv = tl.rsqrt(tl.sum(xf[None, :] * xf[None, :], 1) / K + eps)
+                x = tl.reshape(_normed(x[None, :], inv, NW, cols, cols < K, EVEN_K), (BK,))
             w = tl.load(W + rows[:, None] * K + cols[None, :], mask=wm, other=0.0, eviction_policy="evict_first")
             acc += w.to(tl.float32) * x[None, :].to(tl.float32)
             if GLU:
@@ -173,16 +229,21 @@ if triton is not None:
             if HAS_BIAS:
                 y2 += tl.load(B + N + rows, mask=rm, other=0.0).to(tl.float32)
             y = _silu_mul(y, y2, Y.dtype.element_ty)
+        if RES:
+            y = y.to(Y.dtype.element_ty).to(tl.float32) + tl.load(R + rows, mask=rm, other=0.0).to(tl.float32)
         tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rm)
 
     @triton.jit
-    def _dot_kernel(X, W, B, Y, M, N, sx, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr):
+    def _dot_kernel(X, W, B, NW, R, Y, eps, M, N, sx, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
+                    NORM: tl.constexpr, RES: tl.constexpr):
         """Y (M, N) = X (M, K) Wᵀ (+ B) for M <= BM rows: each program streams BN rows of W once (with
-        GLU also the BN rows N further on, and writes silu(first) * second)."""
+        GLU also the BN rows N further on, and writes silu(first) * second). NORM and RES as in _kernel."""
         m = tl.arange(0, BM)
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
         mm, cm = m < M, cols < N
+        if NORM:
+            inv = _inv_rms(X, sx, m, mm, K, BK, EVEN_K, eps)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         acc2 = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
@@ -190,6 +251,8 @@ if triton is not None:
             xm = mm[:, None] if EVEN_K else mm[:, None] & (kk < K)[None, :]
             wm = cm[:, None] if EVEN_K else cm[:, None] & (kk < K)[None, :]
             x = tl.load(X + m[:, None] * sx + kk[None, :], mask=xm, other=0.0)
+            if NORM:
+                x = _normed(x, inv, NW, kk, kk < K, EVEN_K)
             w = tl.load(W + cols[:, None] * K + kk[None, :], mask=wm, other=0.0, eviction_policy="evict_first")
             acc = tl.dot(x, tl.trans(w), acc)
             if GLU:
@@ -202,4 +265,7 @@ if triton is not None:
             if HAS_BIAS:
                 acc2 += tl.load(B + N + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
             acc = _silu_mul(acc, acc2, Y.dtype.element_ty)
+        if RES:
+            acc = acc.to(Y.dtype.element_ty).to(tl.float32) + tl.load(
+                R + m[:, None] * N + cols[None, :], mask=mm[:, None] & cm[None, :], other=0.0).to(tl.float32)
         tl.store(Y + m[:, None] * N + cols[None, :], acc.to(Y.dtype.element_ty), mask=mm[:, None] & cm[None, :])
