@@ -176,61 +176,54 @@ if triton is not None:
         return g * tl.sigmoid(g) * u.to(dtype).to(tl.float32)
 
     @triton.jit
-    def _inv_rms(X, sx, m, mm, K: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, eps):
-        """1 / rms of rows m (mask mm) of X (row stride sx), as RMSNorm computes it in float32."""
-        ss = tl.zeros(m.shape, dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            kk = k0 + tl.arange(0, BK)
-            xm = mm[:, None] if EVEN_K else mm[:, None] & (kk < K)[None, :]
-            x = tl.load(X + m[:, None] * sx + kk[None, :], mask=xm, other=0.0).to(tl.float32)
-            ss += tl.sum(x * x, 1)
-        return tl.rsqrt(ss / K + eps)
-
-    @triton.jit
-    def _normed(x, inv, NW, kk, km, EVEN_K: tl.constexpr):
-        """weight * (x * inv).to(dtype), rounded to x's dtype: RMSNorm's output for x (R, BK), inv (R,)."""
+    def _scaled_input(x, NW, kk, km, EVEN_K: tl.constexpr):
+        """x (R, BK) times the norm's weight NW[kk] in float32, and the rows' sums of squares (R,)."""
         nw = tl.load(NW + kk) if EVEN_K else tl.load(NW + kk, mask=km, other=0.0)
-        xn = (x.to(tl.float32) * inv[:, None]).to(x.dtype).to(tl.float32)
-        return (xn * nw.to(tl.float32)[None, :]).to(x.dtype)
+        xf = x.to(tl.float32)
+        return xf * nw.to(tl.float32)[None, :], tl.sum(xf * xf, 1)
 
     @triton.jit
     def _kernel(X, W, B, NW, R, Y, eps, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                 EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr,
                 RES: tl.constexpr):
-        """Y (N,) = W X (+ B) for one row X; with GLU, silu(W[:N] X) * (W[N:] X); with NORM, X is
-        first RMSNorm'd with weight NW; with RES, the rounded result plus R (N,)."""
+        """Y (N,) = W X (+ B) for one row X; with GLU, silu(W[:N] X) * (W[N:] X); with NORM, of X
+        RMSNorm'd with weight NW; with RES, the rounded result plus R (N,)."""
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         rm = rows < N
-        one = tl.arange(0, 1)
-        if NORM and K > BK:  # several slices: the statistics first (one slice: from the x it loads)
-            inv = _inv_rms(X, 0, one, one < 1, K, BK, EVEN_K, eps)
+        if RES:  # loaded first: its latency passes under the weights'
+            r = tl.load(R + rows, mask=rm, other=0.0).to(tl.float32)
         acc = tl.zeros((BN, BK), dtype=tl.float32)
         acc2 = tl.zeros((BN, BK), dtype=tl.float32)  # the up rows (GLU)
+        ss = tl.zeros((1,), dtype=tl.float32)
         for k0 in range(0, K, BK):
             cols = k0 + tl.arange(0, BK)
             wm = rm[:, None] if EVEN_K else rm[:, None] & (cols < K)[None, :]
             x = tl.load(X + cols) if EVEN_K else tl.load(X + cols, mask=cols < K, other=0.0)
+            xf = x[None, :].to(tl.float32)
             if NORM:
-                if K <= BK:
-                    xf = x.to(tl.float32)
-                    inv = tl.rsqrt(tl.sum(xf[None, :] * xf[None, :], 1) / K + eps)
-                x = tl.reshape(_normed(x[None, :], inv, NW, cols, cols < K, EVEN_K), (BK,))
+                xf, sq = _scaled_input(x[None, :], NW, cols, cols < K, EVEN_K)
+                ss += sq
             w = tl.load(W + rows[:, None] * K + cols[None, :], mask=wm, other=0.0, eviction_policy="evict_first")
-            acc += w.to(tl.float32) * x[None, :].to(tl.float32)
+            acc += w.to(tl.float32) * xf
             if GLU:
                 w2 = tl.load(W + (rows + N)[:, None] * K + cols[None, :], mask=wm, other=0.0,
                              eviction_policy="evict_first")
-                acc2 += w2.to(tl.float32) * x[None, :].to(tl.float32)
+                acc2 += w2.to(tl.float32) * xf
+        inv = tl.rsqrt(ss / K + eps)  # 1 / rms after the sums: no step waits for the statistics (NORM)
         y = tl.sum(acc, 1)
+        if NORM:
+            y = y * inv
         if HAS_BIAS:
             y += tl.load(B + rows, mask=rm, other=0.0).to(tl.float32)
         if GLU:
             y2 = tl.sum(acc2, 1)
+            if NORM:
+                y2 = y2 * inv
             if HAS_BIAS:
                 y2 += tl.load(B + N + rows, mask=rm, other=0.0).to(tl.float32)
             y = _silu_mul(y, y2, Y.dtype.element_ty)
         if RES:
-            y = y.to(Y.dtype.element_ty).to(tl.float32) + tl.load(R + rows, mask=rm, other=0.0).to(tl.float32)
+            y = y.to(Y.dtype.element_ty).to(tl.float32) + r
         tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rm)
 
     @triton.jit
@@ -238,34 +231,42 @@ if triton is not None:
                     BK: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
                     NORM: tl.constexpr, RES: tl.constexpr):
         """Y (M, N) = X (M, K) Wᵀ (+ B) for M <= BM rows: each program streams BN rows of W once (with
-        GLU also the BN rows N further on, and writes silu(first) * second). NORM and RES as in _kernel."""
+        GLU also the BN rows N further on, and writes silu(first) * second). NORM and RES as in _kernel
+        (with NORM the tensor cores take X times the norm's weight, rounded to X's dtype)."""
         m = tl.arange(0, BM)
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
         mm, cm = m < M, cols < N
-        if NORM:
-            inv = _inv_rms(X, sx, m, mm, K, BK, EVEN_K, eps)
+        if RES:
+            r = tl.load(R + m[:, None] * N + cols[None, :], mask=mm[:, None] & cm[None, :], other=0.0).to(tl.float32)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         acc2 = tl.zeros((BM, BN), dtype=tl.float32)
+        ss = tl.zeros((BM,), dtype=tl.float32)
         for k0 in range(0, K, BK):
             kk = k0 + tl.arange(0, BK)
             xm = mm[:, None] if EVEN_K else mm[:, None] & (kk < K)[None, :]
             wm = cm[:, None] if EVEN_K else cm[:, None] & (kk < K)[None, :]
             x = tl.load(X + m[:, None] * sx + kk[None, :], mask=xm, other=0.0)
             if NORM:
-                x = _normed(x, inv, NW, kk, kk < K, EVEN_K)
+                xs, sq = _scaled_input(x, NW, kk, kk < K, EVEN_K)
+                x = xs.to(x.dtype)
+                ss += sq
             w = tl.load(W + cols[:, None] * K + kk[None, :], mask=wm, other=0.0, eviction_policy="evict_first")
             acc = tl.dot(x, tl.trans(w), acc)
             if GLU:
                 w2 = tl.load(W + (cols + N)[:, None] * K + kk[None, :], mask=wm, other=0.0,
                              eviction_policy="evict_first")
                 acc2 = tl.dot(x, tl.trans(w2), acc2)
+        inv = tl.rsqrt(ss / K + eps)[:, None]
+        if NORM:
+            acc = acc * inv
         if HAS_BIAS:
             acc += tl.load(B + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
         if GLU:
+            if NORM:
+                acc2 = acc2 * inv
             if HAS_BIAS:
                 acc2 += tl.load(B + N + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
             acc = _silu_mul(acc, acc2, Y.dtype.element_ty)
         if RES:
-            acc = acc.to(Y.dtype.element_ty).to(tl.float32) + tl.load(
-                R + m[:, None] * N + cols[None, :], mask=mm[:, None] & cm[None, :], other=0.0).to(tl.float32)
+            acc = acc.to(Y.dtype.element_ty).to(tl.float32) + r
         tl.store(Y + m[:, None] * N + cols[None, :], acc.to(Y.dtype.element_ty), mask=mm[:, None] & cm[None, :])
