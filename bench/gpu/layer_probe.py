@@ -199,8 +199,9 @@ def main(out_dir: str) -> None:
         gb = n * k * 2 * L / 1e9
         row = {"cublas_tb_s": gb / timed_graph(one(cublas))}
         for bn, bk, warps in configs:
-            def tri(xx, ww, yy, cfg=(bn, bk, warps)):
-                eg.launch(xx, ww, yy, cfg)
+            def tri(xx, ww, yy, bn=bn, bk=bk, warps=warps):
+                eg._kernel[(triton.cdiv(n, bn),)](xx, ww, yy, yy, n, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
+                                                  HAS_BIAS=False, GLU=False, num_warps=warps)
             tri(x[name], w[name][0], y[name])
             err = (y[name].float() - ref.float()).abs().max().item()
             tb = gb / timed_graph(one(tri))
@@ -212,7 +213,9 @@ def main(out_dir: str) -> None:
 
     def triton_best(xx, ww, yy):
         n, k = ww.shape
-        eg.launch(xx, ww, yy, tuple(best_cfg.get(next((s for s, v in SHAPES.items() if v == (n, k)), ""), (4, 1024, 8))))
+        bn, bk, warps = best_cfg.get(next((s for s, v in SHAPES.items() if v == (n, k)), ""), (4, 1024, 8))
+        eg._kernel[(triton.cdiv(n, bn),)](xx, ww, yy, yy, n, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
+                                          HAS_BIAS=False, GLU=False, num_warps=warps)
 
     results["gemms_triton"] = per_step(timed_graph(lambda: step(triton_best)))
     results["layer_triton"] = per_step(timed_graph(lambda: step(triton_best, True)))
@@ -226,7 +229,15 @@ def eaglet_kernel(cfg, xx, wt, yy, rows, n, k, glu=False):
     silu of the first n rows' products times the next n's)."""
     from eaglet.models import gemv as eg
 
-    eg.launch(xx, wt, yy, tuple(cfg), glu)
+    if rows == 1:
+        bn, bk, warps = cfg
+        eg._kernel[(triton.cdiv(n, bn),)](xx, wt, yy, yy, n, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0, HAS_BIAS=False,
+                                          GLU=glu, num_warps=warps)
+    else:
+        bm, bn, bk, warps, stages = cfg
+        eg._dot_kernel[(triton.cdiv(n, bn),)](xx, wt, yy, yy, rows, n, k, K=k, BM=bm, BN=bn, BK=bk,
+                                              EVEN_K=k % bk == 0, HAS_BIAS=False, GLU=glu, num_warps=warps,
+                                              num_stages=stages)
 
 
 SWEEP_SHAPES = {

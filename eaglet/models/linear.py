@@ -15,27 +15,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import gemv
-from .norm import rms_norm
 
 CPU_MAX_ROWS = 64  # measured: W @ xᵀ leads F.linear up to here on the CPU
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           norm: gemv.Norm | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., K) @ weight (N, K)ᵀ + bias -> (..., N); with `norm` (an RMSNorm's weight and eps) of
-    rms_norm(x), with `residual` plus it. The few-row kernels do both inside the matmul."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) @ weight (N, K)ᵀ + bias -> (..., N)."""
     k = x.shape[-1]
     rows = x.numel() // k
     if gemv.usable(x, weight, rows):
-        return gemv.gemv(x, weight, bias, norm, residual)
-    if norm is not None:
-        x = rms_norm(x, *norm)
-    y = _matmul(x, weight, bias, rows)
-    return y if residual is None else y + residual
-
-
-def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
-    k = x.shape[-1]
+        return gemv.gemv(x, weight, bias)
     if weight.device.type != "cpu":
         return F.linear(x, weight, bias)
     if rows > CPU_MAX_ROWS or rows == 0:

@@ -20,7 +20,6 @@ from ..runtime.compile import fusable
 from . import cache_attention, gemv
 from .attention import AttnMeta
 from .linear import Linear, linear
-from .norm import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -35,13 +34,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is not None:
             x = x + residual
-        out = rms_norm(x, self.weight, self.eps)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * xf.to(x.dtype)
         return out if residual is None else (out, x)
-
-    @property
-    def pair(self) -> gemv.Norm:
-        """(weight, eps): how `linear` and the few-row kernels take this norm."""
-        return self.weight, self.eps
 
 
 class RoPE(nn.Module):
@@ -127,31 +123,23 @@ class Attention(nn.Module):
         self.register_buffer("qkv_bias", b, persistent=False)
         self.fused = True
 
-    def project(self, x: torch.Tensor, norm: gemv.Norm | None = None):
-        """q, k, v of x (of rms_norm(x) with `norm`)."""
+    def project(self, x: torch.Tensor):
         if not self.fused:
-            x = rms_norm(x, *norm) if norm is not None else x
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        qkv = linear(x, self.qkv_weight, self.qkv_bias, norm=norm)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)
         return qkv.split([self.nh * self.d, self.nkv * self.d, self.nkv * self.d], -1)
 
-    def out(self, o: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        return linear(o, self.o_proj.weight, self.o_proj.bias, residual=residual)
-
-    def forward(self, x, cos, sin, cache: KVCache, meta: AttnMeta, norm: gemv.Norm | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention over x, or over rms_norm(x) with `norm`; plus `residual` when given."""
+    def forward(self, x, cos, sin, cache: KVCache, meta: AttnMeta) -> torch.Tensor:
         b, t, _ = x.shape
         if isinstance(cache, KVCache) and meta.fast and cache_attention.usable(x, t):
             # a few tokens per row: q/k norm, RoPE, store, attend and lay out in one kernel
-            qkv = torch.cat(self.project(x, norm), -1) if not self.fused else \
-                linear(x, self.qkv_weight, self.qkv_bias, norm=norm)
-            qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
+            qkv = (linear(x, self.qkv_weight, self.qkv_bias) if self.fused else torch.cat(self.project(x), -1))
+            norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
             o = cache_attention.cache_attention(qkv.view(b, t, -1, self.d), cache.k[self.layer, :b],
                                                 cache.v[self.layer, :b], meta.slots[:, 0], meta.block_mask,
-                                                meta.kv_len, self.nh // self.nkv, rope=(cos, sin), qk_norm=qk_norm)
-            return self.out(o, residual)
-        q, k, v = self.project(x, norm)
+                                                meta.kv_len, self.nh // self.nkv, rope=(cos, sin), qk_norm=norm)
+            return self.o_proj(o)
+        q, k, v = self.project(x)
         q = q.view(b, t, self.nh, self.d)
         k = k.view(b, t, self.nkv, self.d)
         v = v.view(b, t, self.nkv, self.d)
@@ -161,13 +149,13 @@ class Attention(nn.Module):
         if hasattr(cache, "attend"):  # training (train/ttt.py): the stand-in computes the attention itself
             k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # (B, Hkv, T, D)
             o = cache.attend(q.view(b, self.nh, t, self.d), k, v)  # (B, H, T, D)
-            return self.out(o.transpose(1, 2).reshape(b, t, self.nh * self.d), residual)
+            return self.o_proj(o.transpose(1, 2).reshape(b, t, self.nh * self.d))
         keys, vals = cache.update(self.layer, meta.slots, kv, meta.kv_len, meta.rows)  # (B, Hkv, S, D)
         # grouped-query attention as plain attention over the kv heads: each kv head's G query heads
         # are G*T query rows (mask rows repeated), which the fused SDPA kernels accept with a mask
         g = self.nh // self.nkv
         o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=meta.bias(q.dtype, g))  # (B, Hkv, G*T, D)
-        return self.out(o.reshape(b, self.nh, t, self.d).transpose(1, 2).reshape(b, t, self.nh * self.d), residual)
+        return self.o_proj(o.reshape(b, self.nh, t, self.d).transpose(1, 2).reshape(b, t, self.nh * self.d))
 
 
 class MLP(nn.Module):
@@ -185,16 +173,13 @@ class MLP(nn.Module):
         self.register_buffer("gate_up_bias", b, persistent=False)
         self.fused = True
 
-    def forward(self, x: torch.Tensor, norm: gemv.Norm | None = None, residual: torch.Tensor | None = None):
-        """The MLP of x, or of rms_norm(x) with `norm`; plus `residual` when given."""
-        down = lambda a: linear(a, self.down_proj.weight, self.down_proj.bias, residual=residual)  # noqa: E731
-        if self.fused and gemv.usable(x, self.gate_up_weight, x.numel() // x.shape[-1], glu=True):
-            return down(gemv.glu(x, self.gate_up_weight, self.gate_up_bias, norm))  # few rows on the GPU: one kernel
-        x = rms_norm(x, *norm) if norm is not None else x
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fused:
-            return down(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if gemv.usable(x, self.gate_up_weight, x.numel() // x.shape[-1], glu=True):  # few rows on the GPU: one kernel
+            return self.down_proj(gemv.glu(x, self.gate_up_weight, self.gate_up_bias))
         gate, up = linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, -1)
-        return down(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate) * up)
 
 
 def fuse_linears(linears: list[Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -228,22 +213,6 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, cache, meta), residual)
         return self.mlp(x), residual
 
-    def stream(self, s, cos, sin, cache, meta):
-        """The residual stream s through this layer, each norm inside the matmul after it and each
-        residual add inside the one before it (few rows on the GPU: see CausalLM.streams)."""
-        s = self.self_attn(s, cos, sin, cache, meta, norm=self.input_layernorm.pair, residual=s)
-        return self.mlp(s, norm=self.post_attention_layernorm.pair, residual=s)
-
-    def streams(self, x: torch.Tensor) -> bool:
-        """Whether every matmul of this layer would run as a few-row kernel for x (the norms and
-        adds then cost no kernels of their own)."""
-        a, m = self.self_attn, self.mlp
-        if not (a.fused and m.fused):
-            return False
-        rows = x.numel() // x.shape[-1]
-        return (gemv.usable(x, a.qkv_weight, rows) and gemv.usable(x, a.o_proj.weight, rows)
-                and gemv.usable(x, m.gate_up_weight, rows, glu=True) and gemv.usable(x, m.down_proj.weight, rows))
-
 
 class Decoder(nn.Module):
     def __init__(self, config: ModelConfig):
@@ -276,18 +245,12 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)  # (B, T, H)
         cos, sin = self.model.rotary(positions, h.dtype)
         taps, residual = {}, None
-        if self.model.layers[0].streams(h):  # few rows on the GPU: the stream is materialized anyway
-            for i, layer in enumerate(self.model.layers):
-                if i in capture:
-                    taps[i] = h
-                h = layer.stream(h, cos, sin, cache, meta)
-        else:  # each residual add in one kernel with the norm after it
-            for i, layer in enumerate(self.model.layers):
-                if i in capture:
-                    taps[i] = h if residual is None else h + residual  # the stream entering layer i
-                h, residual = layer(h, residual, cos, sin, cache, meta)
+        for i, layer in enumerate(self.model.layers):
+            if i in capture:
+                taps[i] = h if residual is None else h + residual  # the stream entering layer i
+            h, residual = layer(h, residual, cos, sin, cache, meta)
         aux = torch.cat([taps[i] for i in capture], -1) if capture else None  # in capture's order, repeats kept
-        return (self.model.norm(h) if residual is None else self.model.norm(h, residual)[0]), aux
+        return self.model.norm(h, residual)[0], aux
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # (..., V)
