@@ -14,7 +14,8 @@ A probe for choosing the decode step's design, not part of the package.
 
 `sweep` times eaglet's own GEMV kernel (eaglet/models/gemv.py) over a grid of tile shapes against
 cuBLAS for each projection of a model shape, all layers' weights in turn, and what `gemv.tiles` picks;
-for 2 to 16 rows also two candidates: `rows_gemv` (CUDA cores, up to 8 rows) and `dot_splitk` (the
+for 2 to 16 rows the tensor-core kernel's tiles include slices of 1024 and 2048 columns where they fit
+(`long_slices`, also in `glu`; not yet run), and two candidates: `rows_gemv` (CUDA cores, up to 8 rows) and `dot_splitk` (the
 tensor-core kernel with K split across programs, configs of six numbers, the last the split).
 
   python3 bench/gpu/layer_probe.py OUT_DIR
@@ -240,6 +241,14 @@ def eaglet_kernel(cfg, xx, wt, yy, rows, n, k, glu=False):
                                               num_stages=stages)
 
 
+def long_slices(bm: int, k: int, operands: int = 1) -> list[tuple[int, ...]]:
+    """Tensor-core tiles that read W as the GEMV does, 1024 or 2048 columns of each row at a time
+    (the GEMV's best slices on the 8B; the first grids stopped at 512), where their stages fit in
+    shared memory (operands: 2 for glu's gate and up rows)."""
+    return [(bm, bn, bk, w, st) for bn in (16, 32) for bk in (1024, 2048) for w in (4, 8) for st in (2, 3)
+            if bk <= k and (bm + operands * bn) * bk * 2 * st <= 200 * 1024]
+
+
 SWEEP_SHAPES = {
     "llama-3.1-8b": (32, {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
                           "lm_head": (128256, 4096)}),
@@ -298,7 +307,7 @@ def sweep(out_dir: str, shape: str) -> None:
             else:
                 bm = max(16, 1 << (rows - 1).bit_length())
                 grid = [(bm, bn, bk, w, st) for bn in (16, 32, 64, 128) for bk in (128, 256, 512) for w in (4, 8)
-                        for st in (2, 3, 4) if bn * bk <= 16384]
+                        for st in (2, 3, 4) if bn * bk <= 16384] + long_slices(bm, k)
                 picked = eg.dot_tiles(rows, n, k)
                 if k < 2048:  # SmolLM2's narrow projections: short K loops, split finer
                     split = [(bm, bn, bk, 4, st, sp) for bn in (16, 32) for bk in (32, 64, 128, 256) for st in (3, 4)
@@ -365,7 +374,7 @@ def glu_sweep(out_dir: str, shape: str) -> None:
                     if bk <= max(256, 1 << (k - 1).bit_length())]
         else:
             grid = [(16, bn, bk, w, st) for bn in (16, 32, 64) for bk in (64, 128, 256) for w in (4, 8)
-                    for st in (2, 3, 4) if bn * bk <= 16384]
+                    for st in (2, 3, 4) if bn * bk <= 16384] + long_slices(16, k, operands=2)
         for cfg in grid:
             def run(cfg=cfg):
                 for wt in ws:
