@@ -8,6 +8,7 @@
 #   bash bench/gpu/runtime.sh eagle3   # the EAGLE-3 bar: plain, chain 5, tree on all 80 MT-bench prompts x 256 tokens
 #                                      # (MAXNEW=128: the 2026-11-30 runs; the first 128 tokens are the harder half;
 #                                      #  EOS=1: replies end at EOS, as eval-draft's τ and served replies do)
+#                                      #  TREE=STEPS,TOPK,TOKENS: the tree measured, 6,8,32 by default)
 # The model must be staged first (../shared/tools/stage-files --smollm2, see GPU.md).
 phase=$1
 source "$(dirname "$0")/setup.sh"
@@ -23,7 +24,7 @@ case $phase in
       --num-prompts ${PROMPTS:-5} --max-new-tokens ${MAXNEW:-128} --repeats 3 ${SYSTEMS:+--systems $SYSTEMS} --out "$out" ;;
   eagle3)
     python3 -m eaglet bench --model $GGUF --draft ${DRAFT:-eaglet/drafters/smollm2-135m-instruct-eagle3} --prompts mtbench \
-      --num-prompts 80 --max-new-tokens ${MAXNEW:-256} --repeats 3 --systems plain eagle3-chain eagle3-tree \
+      --num-prompts 80 --max-new-tokens ${MAXNEW:-256} --repeats 3 --systems plain eagle3-chain eagle3-tree ${TREE:+--tree $TREE} \
       ${EOS:+--stop-at-eos} --out "$out" ;;
   plan)  # issue 6 on the H200: profile, then plan with predicted vs measured for chains 1-7 and 2 trees
     python3 -m eaglet profile --model $GGUF --draft eaglet/drafters/smollm2-135m-instruct-eagle3 --num-prompts 8 \

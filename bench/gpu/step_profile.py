@@ -6,7 +6,8 @@ graph alone; and per step the GPU's busy time (the union of its kernels) against
 cover, with the host's time in cudaGraphLaunch: where a step's wall time exceeds its kernels'. A
 probe for choosing what to fuse next, not part of the package.
 
-  python3 bench/gpu/step_profile.py MODEL.gguf DRAFTER_DIR OUT_DIR
+  python3 bench/gpu/step_profile.py MODEL.gguf DRAFTER_DIR OUT_DIR [TREE ...]   # TREE: STEPS,TOPK,TOKENS;
+      # each tree is profiled beside plain and the chain of 5 (e.g. 5,4,16 6,8,32)
   python3 bench/gpu/step_profile.py --shape llama-3.1-8b OUT_DIR   # plain decoding of a random-weight
       # shape (eaglet bench --shape's model, context 512): where a step short of the roofline goes
   python3 bench/gpu/step_profile.py --forward llama-3.1-8b OUT_DIR [1,2,16]  # bench --shape's graphed
@@ -140,14 +141,16 @@ def setup(model_path: str, draft: str):
     return loaded, ids, cfg, load_speculator(SpecConfig("eagle3", draft, steps=5), loaded.model, model_path)
 
 
-def main(model_path: str, draft: str, out_dir: str) -> None:
+def main(model_path: str, draft: str, out_dir: str, trees: list[str]) -> None:
     loaded, ids, cfg, sp = setup(model_path, draft)
     model, tok = loaded.model, loaded.tokenizer
     gens = {"plain": Generator(model, tok), "eagle3-chain5": Generator(model, tok, sp)}
-    results = {
-        "plain": profile_system(gens["plain"], ids, cfg, lambda c: len(c.tokens) - 1),
-        "eagle3-chain5": profile_system(gens["eagle3-chain5"], ids, cfg, lambda c: c.spec.drafts),
-    }
+    for t in trees:
+        steps, topk, tokens = map(int, t.split(","))
+        spec = SpecConfig("eagle3", draft, steps=steps, topk=topk, draft_tokens=tokens)
+        gens[f"eagle3-tree{steps}-{topk}-{tokens}"] = Generator(model, tok, load_speculator(spec, model, model_path))
+    results = {name: profile_system(g, ids, cfg, (lambda c: len(c.tokens) - 1) if name == "plain" else
+                                    (lambda c: c.spec.drafts)) for name, g in gens.items()}
     phases = {name: phase_graphs(g) for name, g in gens.items()}
     for name, by_phase in phases.items():
         results[name]["phase_graphs"] = by_phase
@@ -159,7 +162,8 @@ def main(model_path: str, draft: str, out_dir: str) -> None:
               f"{r['gpu_first_to_last_us_per_step']:.0f} us (first kernel to last), cudaGraphLaunch "
               f"{r['graph_launch_host_us_per_step']:.0f} us host in {r['graph_launches_per_step']:.1f} launches")
         print_summary(r)
-    path = write_record("step-profile", {"model": model_path, "draft": draft, "max_new_tokens": 128}, results, out_dir,
+    path = write_record("step-profile", {"model": model_path, "draft": draft, "max_new_tokens": 128, "trees": trees},
+                        results, out_dir,
                         models={"target": loaded.path, "drafter": draft})
     print(f"record: {path}")
 
@@ -229,4 +233,4 @@ if __name__ == "__main__":
     elif sys.argv[1] == "--forward":
         main_forward(sys.argv[2], sys.argv[3], tuple(map(int, sys.argv[4].split(","))) if len(sys.argv) > 4 else (1, 2, 16))
     else:
-        main(*sys.argv[1:4])
+        main(*sys.argv[1:4], sys.argv[4:])
