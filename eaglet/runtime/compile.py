@@ -10,6 +10,8 @@
 - matmuls of up to 16 rows (decoding, drafting, verify): Triton kernels (models/gemv.py), faster
   than cuBLAS at streaming the weights, the MLP's gate-up with its SiLU·mul in the same kernel;
   longer inputs and `EAGLET_GEMV=0` keep cuBLAS.
+- the top-k of each row that a draft tree takes at every level: one Triton kernel with the
+  log-softmax (spec/topk.py) instead of a softmax and torch.topk's radix passes.
 - functions marked `@fusable`: the index arithmetic around the model (attention masks, greedy
   acceptance), dozens of tiny kernels per speculation step each, become a few.
 
@@ -65,6 +67,8 @@ def compile_kernels(model: nn.Module) -> int:
     cache_attention.enable(ampere)
     from ..models import gemv
     gemv.enable(ampere)
+    from ..spec import topk
+    topk.enable()
     n = 0
     for m in model.modules():
         if isinstance(m, (RMSNorm, RoPE, MLP)):

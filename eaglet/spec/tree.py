@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime.compile import fusable
+from .topk import topk
 
 
 @dataclass
@@ -76,7 +77,7 @@ def select_tree(roots: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: to
     """
     b, c = cand_tokens.shape
     keep = num_nodes - 1
-    best = cand_scores.sort(dim=-1, descending=True, stable=True).indices[:, :keep]  # ties: lower id first
+    best = topk(cand_scores, keep, stable=True)[1]  # ties: lower id first
     idx = best.sort(-1).values  # (B, K) candidate ids, parent order
     new_pos = torch.full((b, c), -1, dtype=torch.long, device=cand_tokens.device)
     new_pos.scatter_(1, idx, torch.arange(1, keep + 1, device=idx.device).expand(b, keep))

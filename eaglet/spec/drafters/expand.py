@@ -23,6 +23,7 @@ from ...models.attention import AttnMeta
 from ...models.prefill import FreshRows, PromptBatch, fresh_meta
 from ...runtime.decoder import row_prefix
 from ...sampling import SamplingParams, sample_probs, target_probs
+from ..topk import topk
 from ..tree import DraftProposal, chain, select_tree
 
 
@@ -166,8 +167,7 @@ class NeuralDrafter:
     def _tree(self, roots, logits, state) -> DraftProposal:
         k, steps = self.spec.topk, self.spec.steps
         b, dev = roots.shape[0], roots.device
-        logp = logits.float().log_softmax(-1)  # (B, Vd)
-        score, ids = logp.topk(k, -1)  # (B, K)
+        score, ids = topk(logits, k, log_softmax=True)  # (B, K)
         c_tok, c_par, c_score, c_depth = [ids], [torch.full_like(ids, -1)], [score], [torch.ones_like(ids)]
         front_cand = torch.arange(k, device=dev).expand(b, k)  # candidate index of each frontier node
         front_par_fed = torch.full((b, k), -1, device=dev, dtype=torch.long)  # parent's offset in the block
@@ -181,13 +181,13 @@ class NeuralDrafter:
             mask = torch.cat([rows, torch.eye(k, dtype=torch.bool, device=dev).expand(b, k, k)], 2)  # (B, K, P+K)
             logits, out_state = self.draft_step(ids, front_state, d, mask, pending=p)
             anc = torch.cat([torch.cat([anc, anc.new_zeros(b, p, k)], 2), mask], 1)  # (B, P+K, P+K)
-            child_score, child_ids = logits.float().log_softmax(-1).topk(k, -1)  # (B, K, K)
+            child_score, child_ids = topk(logits, k, log_softmax=True)  # (B, K, K)
             child_score = child_score + score[..., None]
             c_tok.append(child_ids.flatten(1))
             c_par.append(front_cand[..., None].expand(b, k, k).flatten(1))
             c_score.append(child_score.flatten(1))
             c_depth.append(torch.full_like(child_ids.flatten(1), d + 1))
-            score, best = child_score.flatten(1).topk(k, -1)  # next frontier: (B, K)
+            score, best = topk(child_score.flatten(1), k)  # next frontier: (B, K)
             parent_slot = best // k  # which frontier node each comes from
             ids = child_ids.flatten(1).gather(1, best)
             front_cand = n_cand + best

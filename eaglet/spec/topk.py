@@ -1,0 +1,85 @@
+"""The k best entries of each row, as one Triton kernel: what the EAGLE-2 tree takes at every level
+(a frontier node's best children by log-probability, the next frontier among them) and at its end
+(the best nodes of all candidates).
+
+torch.topk over a draft vocabulary of 16,384 took 48 µs for 4 rows and 84 µs for 8 on the H200,
+two thirds of a 5- or 6-level tree's draft step (bench/gpu/step_profile.py, BENCHMARKS.md); here one
+program per row holds the row in registers, takes its log-softmax if asked, and picks the k largest
+one by one. Ties go to the lower index, as a stable descending sort's first k (select_tree needs
+that, and asks the fallback for the sort); the fallback otherwise is torch.topk, whose order of ties
+is its own.
+
+Enabled by runtime/compile.py on the GPU; under TRITON_INTERPRET=1 (the CPU tests) on any device.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..models.cache_attention import pow2
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs without Triton
+    triton = None
+
+_on = False
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_WIDTH = 1 << 16  # wider rows (a full 128k vocabulary) would spill registers: torch.topk
+MAX_K = 64
+
+
+def enable(on: bool = True) -> None:
+    global _on
+    _on = on and os.environ.get("EAGLET_TOPK", "1") != "0"
+
+
+def usable(x: torch.Tensor, k: int) -> bool:
+    return (_on and triton is not None and (x.is_cuda or INTERPRET) and 1 <= k <= min(MAX_K, x.shape[-1])
+            and x.shape[-1] <= MAX_WIDTH and not (x.requires_grad and torch.is_grad_enabled()))
+
+
+def topk(x: torch.Tensor, k: int, log_softmax: bool = False, stable: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values float32, indices int64), each (..., k): the k largest of x along its last dim, largest
+    first; with `log_softmax`, of x.float().log_softmax(-1); `stable`: ties to the lower index on
+    every path (the kernel always does)."""
+    if not usable(x, k):
+        y = x.float().log_softmax(-1) if log_softmax else x.float()
+        if stable:
+            v, i = y.sort(dim=-1, descending=True, stable=True)
+            return v[..., :k], i[..., :k]
+        return y.topk(k, -1)
+    n = x.shape[-1]
+    rows = x.reshape(-1, n)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    vals = torch.empty(rows.shape[0], k, dtype=torch.float32, device=x.device)
+    idx = torch.empty(rows.shape[0], k, dtype=torch.long, device=x.device)
+    block = max(16, pow2(n))
+    _row_topk[(rows.shape[0],)](rows, vals, idx, n, rows.stride(0), K=k, BLOCK=block, LOG_SOFTMAX=log_softmax,
+                                num_warps=min(16, max(1, block // 2048)))
+    return vals.view(*x.shape[:-1], k), idx.view(*x.shape[:-1], k)
+
+
+if triton is not None:
+    @triton.jit
+    def _row_topk(x_ptr, val_ptr, idx_ptr, n, stride, K: tl.constexpr, BLOCK: tl.constexpr,
+                  LOG_SOFTMAX: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        live = offs < n
+        x = tl.load(x_ptr + row * stride + offs, mask=live, other=-float("inf")).to(tl.float32)
+        top = tl.max(x, 0)
+        lse = 0.0
+        if LOG_SOFTMAX:  # log_softmax(x) = (x - max) - log(sum(exp(x - max))), rounded as torch does
+            lse = tl.log(tl.sum(tl.where(live, tl.exp(x - top), 0.0), 0))
+        for j in tl.static_range(K):
+            best = tl.max(tl.where(live, x, -float("inf")), 0)
+            at = tl.min(tl.where(live & (x == best), offs, BLOCK), 0)  # the lowest index holding it
+            if LOG_SOFTMAX:
+                best = (best - top) - lse
+            tl.store(val_ptr + row * K + j, best)
+            tl.store(idx_ptr + row * K + j, at.to(tl.int64))
+            live = live & (offs != at)

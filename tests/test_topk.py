@@ -1,0 +1,87 @@
+"""The row top-k kernel (spec/topk.py) on the CPU through Triton's interpreter (conftest sets
+TRITON_INTERPRET=1 without a GPU): values and indices equal torch's log_softmax + topk on rows of a
+draft vocabulary's width and on the narrow rows a tree's frontier picks from; ties go to the lower
+index, as the stable sort select_tree needs; the fallback keeps torch's results; and a tree drafted
+with the kernel is the tree drafted without it."""
+import pytest
+import torch
+
+from eaglet import GenerationConfig, Generator, load_model
+from eaglet.config import SpecConfig
+from eaglet.spec import topk as topk_mod
+from eaglet.spec.topk import topk
+
+from .test_spec_greedy import Recording, random_head, run_checked, small_draft  # noqa: F401 (a fixture)
+from .triton_kernels import switched_on, triton_device
+
+DEV = triton_device()
+topk_on = switched_on(topk_mod)
+
+
+@pytest.mark.parametrize("shape,k", [((3, 16384), 8), ((1, 2, 4, 1000), 4), ((2, 64), 8), ((5, 37), 1),
+                                     ((2, 457), 31)])
+@pytest.mark.parametrize("log_softmax", [False, True])
+def test_matches_torch(shape, k, log_softmax, topk_on):
+    g = torch.Generator().manual_seed(shape[-1] + k)
+    x = (torch.randn(*shape, generator=g) * 3).to(DEV)  # float32: no ties
+    assert topk_mod.usable(x, k)  # the kernel, not the fallback
+    v, i = topk(x, k, log_softmax=log_softmax)
+    y = x.float().log_softmax(-1) if log_softmax else x
+    rv, ri = y.topk(k, -1)
+    assert v.shape == i.shape == (*shape[:-1], k) and v.dtype == torch.float32 and i.dtype == torch.long
+    assert torch.equal(i, ri)
+    torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)
+
+
+def test_half_input_and_strided_rows(topk_on):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3000, generator=g).half().to(DEV)[:, :2048]  # rows with a stride past their width
+    assert topk_mod.usable(x, 6)
+    v, i = topk(x, 6, log_softmax=True)
+    ref = x.float().log_softmax(-1)
+    # half values tie often: the indices hold the k largest, lowest index first among equals
+    want = ref.sort(dim=-1, descending=True, stable=True)
+    assert torch.equal(i, want.indices[:, :6])
+    torch.testing.assert_close(v, want.values[:, :6], atol=1e-5, rtol=1e-5)
+
+
+def test_ties_go_to_the_lower_index_as_a_stable_sort(topk_on):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 5, (3, 300), generator=g).float().to(DEV)  # many equal values
+    x[1] = float("-inf")  # a row of nothing but -inf still yields distinct indices
+    x[1, 7] = 0.0
+    assert topk_mod.usable(x, 20)
+    v, i = topk(x, 20, stable=True)
+    want = x.sort(dim=-1, descending=True, stable=True)
+    assert torch.equal(i, want.indices[:, :20]) and torch.equal(v, want.values[:, :20])
+    assert all(len(set(r)) == 20 for r in i.tolist())
+
+
+def test_fallback_when_off():
+    x = torch.randn(2, 50, generator=torch.Generator().manual_seed(2))
+    assert not topk_mod.usable(x, 4)  # off unless compile_kernels (or a test) turns it on
+    v, i = topk(x, 4, log_softmax=True)
+    rv, ri = x.log_softmax(-1).topk(4, -1)
+    assert torch.equal(i, ri) and torch.equal(v, rv)
+    x = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]])
+    assert topk(x, 3, stable=True)[1].tolist() == [[1, 2, 4]]
+
+
+@pytest.mark.parametrize("spec", [SpecConfig("eagle3", steps=3, topk=3, draft_tokens=8),
+                                  SpecConfig("draft", steps=3, topk=2, draft_tokens=9)])
+def test_tree_with_the_kernel_is_the_tree_without(tiny_dirs, small_draft, spec):
+    """The drafters' tree expansion and select_tree through the kernel: the same proposals, step by
+    step, as through torch (float32 logits of random models do not tie), and plain greedy output."""
+    model = load_model(tiny_dirs["llama3"][0], dtype="float32", device="cpu", tokenizer=False).model
+    prompts = [[5, 9, 17, 3], list(range(20, 31))]
+    gen = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    ref = [Generator(model, None).generate([p], gen)[0].tokens for p in prompts]
+    steps = {}
+    for on in (False, True):
+        topk_mod.enable(on)
+        sp = (Recording(spec, head=random_head(model.config)) if spec.method == "eagle3"
+              else Recording(spec, draft_model=small_draft))
+        run_checked(model, prompts, ref, sp, gen)
+        steps[on] = sp.rec.steps
+    topk_mod.enable(False)
+    assert steps[True] == steps[False] and len(steps[True]) > 5
