@@ -13,7 +13,9 @@
 phase=$1
 source "$(dirname "$0")/setup.sh"
 set +e
-out=${OUT:-/tmp}/records
+# each call writes its own folder: two phases at once (one per GPU) must not pack or remove each
+# other's records (2026-11-30: a test's log was lost that way)
+out=${OUT:-/tmp}/records-$phase-$$
 mkdir -p "$out"
 case $phase in
   test)
@@ -45,6 +47,6 @@ rc=$?
 # a call brings back at most 8 files: past 6, the records travel as one tarball (unpack with tar xzf)
 if [ -n "${OUT:-}" ] && [ "$(ls "$out" | wc -l)" -gt 6 ]; then
   tgz="$OUT/records-$phase-$(date +%H%M%S).tgz"
-  tar czf "$tgz" -C "$OUT" records && rm -rf "$out" && echo "records packed into $tgz"
+  tar czf "$tgz" -C "$OUT" "$(basename "$out")" && rm -rf "$out" && echo "records packed into $tgz"
 fi
 exit $rc
