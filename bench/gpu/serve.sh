@@ -8,7 +8,8 @@
 #   bash bench/gpu/serve.sh            (needs the model and sharegpt_first_turns.json.gz staged,
 #                                       and the fastapi/uvicorn/pydantic/httpx wheels in .whl)
 # SPEC_MAX_BATCH=N lets the policy server speculate in batches of up to N requests (default 1: a
-# lone request); SPEC_POLICY=RECORD gives it an `eaglet profile` record's per-batch-size policy.
+# lone request); SPEC_POLICY=RECORD gives it an `eaglet profile` record's per-batch-size policy;
+# SPEC_ARGS="--spec-steps 5 --spec-topk 4 --spec-draft-tokens 16" serves a tree instead of chain 5.
 # With $OUT set (the GPU machine) the records come back as one tar, $OUT/serve-records.tar.
 source "$(dirname "$0")/setup.sh"
 set +e
@@ -18,7 +19,7 @@ gunzip -c /tmp/stage/sharegpt_first_turns.json.gz > /tmp/sharegpt.json
 declare -A PORT=([eagle3]=8031 [none]=8032)
 pids=()
 for spec in eagle3 none; do
-  draft=; [ $spec = eagle3 ] && draft="--draft eaglet/drafters/smollm2-135m-instruct-eagle3 ${SPEC_MAX_BATCH:+--spec-max-batch $SPEC_MAX_BATCH} ${SPEC_POLICY:+--spec-policy $SPEC_POLICY}"
+  draft=; [ $spec = eagle3 ] && draft="--draft eaglet/drafters/smollm2-135m-instruct-eagle3 ${SPEC_MAX_BATCH:+--spec-max-batch $SPEC_MAX_BATCH} ${SPEC_POLICY:+--spec-policy $SPEC_POLICY} ${SPEC_ARGS:-}"
   python3 -m eaglet serve --model $GGUF --port ${PORT[$spec]} --max-batch ${MAX_BATCH:-64} --max-model-len 1024 \
     --spec $spec $draft --log-level warning &
   pids+=($!)
