@@ -6,7 +6,9 @@
 # alternates between them: a warm-up run of each (not recorded), then policy, none, ROUNDS times
 # (default 3), so both see the same state of the shared machine; compare medians over rounds.
 #   bash bench/gpu/serve.sh            (needs the model and sharegpt_first_turns.json.gz staged,
-#                                       and the fastapi/uvicorn/pydantic/httpx wheels in .whl)
+#                                       and the fastapi/uvicorn/pydantic/httpx wheels in .whl:
+#   .venv/bin/pip download --only-binary=:all: --python-version 3.12 --implementation cp -d .whl \
+#     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 fastapi uvicorn pydantic httpx)
 # SPEC_MAX_BATCH=N lets the policy server speculate in batches of up to N requests (default 1: a
 # lone request); SPEC_POLICY=RECORD gives it an `eaglet profile` record's per-batch-size policy;
 # SPEC_ARGS="--spec-steps 5 --spec-topk 4 --spec-draft-tokens 16" serves a tree instead of chain 5.
