@@ -2,8 +2,9 @@
 (a frontier node's best children by log-probability, the next frontier among them) and at its end
 (the best nodes of all candidates).
 
-torch.topk over a draft vocabulary of 16,384 took 48 µs for 4 rows and 84 µs for 8 on the H200,
-two thirds of a 5- or 6-level tree's draft step (bench/gpu/step_profile.py, BENCHMARKS.md); here one
+torch.topk over a draft vocabulary of 16,384 took 48 µs for 4 rows and 84 µs for 8 on the H200, and
+with the softmax and sorts around it about half of a 5- or 6-level tree's draft step (754 and 1060
+µs; 433 and 601 with this kernel: bench/gpu/step_profile.py, BENCHMARKS.md); here one
 program per row holds the row in registers, takes its log-softmax if asked, and picks the k largest
 one by one. Ties go to the lower index, as a stable descending sort's first k (select_tree needs
 that, and asks the fallback for the sort); the fallback otherwise is torch.topk, whose order of ties
@@ -73,11 +74,12 @@ if triton is not None:
         x = tl.load(x_ptr + row * stride + offs, mask=live, other=-float("inf")).to(tl.float32)
         top = tl.max(x, 0)
         lse = 0.0
-        if LOG_SOFTMAX:  # log_softmax(x) = (x - max) - log(sum(exp(x - max))), rounded as torch does
+        if LOG_SOFTMAX:  # log_softmax(x) = (x - max) - log(sum(exp(x - max)))
             lse = tl.log(tl.sum(tl.where(live, tl.exp(x - top), 0.0), 0))
         for j in tl.static_range(K):
             best = tl.max(tl.where(live, x, -float("inf")), 0)
             at = tl.min(tl.where(live & (x == best), offs, BLOCK), 0)  # the lowest index holding it
+            at = tl.minimum(at, n - 1)  # NaN matches nothing: keep the index in range
             if LOG_SOFTMAX:
                 best = (best - top) - lse
             tl.store(val_ptr + row * K + j, best)
