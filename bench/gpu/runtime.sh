@@ -4,7 +4,7 @@
 #   bash bench/gpu/runtime.sh smollm2  # eaglet bench: all systems side by side on SmolLM2
 #   bash bench/gpu/runtime.sh shapes   # eaglet bench --shape: Llama-3.1-8B and Qwen3-8B, random weights
 #   bash bench/gpu/runtime.sh probes   # kernel choices (no model needed): cache-attention row tiles and splits,
-#                                      # few-row matmul tiles (GEMV, dot, rows_gemv) for 2-16 rows
+#                                      # few-row matmul tiles (GEMV, dot, rows_gemv) for 2-16 rows, the tree's top-k
 #   bash bench/gpu/runtime.sh eagle3   # the EAGLE-3 bar: plain, chain 5, tree on all 80 MT-bench prompts x 256 tokens
 #                                      # (MAXNEW=128: the 2026-11-30 runs; the first 128 tokens are the harder half;
 #                                      #  EOS=1: replies end at EOS, as eval-draft's τ and served replies do)
@@ -41,6 +41,7 @@ case $phase in
     python3 "$here/cache_attention_probe.py" "$out" tiles > "$out/cache-attention-tiles.log" 2>&1
     python3 "$here/layer_probe.py" "$out" sweep smollm2-135m 2,4,6,8,16 > "$out/sweep-smollm2.log" 2>&1
     python3 "$here/layer_probe.py" "$out" sweep llama-3.1-8b 2,4,6,8 > "$out/sweep-llama.log" 2>&1
+    python3 "$here/topk_probe.py" "$out" > "$out/topk.log" 2>&1
     grep -hv Warn "$out"/*.log | grep -v "^ " | tail -60 ;;
 esac
 rc=$?
