@@ -5,6 +5,7 @@
 # ignored). Both servers run at once (an idle one waits on a condition variable) and each level
 # alternates between them: a warm-up run of each (not recorded), then policy, none, ROUNDS times
 # (default 3), so both see the same state of the shared machine; compare medians over rounds.
+#   bash bench/gpu/serve.sh prepare    (here: .gpudata/sharegpt_first_turns.json.gz, to stage with the model)
 #   bash bench/gpu/serve.sh            (needs the model and sharegpt_first_turns.json.gz staged,
 #                                       and the fastapi/uvicorn/pydantic/httpx wheels in .whl:
 #   .venv/bin/pip download --only-binary=:all: --python-version 3.12 --implementation cp -d .whl \
@@ -13,6 +14,17 @@
 # lone request); SPEC_POLICY=RECORD gives it an `eaglet profile` record's per-batch-size policy;
 # SPEC_ARGS="--spec-steps 5 --spec-topk 4 --spec-draft-tokens 16" serves a tree instead of chain 5.
 # With $OUT set (the GPU machine) the records come back as one tar, $OUT/serve-records.tar.
+if [ "${1:-}" = prepare ]; then  # HERE, not on the GPU: ShareGPT first turns (<= 600 chars) into .gpudata/
+  mkdir -p .gpudata && .venv/bin/python - <<'PY'
+import gzip, json
+from eaglet.datasets import first_turn, read_sharegpt
+turns = [t for t in map(first_turn, read_sharegpt().conversations) if t and t.strip() and len(t) <= 600]
+with gzip.open(".gpudata/sharegpt_first_turns.json.gz", "wt") as f:
+    json.dump([{"conversations": [{"from": "human", "value": t}]} for t in turns], f)
+print(len(turns), "first turns")
+PY
+  exit 0
+fi
 source "$(dirname "$0")/setup.sh"
 set +e
 out=${OUT:-/tmp}/records
