@@ -35,13 +35,7 @@ def packed_topk(x_ptr, val_ptr, idx_ptr, n, stride, K: tl.constexpr, BLOCK: tl.c
     order-preserving as a signed int in the high half, BLOCK - 1 - index in the low half (ties to
     the lower index); a picked or padded lane gets the smallest key."""
     row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    live = offs < n
-    x = tl.load(x_ptr + row * stride + offs, mask=live, other=-float("inf")).to(tl.float32)
-    top = tl.max(x, 0)
-    lse = 0.0
-    if LOG_SOFTMAX:
-        lse = tl.log(tl.sum(tl.where(live, tl.exp(x - top), 0.0), 0))
+    x, offs, live, top, lse = topk_mod.row_stats(x_ptr, n, stride, BLOCK, LOG_SOFTMAX)
     bits = x.to(tl.int32, bitcast=True)
     ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     dead = tl.full([BLOCK], -2147483648, tl.int32).to(tl.int64) << 32

@@ -66,16 +66,23 @@ def topk(x: torch.Tensor, k: int, log_softmax: bool = False, stable: bool = Fals
 
 if triton is not None:
     @triton.jit
+    def row_stats(x_ptr, n, stride, BLOCK: tl.constexpr, LOG_SOFTMAX: tl.constexpr):
+        """This program's row in float32 (-inf past n), its lanes, which are live, its max, and
+        log(sum(exp(x - max))) when LOG_SOFTMAX (log_softmax(x) = (x - max) - that), else 0."""
+        offs = tl.arange(0, BLOCK)
+        live = offs < n
+        x = tl.load(x_ptr + tl.program_id(0) * stride + offs, mask=live, other=-float("inf")).to(tl.float32)
+        top = tl.max(x, 0)
+        lse = 0.0
+        if LOG_SOFTMAX:
+            lse = tl.log(tl.sum(tl.where(live, tl.exp(x - top), 0.0), 0))
+        return x, offs, live, top, lse
+
+    @triton.jit
     def _row_topk(x_ptr, val_ptr, idx_ptr, n, stride, K: tl.constexpr, BLOCK: tl.constexpr,
                   LOG_SOFTMAX: tl.constexpr):
         row = tl.program_id(0)
-        offs = tl.arange(0, BLOCK)
-        live = offs < n
-        x = tl.load(x_ptr + row * stride + offs, mask=live, other=-float("inf")).to(tl.float32)
-        top = tl.max(x, 0)
-        lse = 0.0
-        if LOG_SOFTMAX:  # log_softmax(x) = (x - max) - log(sum(exp(x - max)))
-            lse = tl.log(tl.sum(tl.where(live, tl.exp(x - top), 0.0), 0))
+        x, offs, live, top, lse = row_stats(x_ptr, n, stride, BLOCK, LOG_SOFTMAX)
         for j in tl.static_range(K):
             best = tl.max(tl.where(live, x, -float("inf")), 0)
             at = tl.min(tl.where(live & (x == best), offs, BLOCK), 0)  # the lowest index holding it
