@@ -73,7 +73,7 @@ if triton is not None:
         live = offs < n
         x = tl.load(x_ptr + tl.program_id(0) * stride + offs, mask=live, other=-float("inf")).to(tl.float32)
         top = tl.max(x, 0)
-        lse = 0.0
+        lse = top * 0.0  # a tensor either way: what a jit function returns
         if LOG_SOFTMAX:
             lse = tl.log(tl.sum(tl.where(live, tl.exp(x - top), 0.0), 0))
         return x, offs, live, top, lse
