@@ -1,0 +1,73 @@
+"""The kernels and tile choices that tests/test_triton_compile.py compiles for the H200 (sm_90).
+Run in a process of its own: Triton's interpreter (which conftest turns on for the other tests)
+replaces every @triton.jit function, and the compiler needs the real ones."""
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from eaglet.models import cache_attention as ca
+from eaglet.models import gemv
+from eaglet.spec import topk
+
+H200 = GPUTarget("cuda", 90, 32)
+TYPES = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "Y": "*bf16", "QKV": "*bf16", "K": "*bf16", "V": "*bf16",
+         "OUT": "*bf16", "COS": "*bf16", "SIN": "*bf16", "QW": "*bf16", "KW": "*bf16", "START": "*i64", "MASK": "*i1",
+         "PM": "*fp32", "PL": "*fp32", "PO": "*fp32", "eps": "fp32", "scale": "fp32",
+         "x_ptr": "*bf16", "val_ptr": "*fp32", "idx_ptr": "*i64"}
+
+
+def compile_for_h200(fn, const: dict, warps: int = 4, stages: int = 3) -> None:
+    """fn to a cubin for sm_90: the constexprs given, pointers and floats typed by name (TYPES),
+    every other argument a 32-bit int."""
+    sig = {p.name: "constexpr" if p.name in const else TYPES.get(p.name, "i32") for p in fn.params}
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=H200,
+                            options={"num_warps": warps, "num_stages": stages})
+    assert kernel.asm["cubin"]
+
+
+def cases():
+    """(name, thunk) for each kernel at the tiles the package picks for SmolLM2 and the 8B shapes."""
+    for k, glu in [(576, False), (576, True), (4096, False), (4096, True)]:
+        bn, bk, warps = gemv.glu_tiles(1, k) if glu else gemv.tiles(49152 if k == 576 else 4096, k)
+        yield (f"gemv one row, K {k}, glu {glu}",
+               lambda k=k, glu=glu, bn=bn, bk=bk, w=warps: compile_for_h200(
+                   gemv._kernel, dict(K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0, HAS_BIAS=False, GLU=glu), w))
+    for rows, n, k, glu, bias in [(6, 576, 576, False, True), (16, 3072, 576, True, False),
+                                  (16, 4096, 4096, False, False), (2, 28672, 4096, True, False)]:
+        bm, bn, bk, warps, stages = gemv.glu_tiles(rows, k) if glu else gemv.dot_tiles(rows, n, k)
+        yield (f"gemv {rows} rows, {n} x {k}, glu {glu}",
+               lambda k=k, glu=glu, bias=bias, t=(bm, bn, bk), w=warps, s=stages: compile_for_h200(
+                   gemv._dot_kernel, dict(K=k, BM=t[0], BN=t[1], BK=t[2], EVEN_K=k % t[2] == 0, HAS_BIAS=bias, GLU=glu),
+                   w, s))
+    for t, tree, split, norm in [(1, False, False, False), (6, False, True, False), (16, True, False, False),
+                                 (32, True, True, True)]:
+        g, hkv, d = 3, 3, 64
+        rows, tiles = ca.row_tiles(g, t, hkv)
+        const = dict(H=g * hkv, HKV=hkv, G=g, TILES=tiles, ROWS=rows, TP=max(16, ca.pow2(t)), D=d, BLOCK=64,
+                     TREE=tree, SPLIT=split, ROPE=True, QK_NORM=norm)
+        yield f"cache attention, {t} tokens, tree {tree}, split {split}", lambda c=const: compile_for_h200(ca._attend, c)
+        if split:
+            yield f"cache attention combine, {t} tokens", lambda r=rows, n=tiles: compile_for_h200(
+                ca._combine, dict(G=3, TILES=n, ROWS=r, D=64, SP=8))
+    for k, width, ls in [(8, 16384, True), (4, 16, False), (31, 328, False)]:
+        block = max(16, ca.pow2(width))
+        yield f"row top-{k} of {width}", lambda k=k, b=block, ls=ls: compile_for_h200(
+            topk._row_topk, dict(K=k, BLOCK=b, LOG_SOFTMAX=ls), min(16, max(1, b // 2048)))
+
+
+def main() -> int:
+    failed = 0
+    for name, run in cases():
+        try:
+            run()
+            print("ok", name)
+        except Exception as e:  # report every kernel, then fail
+            failed += 1
+            print("FAILED", name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(1 if main() else 0)
