@@ -48,7 +48,7 @@ def test_half_input_and_strided_rows(topk_on):
 def test_ties_go_to_the_lower_index_as_a_stable_sort(topk_on):
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 5, (3, 300), generator=g).float().to(DEV)  # many equal values
-    x[1] = float("-inf")  # a row of nothing but -inf still yields distinct indices
+    x[1] = float("-inf")  # a row of -inf but one entry: the picks after it are still distinct indices
     x[1, 7] = 0.0
     assert topk_mod.usable(x, 20)
     v, i = topk(x, 20, stable=True)

@@ -15,9 +15,9 @@ A probe for choosing the decode step's design, not part of the package.
 `sweep` times eaglet's own GEMV kernel (eaglet/models/gemv.py) over a grid of tile shapes against
 cuBLAS for each projection of a model shape, all layers' weights in turn, and what `gemv.tiles` picks;
 for 2 to 16 rows the tensor-core kernel's tiles include slices of 1024 and 2048 columns where they fit
-(`long_slices`, also in `glu`; not yet run), and two candidates: `rows_gemv` (CUDA cores, up to 8
-rows) and `dot_splitk` (the tensor-core kernel with K split across programs, configs of six numbers,
-the last the split).
+(`long_slices`, also in `glu`; on the 8B at 2-16 rows they won nowhere, 2026-11-30), and two
+candidates: `rows_gemv` (CUDA cores, up to 8 rows) and `dot_splitk` (the tensor-core kernel with K
+split across programs, configs of six numbers, the last the split).
 
   python3 bench/gpu/layer_probe.py OUT_DIR
   python3 bench/gpu/layer_probe.py OUT_DIR sweep [llama-3.1-8b | qwen3-8b | smollm2-135m] [ROWS, e.g. 1,6,16,64]

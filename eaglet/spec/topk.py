@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from ..models.cache_attention import pow2
+from ..models.cache_attention import INTERPRET, pow2
 
 try:
     import triton
@@ -27,7 +27,6 @@ except ImportError:  # CPU installs without Triton
     triton = None
 
 _on = False
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_WIDTH = 1 << 16  # wider rows (a full 128k vocabulary) would spill registers: torch.topk
 MAX_K = 64
 
@@ -73,7 +72,7 @@ if triton is not None:
         live = offs < n
         x = tl.load(x_ptr + tl.program_id(0) * stride + offs, mask=live, other=-float("inf")).to(tl.float32)
         top = tl.max(x, 0)
-        lse = top * 0.0  # a tensor either way: what a jit function returns
+        lse = 0.0
         if LOG_SOFTMAX:
             lse = tl.log(tl.sum(tl.where(live, tl.exp(x - top), 0.0), 0))
         return x, offs, live, top, lse
