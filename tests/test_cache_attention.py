@@ -21,9 +21,10 @@ DEV = triton_device()
 kernel_on = switched_on(ca)
 
 
-def reference(qkv, k_cache, v_cache, start, mask, groups):
+def reference(qkv, k_cache, v_cache, start, mask, groups, pending=0):
     """The general path: indexed store, then SDPA (float32) of each query over slots before start
-    and the new tokens it may see."""
+    and the new tokens it may see; with `pending`, the mask (T, pending + T) also covers the
+    `pending` slots before start."""
     b, t, heads, d = qkv.shape
     hkv = k_cache.shape[1]
     h = heads - 2 * hkv
@@ -33,7 +34,7 @@ def reference(qkv, k_cache, v_cache, start, mask, groups):
     for i, s in enumerate(start.tolist()):
         k_cache[i, :, s:s + t], v_cache[i, :, s:s + t] = k[i].transpose(0, 1), v[i].transpose(0, 1)
         block = mask[i] if mask is not None else torch.ones(t, t, dtype=torch.bool).tril()
-        seen = torch.cat([torch.ones(t, s, dtype=torch.bool), block.cpu()], 1)  # (T, s + T)
+        seen = torch.cat([torch.ones(t, s - pending, dtype=torch.bool), block.cpu()], 1)  # (T, s + T)
         keys = k_cache[i, :, :s + t].float().repeat_interleave(groups, 0)  # (H, s+T, D)
         vals = v_cache[i, :, :s + t].float().repeat_interleave(groups, 0)
         o = torch.nn.functional.scaled_dot_product_attention(q[i].float().transpose(0, 1), keys, vals,
@@ -83,6 +84,46 @@ def test_matches_sdpa_and_stores(b, hkv, g, d, t, kv_len, tree, chunk, rows):
     assert got.shape == (b, t, hkv * g * d) and got.dtype == dt
     torch.testing.assert_close(got.float().cpu(), want, atol=3e-3, rtol=3e-3)
     assert torch.equal(cache[0], k_want) and torch.equal(cache[1], v_want)
+
+
+def level_mask(b, pending, t, gen):
+    """A draft tree's next level: t new nodes, each seeing itself and a random earlier node's
+    ancestry among the `pending` entries before them (or only the committed prefix)."""
+    full = tree_mask(b, pending, gen)
+    m = torch.zeros(b, t, pending + t, dtype=torch.bool)
+    for i in range(b):
+        for u in range(t):
+            m[i, u, pending + u] = True
+            parent = int(torch.randint(-1, pending, (1,), generator=gen))
+            if parent >= 0:
+                m[i, u, :pending] = full[i, parent]
+    return m
+
+
+@pytest.mark.parametrize("b,hkv,g,d,t,pending,kv_len,chunk", [(2, 3, 3, 64, 4, 4, 256, None), (3, 1, 4, 64, 8, 40, 300, 64),
+                                                           (2, 2, 2, 128, 1, 17, 200, None), (1, 3, 3, 64, 8, 8, 700, None)])
+def test_tree_levels_see_the_pending_entries_their_mask_allows(b, hkv, g, d, t, pending, kv_len, chunk):
+    """A draft level after `pending` nodes of earlier levels (already in the cache before start): the
+    kernel sees the committed prefix, the pending entries its mask allows and the new tokens as the
+    mask allows, in one split and in several."""
+    gen = torch.Generator().manual_seed(3)
+    dt = torch.float16
+    qkv = torch.randn(b, t, hkv * (g + 2), d, generator=gen).to(DEV, dt)
+    cache = torch.randn(2, b, hkv, kv_len + 5, d, generator=gen).to(DEV, dt)
+    start = torch.randint(pending, kv_len - t + 1, (b,), generator=gen)
+    start[0] = pending  # nothing committed: only the pending entries and the new tokens
+    if b > 1:
+        start[1] = kv_len - t
+    start = start.to(DEV)
+    mask = level_mask(b, pending, t, gen).to(DEV)
+    want, k_want, v_want = reference(qkv, cache[0], cache[1], start, mask, g, pending)
+    got = ca.cache_attention(qkv, cache[0], cache[1], start, mask, kv_len, g, chunk, pending=pending)
+    torch.testing.assert_close(got.float().cpu(), want, atol=3e-3, rtol=3e-3)
+    assert torch.equal(cache[0], k_want) and torch.equal(cache[1], v_want)
+    # a level that saw every pending entry would differ: the mask is applied
+    every = mask.clone()
+    every[..., :pending] = True
+    assert not torch.allclose(reference(qkv, cache[0], cache[1], start, every, g, pending)[0], want, atol=3e-3)
 
 
 @pytest.mark.parametrize("t,tree,norm", [(1, False, False), (6, True, False), (16, False, True), (5, True, True)])
@@ -204,4 +245,32 @@ def test_chain_drafting_uses_it_and_stays_lossless(half_model, kernel_on, tiny_t
     assert by_size.get(1, 0) > 0  # chain draft steps (the target never runs one token while speculating)
     assert by_size.get(5, 0) >= model.config.num_layers  # verify (a chain of 4 and its root), the drafter catching up
     assert [c.tokens for c in spec] == plain
+    assert all(c.spec.drafts > 0 for c in spec)
+
+
+@torch.inference_mode()
+def test_tree_drafting_uses_it_and_stays_lossless(half_model, kernel_on, tiny_tokenizer):
+    """Every level of an EAGLE-3 draft tree goes through the kernel, the levels after the first with
+    the earlier levels pending and a tree mask over them; greedy speculation emits exactly the plain
+    greedy tokens."""
+    from eaglet.tokenizer import Tokenizer
+
+    model = half_model
+    tok = Tokenizer(tiny_tokenizer, {2})
+    head = random_head(model.config).to(device=DEV, dtype=torch.float16)
+    sp = Speculator(SpecConfig("eagle3", steps=3, topk=2, draft_tokens=6), head=head)
+    prompts = [tiny_tokenizer.encode(p) for p in ("the quick brown fox", "pack my box with five")]
+    gen = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    plain = [c.tokens for c in Generator(model, tok).generate(prompts, gen)]
+    calls = []  # (new tokens per row, pending) of each call
+    inner = ca.cache_attention
+    ca.cache_attention = lambda *a, **k: calls.append((a[0].shape[1], k.get("pending", 0))) or inner(*a, **k)
+    try:
+        spec = Generator(model, tok, sp).generate(prompts, gen)
+    finally:
+        ca.cache_attention = inner
+    assert [c.tokens for c in spec] == plain
+    levels = {c for c in calls if c[1] > 0}
+    assert levels == {(2, 2)}  # the third level: 2 frontier nodes after the 2 of the second
+    assert calls.count((2, 0)) >= calls.count((2, 2))  # the second level: nothing pending yet
     assert all(c.spec.drafts > 0 for c in spec)

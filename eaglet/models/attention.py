@@ -22,9 +22,11 @@ class AttnMeta:
     rows: torch.Tensor  # (B, T) the batch row of each new token (cache writes)
     kv_len: int  # cache slots attended over (S)
     # cache_attention applies: every slot before the block's first is visible, and among the new
-    # tokens `block_mask` (B, T, T) says what each sees (None: causal); no sliding window
+    # tokens `block_mask` (B, T, pending + T) says what each sees of the `pending` entries before
+    # them and of each other (None: causal, every pending entry visible); no sliding window
     fast: bool = False
     block_mask: torch.Tensor | None = None
+    pending: int = 0
     _mask_args: tuple = field(default=(), repr=False)  # what `mask` is made from, when asked for
     _mask: torch.Tensor | None = field(default=None, repr=False)
     _bias: dict = field(default_factory=dict, repr=False)
@@ -56,8 +58,7 @@ class AttnMeta:
         """
         slots, rows = slots_and_rows(lens, positions, pending)
         return AttnMeta(slots=slots, rows=rows, kv_len=kv_len,
-                        fast=sliding_window is None and (tree_mask is None or pending == 0),
-                        block_mask=tree_mask if pending == 0 else None,
+                        fast=sliding_window is None, block_mask=tree_mask, pending=0 if tree_mask is None else pending,
                         _mask_args=(lens, positions, kv_len, tree_mask, pending, sliding_window))
 
 

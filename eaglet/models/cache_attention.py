@@ -8,8 +8,9 @@ they move take well under one. Here one kernel does all of it. It reads q, k and
 tokens from the q/k/v projection's output (B, T, H + 2 Hkv, D), applies RoPE (after Qwen3's q/k
 RMSNorm) to q and k as it loads them, stores k and v at slots
 start .. start+T-1 of each row, and attends each query over the slots before `start` (all
-visible: the committed prefix and any block entries of earlier forwards) and over the new tokens
-themselves, causally or as a tree mask allows. The new tokens' keys are used from registers, so
+visible: the committed prefix and any block entries of earlier forwards, except a draft tree's
+earlier levels, which its mask covers) and over the new tokens themselves, causally or as a tree
+mask allows. The new tokens' keys are used from registers, so
 nothing is read back that the kernel wrote. The output is written in token order (B, T, H * D).
 
 Programs: one per row, kv head, tile of query rows (the kv head's G heads times T tokens), and
@@ -86,11 +87,13 @@ def split_size(kv_len: int, programs: int) -> int:
 def cache_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
                     mask: torch.Tensor | None, kv_len: int, groups: int, chunk: int | None = None,
                     rows: int | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, pending: int = 0) -> torch.Tensor:
     """qkv (B, T, H + 2 Hkv, D): queries, keys, values of T new tokens per row (query head
     h = kv * groups + g); k_cache, v_cache (B, Hkv, S, D): this layer's cache rows; start (B,):
-    the slot of each row's first new token (every slot before it is visible; any stride); mask (B, T, T) bool,
-    new token t sees new token u, or None for causal; kv_len: slots a step may attend over (>= every
+    the slot of each row's first new token (every slot before it is visible; any stride); mask
+    (B, T, pending + T) bool, new token t sees block entry u: the `pending` slots before start (a
+    draft tree's earlier levels), then the new tokens; or None for causal with every slot before
+    start visible; kv_len: slots a step may attend over (>= every
     start + T); chunk, rows: slots per split and query rows per program, instead of the rules
     (split_size, row_tiles; for probes); rope: cos, sin (B, T, 1, D) in the rotate-half layout, or
     None when q and k come rotated; qk_norm: (q weight, k weight, eps) of an RMSNorm over each head
@@ -113,6 +116,7 @@ def cache_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     else:
         part_m = part_l = part_o = out  # not read
     tree = mask is not None
+    assert pending == 0 or (tree and mask.shape[-1] == pending + t)
     m = mask if tree else start  # not read without a tree
     cos, sin = rope if rope is not None else (out, out)  # not read without RoPE
     assert rope is None or (cos.shape[:2] == (b, t) and cos.stride() == sin.stride() and cos.stride(-1) == 1)
@@ -122,8 +126,8 @@ def cache_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         qkv, k_cache, v_cache, start, m, out, part_m, part_l, part_o, cos, sin, qw, kw, eps, 1.0 / math.sqrt(d),
         chunk, t, qkv.stride(0), qkv.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         start.stride(0), m.stride(0) if tree else 0, m.stride(1) if tree else 0, m.stride(2) if tree else 0,
-        out.stride(0), out.stride(1), cos.stride(0), cos.stride(1),
-        H=h, HKV=hkv, G=groups, TILES=tiles, ROWS=rows, TP=max(16, pow2(t)), D=d, BLOCK=64,
+        out.stride(0), out.stride(1), cos.stride(0), cos.stride(1), pending,
+        H=h, HKV=hkv, G=groups, TILES=tiles, ROWS=rows, TP=max(16, pow2(t)), PP=max(16, pow2(pending)), D=d, BLOCK=64,
         TREE=tree, SPLIT=splits > 1, ROPE=rope is not None, QK_NORM=qk_norm is not None)
     if splits > 1:
         _combine[(b, hkv * tiles)](part_m, part_l, part_o, out, splits, t, out.stride(0), out.stride(1),
@@ -158,9 +162,9 @@ if triton is not None:
 
     @triton.jit
     def _attend(QKV, K, V, START, MASK, OUT, PM, PL, PO, COS, SIN, QW, KW, eps, scale, chunk, T,
-                s_b, s_t, sk_b, sk_h, sk_s, s_start, sm_b, sm_t, sm_u, so_b, so_t, sc_b, sc_t,
+                s_b, s_t, sk_b, sk_h, sk_s, s_start, sm_b, sm_t, sm_u, so_b, so_t, sc_b, sc_t, P,
                 H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, TILES: tl.constexpr, ROWS: tl.constexpr,
-                TP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, TREE: tl.constexpr, SPLIT: tl.constexpr,
+                TP: tl.constexpr, PP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, TREE: tl.constexpr, SPLIT: tl.constexpr,
                 ROPE: tl.constexpr, QK_NORM: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1) // TILES
@@ -186,7 +190,7 @@ if triton is not None:
         l_i = tl.zeros([ROWS], dtype=tl.float32)
         acc = tl.zeros([ROWS, D], dtype=tl.float32)
         lo = sp * chunk
-        hi = tl.minimum(lo + chunk, start)
+        hi = tl.minimum(lo + chunk, start - P)
         for s0 in range(lo, hi, BLOCK):  # cached slots, every one visible
             s = s0 + tl.arange(0, BLOCK)
             sm = s < hi
@@ -199,10 +203,27 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
+        if TREE:
+            if last & (P > 0):  # the pending slots (a tree's earlier levels): what the mask allows
+                j = tl.arange(0, PP)
+                jm = j < P
+                s = start - P + j
+                k = tl.load(K + cache + s[:, None] * sk_s + d[None, :], mask=jm[:, None], other=0.0)
+                v = tl.load(V + cache + s[:, None] * sk_s + d[None, :], mask=jm[:, None], other=0.0)
+                seen = tl.load(MASK + b * sm_b + tq[:, None] * sm_t + j[None, :] * sm_u, mask=rm[:, None] & jm[None, :],
+                               other=0) != 0
+                scores = tl.where(seen, tl.dot(q, tl.trans(k)) * scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp(scores - m_safe[:, None])
+                alpha = tl.exp(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
         if last:  # the new tokens
             if TREE:
-                seen = tl.load(MASK + b * sm_b + tq[:, None] * sm_t + u[None, :] * sm_u, mask=rm[:, None] & um[None, :],
-                               other=0)
+                seen = tl.load(MASK + b * sm_b + tq[:, None] * sm_t + (P + u)[None, :] * sm_u,
+                               mask=rm[:, None] & um[None, :], other=0)
                 seen = seen != 0
             else:
                 seen = (u[None, :] <= tq[:, None]) & um[None, :]

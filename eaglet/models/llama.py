@@ -137,7 +137,8 @@ class Attention(nn.Module):
             norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
             o = cache_attention.cache_attention(qkv.view(b, t, -1, self.d), cache.k[self.layer, :b],
                                                 cache.v[self.layer, :b], meta.slots[:, 0], meta.block_mask,
-                                                meta.kv_len, self.nh // self.nkv, rope=(cos, sin), qk_norm=norm)
+                                                meta.kv_len, self.nh // self.nkv, rope=(cos, sin), qk_norm=norm,
+                                                pending=meta.pending)
             return self.o_proj(o)
         q, k, v = self.project(x)
         q = q.view(b, t, self.nh, self.d)
