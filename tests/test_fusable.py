@@ -98,3 +98,47 @@ def test_ancestor_mask_compiled_equals_eager():
         got = fn(parents, max_depth)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
         assert want[1].max() > 1  # some node deeper than the root's children
+
+
+def test_tree_level_bookkeeping_compiled_equals_eager():
+    """What a draft tree does between levels, as compiled on the GPU: the level's mask and the
+    block's ancestry (level_mask), the next frontier (next_frontier, with and without states), the
+    candidates of every level (candidates), and the kept tree (tree.kept_tree), over the levels of
+    a 4-level tree of 3 and of 2 rows."""
+    from eaglet.spec.drafters.expand import candidates, level_mask, next_frontier
+    from eaglet.spec.tree import kept_tree
+
+    g = torch.Generator().manual_seed(0)
+    fns = {f: compiled(f) for f in (level_mask, next_frontier)}
+    for b, k in [(2, 3), (1, 2)]:
+        anc = torch.eye(k, dtype=torch.bool).expand(b, k, k)
+        par_fed, toks, scores, fronts = None, [], [], []
+        front = torch.arange(k).expand(b, k)
+        for d in range(1, 5):
+            p = (d - 1) * k
+            if d > 1:
+                want = level_mask.__wrapped__(anc, par_fed)
+                got = fns[level_mask](anc, par_fed)
+                assert all(torch.equal(x, y) for x, y in zip(got, want))
+                assert want[0].shape == (b, k, p + k) and want[1].shape == (b, p + k, p + k)
+                anc = want[1]
+            child_ids = torch.randint(0, 50, (b, k, k), generator=g)
+            best = torch.stack([torch.randperm(k * k, generator=g)[:k] for _ in range(b)])
+            for state in (None, torch.randn(b, k, 4, generator=g)):
+                args = (best, child_ids, state, k + (d - 1) * k * k, p)
+                want, got = next_frontier.__wrapped__(*args), fns[next_frontier](*args)
+                assert all(x is None and y is None or torch.equal(x, y) for x, y in zip(got, want))
+            toks.append(child_ids.flatten(1))
+            scores.append(-torch.rand(b, k * k, generator=g) * d)
+            fronts.append(front)
+            _, front, par_fed, _ = want
+    c_tok = [torch.randint(0, 50, (b, k), generator=g)] + toks
+    c_score = [-torch.rand(b, k, generator=g)] + scores
+    want = candidates.__wrapped__(c_tok, c_score, fronts)
+    got = compiled(candidates)(c_tok, c_score, fronts)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    assert want[0].shape == (b, k + 4 * k * k) and want[3].max() == 5
+    best = want[2].topk(6, -1).indices
+    roots = torch.randint(0, 50, (b,), generator=g)
+    args = (best, roots, want[0], want[1], want[2], 5)
+    assert all(torch.equal(x, y) for x, y in zip(compiled(kept_tree)(*args), kept_tree(*args)))

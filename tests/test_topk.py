@@ -33,6 +33,21 @@ def test_matches_torch(shape, k, log_softmax, topk_on):
     torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)
 
 
+def test_offset_is_added_to_each_rows_values(topk_on):
+    """A tree level's children: each row's log-probabilities plus its node's score, from the kernel
+    as from the fallback (the order of a row does not change)."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(2, 3, 1000, generator=g) * 3).to(DEV)
+    score = -torch.rand(2, 3, generator=g).to(DEV) * 4
+    v, i = topk(x, 4, log_softmax=True, offset=score)
+    rv, ri = x.log_softmax(-1).topk(4, -1)
+    assert torch.equal(i, ri)
+    torch.testing.assert_close(v, rv + score[..., None], atol=1e-5, rtol=1e-5)
+    topk_mod.enable(False)
+    fv, fi = topk(x, 4, log_softmax=True, offset=score)
+    assert torch.equal(fi, ri) and torch.equal(fv, rv + score[..., None])
+
+
 def test_half_input_and_strided_rows(topk_on):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 3000, generator=g).half().to(DEV)[:, :2048]  # rows with a stride past their width

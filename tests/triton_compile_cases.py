@@ -15,7 +15,7 @@ H200 = GPUTarget("cuda", 90, 32)
 TYPES = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "Y": "*bf16", "QKV": "*bf16", "K": "*bf16", "V": "*bf16",
          "OUT": "*bf16", "COS": "*bf16", "SIN": "*bf16", "QW": "*bf16", "KW": "*bf16", "START": "*i64", "MASK": "*i1",
          "PM": "*fp32", "PL": "*fp32", "PO": "*fp32", "eps": "fp32", "scale": "fp32",
-         "x_ptr": "*bf16", "val_ptr": "*fp32", "idx_ptr": "*i64"}
+         "x_ptr": "*bf16", "val_ptr": "*fp32", "idx_ptr": "*i64", "off_ptr": "*fp32"}
 
 
 def compile_for_h200(fn, const: dict, warps: int = 4, stages: int = 3) -> None:
@@ -45,16 +45,16 @@ def cases():
                                  (32, True, True, True)]:
         g, hkv, d = 3, 3, 64
         rows, tiles = ca.row_tiles(g, t, hkv)
-        const = dict(H=g * hkv, HKV=hkv, G=g, TILES=tiles, ROWS=rows, TP=max(16, ca.pow2(t)), D=d, BLOCK=64,
+        const = dict(H=g * hkv, HKV=hkv, G=g, TILES=tiles, ROWS=rows, TP=max(16, ca.pow2(t)), PP=16, D=d, BLOCK=64,
                      TREE=tree, SPLIT=split, ROPE=True, QK_NORM=norm)
         yield f"cache attention, {t} tokens, tree {tree}, split {split}", lambda c=const: compile_for_h200(ca._attend, c)
         if split:
             yield f"cache attention combine, {t} tokens", lambda r=rows, n=tiles: compile_for_h200(
                 ca._combine, dict(G=3, TILES=n, ROWS=r, D=64, SP=8))
-    for k, width, ls in [(8, 16384, True), (4, 16, False), (31, 328, False)]:
+    for k, width, ls, off in [(8, 16384, True, True), (4, 16, False, False), (31, 328, False, False)]:
         block = max(16, ca.pow2(width))
-        yield f"row top-{k} of {width}", lambda k=k, b=block, ls=ls: compile_for_h200(
-            topk._row_topk, dict(K=k, BLOCK=b, LOG_SOFTMAX=ls), min(16, max(1, b // 2048)))
+        yield f"row top-{k} of {width}", lambda k=k, b=block, ls=ls, off=off: compile_for_h200(
+            topk._row_topk, dict(K=k, BLOCK=b, LOG_SOFTMAX=ls, OFFSET=off), min(16, max(1, b // 1024)))
 
 
 def main() -> int:

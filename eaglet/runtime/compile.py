@@ -31,14 +31,15 @@ _functions_on = False  # set once a model is compiled for the GPU
 
 
 def fusable(fn):
-    """Run `fn` (a pure function of tensors and ints) compiled when its first argument is on the
-    GPU and compilation is on; as written otherwise."""
+    """Run `fn` (a pure function of tensors, lists of tensors and ints) compiled when its first
+    argument (a list's first tensor) is on the GPU and compilation is on; as written otherwise."""
     compiled = None
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
         nonlocal compiled
-        if _functions_on and args[0].is_cuda:
+        first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+        if _functions_on and first.is_cuda:
             if compiled is None:
                 compiled = torch.compile(fn, dynamic=True, fullgraph=True)
             return compiled(*args, **kwargs)

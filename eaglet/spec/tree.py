@@ -66,7 +66,8 @@ def chain(tokens: torch.Tensor, q: torch.Tensor | None = None, valid: torch.Tens
 
 
 def select_tree(roots: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: torch.Tensor,
-                cand_scores: torch.Tensor, cand_depth: torch.Tensor, num_nodes: int, max_depth: int) -> DraftProposal:
+                cand_scores: torch.Tensor, cand_depth: torch.Tensor, num_nodes: int, max_depth: int,
+                to_target=None) -> DraftProposal:
     """Keep the best `num_nodes - 1` candidates by cumulative log-probability (EAGLE-2).
 
     cand_* are (B, C), generated level by level so a parent's index is below its children's;
@@ -74,10 +75,22 @@ def select_tree(roots: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: to
     parent's, and ties are broken toward lower candidate ids (parents, shallower nodes) by a
     stable sort, so the kept set is a connected tree. (An epsilon times depth is not enough: in
     float32 it rounds away once |score| > ~16, and topk orders exact ties arbitrarily.)
+    `to_target` maps the kept tokens (a drafter's vocabulary to the target's).
     """
+    best = topk(cand_scores, num_nodes - 1, stable=True)[1]  # ties: lower id first
+    tokens, parents, depth, mask, score = kept_tree(best, roots, cand_tokens, cand_parents, cand_scores, max_depth)
+    if to_target is not None:
+        tokens = torch.cat([tokens[:, :1], to_target(tokens[:, 1:])], 1)
+    return DraftProposal(tokens, parents, depth, mask, torch.ones_like(tokens, dtype=torch.bool), score=score)
+
+
+@fusable
+def kept_tree(best: torch.Tensor, roots: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: torch.Tensor,
+              cand_scores: torch.Tensor, max_depth: int):
+    """select_tree's proposal from its kept candidates `best` (B, K): tokens (root first), parents,
+    depth, ancestor mask and score, in parent order."""
     b, c = cand_tokens.shape
-    keep = num_nodes - 1
-    best = topk(cand_scores, keep, stable=True)[1]  # ties: lower id first
+    keep = best.shape[1]
     idx = best.sort(-1).values  # (B, K) candidate ids, parent order
     new_pos = torch.full((b, c), -1, dtype=torch.long, device=cand_tokens.device)
     new_pos.scatter_(1, idx, torch.arange(1, keep + 1, device=idx.device).expand(b, keep))
@@ -85,6 +98,6 @@ def select_tree(roots: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: to
     par_new = torch.where(par >= 0, new_pos.gather(1, par.clamp(min=0)), torch.zeros_like(par))
     tokens = torch.cat([roots[:, None], cand_tokens.gather(1, idx)], 1)  # (B, N)
     parents = torch.cat([torch.full_like(roots[:, None], -1), par_new], 1)
-    prop = DraftProposal.from_parents(tokens, parents, max_depth=max_depth)
-    prop.score = torch.cat([torch.zeros_like(cand_scores[:, :1]), cand_scores.gather(1, idx)], 1)
-    return prop
+    mask, depth = ancestor_mask.__wrapped__(parents, max_depth)  # inside this compiled function
+    score = torch.cat([torch.zeros_like(cand_scores[:, :1]), cand_scores.gather(1, idx)], 1)
+    return tokens, parents, depth, mask, score

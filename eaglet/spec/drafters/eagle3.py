@@ -32,6 +32,8 @@ class Eagle3Drafter(NeuralDrafter):
         self.embed_weight = embed.to(p) if embed is not None else target.model.embed_tokens.weight
         self.d2t_ids = head.draft_to_target()
         self.full_vocab = head.cfg.draft_vocab_size == target.config.vocab_size
+        # draft ids embed through their own rows (one gather a level instead of two)
+        self.draft_embed = self.embed_weight if self.full_vocab else self.embed_weight[self.d2t_ids]  # (Vd, H)
         self.pend_feats = torch.zeros(batch, spec.steps + 1, c.hidden_size, dtype=p.dtype, device=p.device)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -67,5 +69,5 @@ class Eagle3Drafter(NeuralDrafter):
 
     def draft_step(self, ids, state, depth, mask, pending):
         positions, meta = self.level_meta(*ids.shape, depth, mask, pending)
-        h = self.head(self.embed(self.to_target(ids)), state, positions, self.cache, meta)  # (B, K, H)
+        h = self.head(torch.nn.functional.embedding(ids, self.draft_embed), state, positions, self.cache, meta)  # (B, K, H)
         return self.head.logits(h), h

@@ -21,6 +21,7 @@ from ...config import SpecConfig
 from ...kvcache import KVCache
 from ...models.attention import AttnMeta
 from ...models.prefill import FreshRows, PromptBatch, fresh_meta
+from ...runtime.compile import fusable
 from ...runtime.decoder import row_prefix
 from ...sampling import SamplingParams, sample_probs, target_probs
 from ..topk import topk
@@ -110,7 +111,7 @@ class NeuralDrafter:
     def level_meta(self, b: int, k: int, depth: int, mask: torch.Tensor | None, pending: int):
         """Positions (B, K) and attention metadata of a draft level of k nodes at `depth`, after
         `pending` nodes of earlier levels in the uncommitted block."""
-        positions = (self.cache.lens + depth - 1)[:, None].expand(b, k)
+        positions = (self.cache.lens + (depth - 1))[:, None].expand(b, k)
         meta = AttnMeta.build(self.cache.lens, positions, self.cache.kv_len(pending + k), tree_mask=mask,
                               pending=pending, sliding_window=self.window)
         return positions, meta
@@ -168,34 +169,58 @@ class NeuralDrafter:
         k, steps = self.spec.topk, self.spec.steps
         b, dev = roots.shape[0], roots.device
         score, ids = topk(logits, k, log_softmax=True)  # (B, K)
-        c_tok, c_par, c_score, c_depth = [ids], [torch.full_like(ids, -1)], [score], [torch.ones_like(ids)]
+        c_tok, c_score, fronts = [ids], [score], []  # candidates level by level; each level's parents
         front_cand = torch.arange(k, device=dev).expand(b, k)  # candidate index of each frontier node
-        front_par_fed = torch.full((b, k), -1, device=dev, dtype=torch.long)  # parent's offset in the block
         front_state = None if state is None else state[:, None].expand(b, k, *state.shape[1:])
-        anc = torch.zeros(b, 0, 0, dtype=torch.bool, device=dev)  # ancestors among fed nodes
-        n_cand = k
+        mask = anc = torch.eye(k, dtype=torch.bool, device=dev).expand(b, k, k)  # the first level: itself
         for d in range(1, steps):
-            p = anc.shape[1]  # nodes already in the drafter's uncommitted block
-            rows = anc.gather(1, front_par_fed.clamp(min=0)[..., None].expand(b, k, p)) if p else anc.new_zeros(b, k, 0)
-            rows = rows & (front_par_fed >= 0)[..., None]
-            mask = torch.cat([rows, torch.eye(k, dtype=torch.bool, device=dev).expand(b, k, k)], 2)  # (B, K, P+K)
+            p = (d - 1) * k  # nodes already in the drafter's uncommitted block
+            if d > 1:
+                mask, anc = level_mask(anc, par_fed)  # noqa: F821 (set by the level before)
             logits, out_state = self.draft_step(ids, front_state, d, mask, pending=p)
-            anc = torch.cat([torch.cat([anc, anc.new_zeros(b, p, k)], 2), mask], 1)  # (B, P+K, P+K)
-            child_score, child_ids = topk(logits, k, log_softmax=True)  # (B, K, K)
-            child_score = child_score + score[..., None]
+            # each node's k best children, scored by cumulative log-probability
+            child_score, child_ids = topk(logits, k, log_softmax=True, offset=score)  # (B, K, K)
             c_tok.append(child_ids.flatten(1))
-            c_par.append(front_cand[..., None].expand(b, k, k).flatten(1))
             c_score.append(child_score.flatten(1))
-            c_depth.append(torch.full_like(child_ids.flatten(1), d + 1))
-            score, best = topk(child_score.flatten(1), k)  # next frontier: (B, K)
-            parent_slot = best // k  # which frontier node each comes from
-            ids = child_ids.flatten(1).gather(1, best)
-            front_cand = n_cand + best
-            front_par_fed = p + parent_slot
-            if out_state is not None:
-                front_state = out_state.gather(1, parent_slot.view(b, k, *[1] * (out_state.dim() - 2)).expand(
-                    b, k, *out_state.shape[2:]))
-            n_cand += k * k
-        cat = lambda xs: torch.cat(xs, 1)  # noqa: E731
-        return select_tree(roots, self.to_target(cat(c_tok)), cat(c_par), cat(c_score), cat(c_depth),
-                           self.spec.draft_tokens, max_depth=steps)
+            fronts.append(front_cand)
+            score, best = topk(child_score.flatten(1), k)  # the next frontier: (B, K)
+            ids, front_cand, par_fed, front_state = next_frontier(best, child_ids, out_state, k + (d - 1) * k * k, p)
+        cand = candidates(c_tok, c_score, fronts)
+        return select_tree(roots, *cand, self.spec.draft_tokens, max_depth=steps, to_target=self.to_target)
+
+
+@fusable
+def level_mask(anc: torch.Tensor, par_fed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draft tree level's mask over the uncommitted block (B, K, P + K): each new node sees its
+    parent's ancestry among the P fed nodes (anc (B, P, P)) and itself; and the block's ancestry
+    with the level appended (B, P + K, P + K). par_fed (B, K): each node's parent among the fed."""
+    b, k = par_fed.shape
+    p = anc.shape[1]
+    rows = anc.gather(1, par_fed[..., None].expand(b, k, p))
+    mask = torch.cat([rows, torch.eye(k, dtype=torch.bool, device=anc.device).expand(b, k, k)], 2)
+    return mask, torch.cat([torch.cat([anc, anc.new_zeros(b, p, k)], 2), mask], 1)
+
+
+@fusable
+def next_frontier(best: torch.Tensor, child_ids: torch.Tensor, out_state: torch.Tensor | None, n_cand: int,
+                  p: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The next frontier from its picks `best` (B, K) among a level's K x K children: their ids,
+    candidate indices, parents' offsets in the drafter's block, and parents' states (EAGLE-3)."""
+    b, k = best.shape
+    parent_slot = best // k  # which frontier node each comes from
+    ids = child_ids.flatten(1).gather(1, best)
+    state = None
+    if out_state is not None:
+        state = out_state.gather(1, parent_slot.view(b, k, *[1] * (out_state.dim() - 2)).expand(b, k, *out_state.shape[2:]))
+    return ids, n_cand + best, p + parent_slot, state
+
+
+@fusable
+def candidates(c_tok: list[torch.Tensor], c_score: list[torch.Tensor],
+               fronts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every level's candidates as (B, C) tokens, parents (candidate index, -1: the root), scores
+    and depths: K at the first level, K x K at each next one (its K frontier nodes' children)."""
+    b, k = c_tok[0].shape
+    parents = [torch.full_like(c_tok[0], -1)] + [f[..., None].expand(b, k, k).flatten(1) for f in fronts]
+    depth = [torch.full_like(t, i + 1) for i, t in enumerate(c_tok)]
+    return torch.cat(c_tok, 1), torch.cat(parents, 1), torch.cat(c_score, 1), torch.cat(depth, 1)
