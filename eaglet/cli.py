@@ -47,7 +47,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--spec-steps", type=int, default=None,
                    help="draft depth (default 5; a chain on the CPU: 1, since there a verify of two tokens "
                         "costs about what a decode step does and each token more costs more; see BENCHMARKS.md)")
-    s.add_argument("--spec-topk", type=int, default=1, help="children per node; 1 = chain (default)")
+    s.add_argument("--spec-topk", type=int, default=None,
+                   help="children per node; 1 = chain (default, but for EAGLE-3 on the GPU: tree 5,4,16)")
     s.add_argument("--spec-draft-tokens", type=int, default=None,
                    help="verify budget incl. the root (a chain: steps + 1; a tree: required)")
 
@@ -62,13 +63,18 @@ def spec_config(args, model_path):
         method = "eagle3" if args.draft or (model_path is None and bundled_drafter()) else "none"
     if method == "none":
         return None
-    steps = args.spec_steps
-    if steps is None:
-        from .weights.loader import resolve_device
+    from .weights.loader import resolve_device
 
-        steps = 1 if args.spec_topk == 1 and resolve_device(args.device).type == "cpu" else 5
-    return SpecConfig(method=method, draft=args.draft, steps=steps, topk=args.spec_topk,
-                      draft_tokens=args.spec_draft_tokens)
+    steps, topk, tokens = args.spec_steps, args.spec_topk, args.spec_draft_tokens
+    dev = resolve_device(args.device).type
+    if method == "eagle3" and dev == "cuda" and all(v is None for v in (steps, topk, tokens)):
+        # EAGLE-3's best measured setting on the H200: tree 5,4,16 1.50x plain, chain 5 1.30x
+        # (BENCHMARKS.md, bench-gpu-20261130-174428.json)
+        steps, topk, tokens = 5, 4, 16
+    topk = 1 if topk is None else topk
+    if steps is None:
+        steps = 1 if topk == 1 and dev == "cpu" else 5
+    return SpecConfig(method=method, draft=args.draft, steps=steps, topk=topk, draft_tokens=tokens)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -173,3 +173,25 @@ def test_default_draft_depth_follows_the_device():
     if torch.cuda.is_available():
         args = build_parser().parse_args(["generate", "x", "--spec", "ngram", "--device", "cuda"])
         assert spec_config(args, None).steps == 5
+
+
+def test_default_setting_on_the_gpu(monkeypatch):
+    """Unset --spec-steps/--spec-topk/--spec-draft-tokens on the GPU: EAGLE-3 drafts tree 5,4,16 (its
+    best measured setting on the H200), other drafters a chain of 5; any flag given keeps the rest
+    at their chain defaults."""
+    from eaglet import cli
+    from eaglet.weights import loader
+
+    monkeypatch.setattr(loader, "resolve_device", lambda d: torch.device("cuda"))
+
+    def cfg(*flags):
+        return cli.spec_config(cli.build_parser().parse_args(["generate", "x", "--device", "cuda", *flags]), None)
+
+    c = cfg("--spec", "eagle3", "--draft", "d")
+    assert (c.steps, c.topk, c.draft_tokens) == (5, 4, 16)
+    c = cfg("--spec", "ngram")
+    assert (c.steps, c.topk) == (5, 1)
+    c = cfg("--spec", "eagle3", "--draft", "d", "--spec-steps", "3")
+    assert (c.steps, c.topk, c.draft_tokens) == (3, 1, 4)
+    c = cfg("--spec", "eagle3", "--draft", "d", "--spec-topk", "8", "--spec-draft-tokens", "32")
+    assert (c.steps, c.topk, c.draft_tokens) == (5, 8, 32)

@@ -12,7 +12,8 @@
 #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 fastapi uvicorn pydantic httpx)
 # SPEC_MAX_BATCH=N lets the policy server speculate in batches of up to N requests (default 1: a
 # lone request); SPEC_POLICY=RECORD gives it an `eaglet profile` record's per-batch-size policy;
-# SPEC_ARGS="--spec-steps 5 --spec-topk 4 --spec-draft-tokens 16" serves a tree instead of chain 5.
+# SPEC_ARGS: the speculating server's setting (EAGLE-3 on the GPU defaults to tree 5,4,16 since 79c5415;
+# the 2026-11-30 runs passed "--spec-steps 5 --spec-topk 4 --spec-draft-tokens 16"; "--spec-steps 5": chain 5).
 # With $OUT set (the GPU machine) the records come back as one tar, $OUT/serve-records.tar.
 if [ "${1:-}" = prepare ]; then  # HERE, not on the GPU: ShareGPT first turns (<= 600 chars) into .gpudata/
   mkdir -p .gpudata && .venv/bin/python - <<'PY'
