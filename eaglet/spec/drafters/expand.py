@@ -10,7 +10,9 @@ committed but the drafter has not absorbed yet (`pend_ids`, `pend_count`; EAGLE-
 Tree expansion, level by level: each of the `topk` frontier nodes proposes its `topk` best
 children; every child becomes a candidate scored by cumulative log-probability; the best `topk`
 children form the next frontier. After `steps` levels the best `draft_tokens - 1` candidates are
-kept (tree.select_tree). Nodes fed to the drafter sit in its cache's uncommitted block, each
+kept (tree.select_tree). What a level does besides the drafter's forward and its two top-k picks
+(the level's mask, the next frontier, the candidates) is `@fusable` functions: on the GPU one or
+two kernels each instead of ~25 small ones a level (BENCHMARKS.md, fifteenth session). Nodes fed to the drafter sit in its cache's uncommitted block, each
 attending to the committed prefix and its own ancestors.
 """
 from __future__ import annotations
@@ -173,10 +175,11 @@ class NeuralDrafter:
         front_cand = torch.arange(k, device=dev).expand(b, k)  # candidate index of each frontier node
         front_state = None if state is None else state[:, None].expand(b, k, *state.shape[1:])
         mask = anc = torch.eye(k, dtype=torch.bool, device=dev).expand(b, k, k)  # the first level: itself
+        par_fed = None  # each frontier node's parent among the nodes fed (from the second level on)
         for d in range(1, steps):
             p = (d - 1) * k  # nodes already in the drafter's uncommitted block
             if d > 1:
-                mask, anc = level_mask(anc, par_fed)  # noqa: F821 (set by the level before)
+                mask, anc = level_mask(anc, par_fed)
             logits, out_state = self.draft_step(ids, front_state, d, mask, pending=p)
             # each node's k best children, scored by cumulative log-probability
             child_score, child_ids = topk(logits, k, log_softmax=True, offset=score)  # (B, K, K)
