@@ -16,7 +16,7 @@ import sys
 import time
 
 import torch
-from step_profile import setup  # this folder is on the path when run as a script
+from step_profile import generators, setup  # this folder is on the path when run as a script
 
 from eaglet.generate import Generator
 from eaglet.runtime.decoder import SlotDecoder
@@ -75,16 +75,8 @@ class Clock:
 
 
 def main_steps(model_path: str, draft: str, out_dir: str, trees: list[str]) -> None:
-    from eaglet.config import SpecConfig
-    from eaglet.spec.speculator import load_speculator
-
     loaded, ids, cfg, sp = setup(model_path, draft)
-    model, tok = loaded.model, loaded.tokenizer
-    gens = {"plain": Generator(model, tok), "eagle3-chain5": Generator(model, tok, sp)}
-    for t in trees:
-        steps, topk, tokens = map(int, t.split(","))
-        spec = SpecConfig("eagle3", draft, steps=steps, topk=topk, draft_tokens=tokens)
-        gens[f"eagle3-tree{steps}-{topk}-{tokens}"] = Generator(model, tok, load_speculator(spec, model, model_path))
+    gens = generators(loaded, sp, model_path, draft, trees)
     results, runs = {}, 5
     for name, gen in gens.items():
         for _ in range(3):

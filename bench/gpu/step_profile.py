@@ -141,14 +141,21 @@ def setup(model_path: str, draft: str):
     return loaded, ids, cfg, load_speculator(SpecConfig("eagle3", draft, steps=5), loaded.model, model_path)
 
 
-def main(model_path: str, draft: str, out_dir: str, trees: list[str]) -> None:
-    loaded, ids, cfg, sp = setup(model_path, draft)
+def generators(loaded, sp, model_path: str, draft: str, trees: list[str]) -> dict[str, Generator]:
+    """plain, the EAGLE-3 chain of 5 (`sp`) and each tree STEPS,TOPK,TOKENS, by name (shared with
+    host_profile.py)."""
     model, tok = loaded.model, loaded.tokenizer
     gens = {"plain": Generator(model, tok), "eagle3-chain5": Generator(model, tok, sp)}
     for t in trees:
         steps, topk, tokens = map(int, t.split(","))
         spec = SpecConfig("eagle3", draft, steps=steps, topk=topk, draft_tokens=tokens)
         gens[f"eagle3-tree{steps}-{topk}-{tokens}"] = Generator(model, tok, load_speculator(spec, model, model_path))
+    return gens
+
+
+def main(model_path: str, draft: str, out_dir: str, trees: list[str]) -> None:
+    loaded, ids, cfg, sp = setup(model_path, draft)
+    gens = generators(loaded, sp, model_path, draft, trees)
     results = {name: profile_system(g, ids, cfg, (lambda c: len(c.tokens) - 1) if name == "plain" else
                                     (lambda c: c.spec.drafts)) for name, g in gens.items()}
     phases = {name: phase_graphs(g) for name, g in gens.items()}
