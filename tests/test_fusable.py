@@ -137,7 +137,8 @@ def test_tree_level_bookkeeping_compiled_equals_eager():
     want = candidates.__wrapped__(c_tok, c_score, fronts)
     got = compiled(candidates)(c_tok, c_score, fronts)
     assert all(torch.equal(x, y) for x, y in zip(got, want))
-    assert want[0].shape == (b, k + 4 * k * k) and want[3].max() == 5
+    assert want[0].shape == want[1].shape == want[2].shape == (b, k + 4 * k * k)
+    assert want[1][:, :k].eq(-1).all() and want[1][:, k:].ge(0).all()  # the first level's parent: the root
     best = want[2].topk(6, -1).indices
     roots = torch.randint(0, 50, (b,), generator=g)
     args = (best, roots, want[0], want[1], want[2], 5)

@@ -72,13 +72,12 @@ def test_chain_and_from_parents():
 # candidates, level by level: 0-2 under the root; 3, 4 under 0; 5 under 1; 6 under 2; 7 under 3; 8 under 5
 C_TOKENS = torch.tensor([[10, 11, 12, 13, 14, 15, 16, 17, 18]] * 2)
 C_PARENTS = torch.tensor([[-1, -1, -1, 0, 0, 1, 2, 3, 5]] * 2)
-C_DEPTH = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 3, 3]] * 2)
 C_SCORES = torch.tensor([[-0.1, -1.0, -2.0, -0.3, -1.5, -1.2, -2.5, -0.35, -1.3],
                          [-3.0, -0.2, -2.9, -3.1, -3.2, -0.4, -3.05, -3.3, -0.5]])
 
 
 def test_select_tree_keeps_best_and_remaps_parents():
-    prop = select_tree(torch.tensor([100, 200]), C_TOKENS, C_PARENTS, C_SCORES, C_DEPTH, num_nodes=6, max_depth=3)
+    prop = select_tree(torch.tensor([100, 200]), C_TOKENS, C_PARENTS, C_SCORES, num_nodes=6, max_depth=3)
     # row 0 keeps candidates 0, 1, 3, 5, 7; row 1 keeps 0, 1, 2, 5, 8 (in candidate order)
     assert prop.tokens.tolist() == [[100, 10, 11, 13, 15, 17], [200, 10, 11, 12, 15, 18]]
     assert prop.parents.tolist() == [[-1, 0, 0, 1, 2, 3], [-1, 0, 0, 0, 2, 4]]
@@ -92,7 +91,7 @@ def test_select_tree_exact_ties_keep_parent_first(mag):
     """A child whose log-probability is 0 ties its parent exactly; cutting the budget between them
     must keep the parent. (At |score| >= 16 a float32 epsilon tie-break rounds away.)"""
     scores = torch.tensor([[-mag, -mag - 5, -mag, -mag]])  # 2 under 0, 3 under 2: all tied but 1
-    args = torch.tensor([[1, 2, 3, 4]]), torch.tensor([[-1, -1, 0, 2]]), scores, torch.tensor([[1, 1, 2, 3]])
+    args = torch.tensor([[1, 2, 3, 4]]), torch.tensor([[-1, -1, 0, 2]]), scores
     for keep, tokens, parents in [(1, [1], [0]), (2, [1, 3], [0, 1]), (3, [1, 3, 4], [0, 1, 2])]:
         prop = select_tree(torch.tensor([0]), *args, num_nodes=keep + 1, max_depth=3)
         assert prop.tokens[0, 1:].tolist() == tokens and prop.parents[0, 1:].tolist() == parents
@@ -102,12 +101,11 @@ def test_select_tree_random_ties_never_orphan():
     """Random level-by-level candidates (like expand.py) at large |score|, many exact ties."""
     g = torch.Generator().manual_seed(0)
     b, k, levels = 64, 3, 4
-    par, depth = [-1] * k, [1] * k
+    par = [-1] * k
     front = list(range(k))
-    for d in range(2, levels + 1):  # each frontier node gets k children; the first k form the next frontier
+    for _ in range(2, levels + 1):  # each frontier node gets k children; the first k form the next frontier
         new = [len(par) + i for i in range(k * k)]
         par += [p for p in front for _ in range(k)]
-        depth += [d] * (k * k)
         front = new[:k]
     c = len(par)
     logp = -(3 * torch.rand(b, c, generator=g)) * (torch.rand(b, c, generator=g) < 0.6)  # 40% exact zeros
@@ -116,7 +114,7 @@ def test_select_tree_random_ties_never_orphan():
         scores[:, i] = (scores[:, par[i]] if par[i] >= 0 else torch.full((b,), -20.0)) + logp[:, i]
     for n in range(2, c + 1):
         prop = select_tree(torch.zeros(b, dtype=torch.long), torch.arange(c).expand(b, c) + 1,
-                           torch.tensor(par).expand(b, c), scores, torch.tensor(depth).expand(b, c), n, levels)
+                           torch.tensor(par).expand(b, c), scores, n, levels)
         kept = prop.tokens[:, 1:] - 1  # candidate ids
         assert (prop.parents[:, 1:] >= 0).all() and (prop.parents[:, 1:] < torch.arange(1, n)).all(), n
         cand_par = torch.tensor(par)[kept]  # kept node's parent candidate == candidate at its new parent

@@ -66,8 +66,7 @@ def chain(tokens: torch.Tensor, q: torch.Tensor | None = None, valid: torch.Tens
 
 
 def select_tree(roots: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: torch.Tensor,
-                cand_scores: torch.Tensor, cand_depth: torch.Tensor, num_nodes: int, max_depth: int,
-                to_target=None) -> DraftProposal:
+                cand_scores: torch.Tensor, num_nodes: int, max_depth: int) -> DraftProposal:
     """Keep the best `num_nodes - 1` candidates by cumulative log-probability (EAGLE-2).
 
     cand_* are (B, C), generated level by level so a parent's index is below its children's;
@@ -75,12 +74,10 @@ def select_tree(roots: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: to
     parent's, and ties are broken toward lower candidate ids (parents, shallower nodes) by a
     stable sort, so the kept set is a connected tree. (An epsilon times depth is not enough: in
     float32 it rounds away once |score| > ~16, and topk orders exact ties arbitrarily.)
-    `to_target` maps the kept tokens (a drafter's vocabulary to the target's).
+    Depths come from the kept parents (ancestor_mask), so the candidates carry none.
     """
     best = topk(cand_scores, num_nodes - 1, stable=True)[1]  # ties: lower id first
     tokens, parents, depth, mask, score = kept_tree(best, roots, cand_tokens, cand_parents, cand_scores, max_depth)
-    if to_target is not None:
-        tokens = torch.cat([tokens[:, :1], to_target(tokens[:, 1:])], 1)
     return DraftProposal(tokens, parents, depth, mask, torch.ones_like(tokens, dtype=torch.bool), score=score)
 
 

@@ -12,7 +12,7 @@ children; every child becomes a candidate scored by cumulative log-probability; 
 children form the next frontier. After `steps` levels the best `draft_tokens - 1` candidates are
 kept (tree.select_tree). What a level does besides the drafter's forward and its two top-k picks
 (the level's mask, the next frontier, the candidates) is `@fusable` functions: on the GPU one or
-two kernels each instead of ~25 small ones a level (BENCHMARKS.md, fifteenth session). Nodes fed to the drafter sit in its cache's uncommitted block, each
+two kernels each; 22 kernels of a tree 5,4,16 draft step instead of 101 (bench/cpu/step_ops.py). Nodes fed to the drafter sit in its cache's uncommitted block, each
 attending to the committed prefix and its own ancestors.
 """
 from __future__ import annotations
@@ -188,8 +188,8 @@ class NeuralDrafter:
             fronts.append(front_cand)
             score, best = topk(child_score.flatten(1), k)  # the next frontier: (B, K)
             ids, front_cand, par_fed, front_state = next_frontier(best, child_ids, out_state, k + (d - 1) * k * k, p)
-        cand = candidates(c_tok, c_score, fronts)
-        return select_tree(roots, *cand, self.spec.draft_tokens, max_depth=steps, to_target=self.to_target)
+        tokens, parents, scores = candidates(c_tok, c_score, fronts)
+        return select_tree(roots, self.to_target(tokens), parents, scores, self.spec.draft_tokens, max_depth=steps)
 
 
 @fusable
@@ -220,10 +220,9 @@ def next_frontier(best: torch.Tensor, child_ids: torch.Tensor, out_state: torch.
 
 @fusable
 def candidates(c_tok: list[torch.Tensor], c_score: list[torch.Tensor],
-               fronts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every level's candidates as (B, C) tokens, parents (candidate index, -1: the root), scores
-    and depths: K at the first level, K x K at each next one (its K frontier nodes' children)."""
+               fronts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every level's candidates as (B, C) tokens, parents (candidate index, -1: the root) and
+    scores: K at the first level, K x K at each next one (its K frontier nodes' children)."""
     b, k = c_tok[0].shape
     parents = [torch.full_like(c_tok[0], -1)] + [f[..., None].expand(b, k, k).flatten(1) for f in fronts]
-    depth = [torch.full_like(t, i + 1) for i, t in enumerate(c_tok)]
-    return torch.cat(c_tok, 1), torch.cat(parents, 1), torch.cat(c_score, 1), torch.cat(depth, 1)
+    return torch.cat(c_tok, 1), torch.cat(parents, 1), torch.cat(c_score, 1)
