@@ -9,7 +9,7 @@
 #   bash bench/gpu/serve.sh            (needs the model and sharegpt_first_turns.json.gz staged,
 #                                       and the fastapi/uvicorn/pydantic/httpx wheels in .whl:
 #   .venv/bin/pip download --only-binary=:all: --python-version 3.12 --implementation cp -d .whl \
-#     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 fastapi uvicorn pydantic httpx)
+#     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 fastapi uvicorn pydantic httpx aiohttp)
 # SPEC_MAX_BATCH=N lets the policy server speculate in batches of up to N requests (default 1: a
 # lone request); SPEC_POLICY=RECORD gives it an `eaglet profile` record's per-batch-size policy;
 # SPEC_ARGS: the speculating server's setting (EAGLE-3 on the GPU defaults to tree 5,4,16 since 79c5415;

@@ -61,25 +61,25 @@ def load_bench_prompts(name: str | None, n: int, max_chars: int, seed: int) -> l
     return [texts[i % len(texts)] for i in range(n)]
 
 
-async def one_request(client, url: str, payload: dict, chat: bool) -> RequestResult:
-    import httpx
+async def one_request(session, url: str, payload: dict, chat: bool) -> RequestResult:
+    import aiohttp
 
     t0 = time.perf_counter()
     res, last, pieces, usage = RequestResult(ok=True), None, 0, None
     try:
-        async with client.stream("POST", url, json=payload) as r:
-            if r.status_code != 200:
-                body = (await r.aread()).decode("utf-8", "replace")
+        async with session.post(url, json=payload) as r:
+            if r.status != 200:
+                body = (await r.read()).decode("utf-8", "replace")
                 try:
                     body = json.loads(body)["error"]["message"]
                 except (ValueError, KeyError, TypeError):
                     pass
-                return RequestResult(ok=False, error=f"HTTP {r.status_code}: {body}"[:300])
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
+                return RequestResult(ok=False, error=f"HTTP {r.status}: {body}"[:300])
+            async for raw in r.content:  # one SSE line at a time
+                if not raw.startswith(b"data:"):
                     continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+                data = raw[5:].strip()
+                if data == b"[DONE]":
                     break
                 obj = json.loads(data)
                 if "error" in obj:
@@ -94,7 +94,7 @@ async def one_request(client, url: str, payload: dict, chat: bool) -> RequestRes
                         else:
                             res.itl.append(now - last)
                         last, pieces = now, pieces + 1
-    except (httpx.HTTPError, ValueError) as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
         return RequestResult(ok=False, error=f"{type(e).__name__}: {e}"[:300])
     res.latency = time.perf_counter() - t0
     res.output_tokens = usage["completion_tokens"] if usage else pieces
@@ -176,21 +176,23 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
 
 async def run_load(base: str, payloads: list[dict], chat: bool, concurrency: int | None, rate: float | None,
                    seed: int, timeout: float, progress: bool) -> tuple[list[RequestResult], float]:
-    import httpx
+    import aiohttp
     from tqdm import tqdm
 
     url = base + ("/chat/completions" if chat else "/completions")
     sem = asyncio.Semaphore(concurrency) if concurrency else None
     rng = random.Random(seed)
     bar = tqdm(total=len(payloads), disable=not progress, desc="requests", unit="req")
-    limits = httpx.Limits(max_connections=concurrency or len(payloads), max_keepalive_connections=concurrency or 100)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    # aiohttp, not httpx: at 64 streams httpx's pool and h11 parsing took ~0.3 ms of CPU per streamed
+    # chunk, and on the H200 the client, not the server, was what a run measured (BENCHMARKS.md)
+    connector = aiohttp.TCPConnector(limit=concurrency or 0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
         async def one(p):
             if sem is None:
-                r = await one_request(client, url, p, chat)
+                r = await one_request(session, url, p, chat)
             else:
                 async with sem:
-                    r = await one_request(client, url, p, chat)
+                    r = await one_request(session, url, p, chat)
             bar.update(1)
             return r
 
@@ -207,12 +209,15 @@ async def run_load(base: str, payloads: list[dict], chat: bool, concurrency: int
 
 
 def server_info(base: str) -> dict:
-    import httpx
+    import urllib.error
+    import urllib.request
 
     try:
-        r = httpx.get(base + "/models", timeout=10)
-        return r.json() if r.status_code == 200 else {"error": f"HTTP {r.status_code}"}
-    except (httpx.HTTPError, ValueError) as e:
+        with urllib.request.urlopen(base + "/models", timeout=10) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return {"error": f"HTTP {e.code}"}
+    except (urllib.error.URLError, OSError, ValueError) as e:
         return {"error": str(e)}
 
 

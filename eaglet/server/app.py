@@ -181,6 +181,9 @@ def build_app(generator: Generator, model_name: str, max_batch: int = 8, max_que
             return TextCompletion(id=rid, created=created, model=model_name,
                                   choices=[TextChoice(text=text or "", finish_reason=finish)])
 
+        # a text chunk's JSON is rendered once with a marker and each event splices its text in:
+        # pydantic per chunk was a visible share of the event loop's time at 64 streams
+        head, tail = sse(chunk("\0")).split('"\\u0000"')
         if chat:
             yield sse(chunk("", role=True))
         async with aclosing(engine.chunks(req)) as chunks:
@@ -189,7 +192,7 @@ def build_app(generator: Generator, model_name: str, max_batch: int = 8, max_que
                     yield sse(c.error.body())
                     break
                 if c.text:
-                    yield sse(chunk(c.text))
+                    yield head + json.dumps(c.text, ensure_ascii=False) + tail
                 if c.finish_reason:
                     yield sse(chunk(None if chat else "", c.finish_reason))
                     if include_usage:

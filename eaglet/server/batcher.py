@@ -10,7 +10,6 @@ It runs on the engine thread only (engine.py owns the thread, the queue and the 
 """
 from __future__ import annotations
 
-import copy
 import logging
 from dataclasses import dataclass
 
@@ -104,7 +103,7 @@ class Batcher:
         if self.speculative:
             metrics = self.dec.metrics
             for r in rows:
-                self.rows[r].spec_seen = copy.deepcopy(metrics[r])
+                self.rows[r].spec_seen = metrics[r].copy()
         out = self._emit(dict(zip(rows, new)))
         self.dec.set_rows(rows, [self.rows[r].remaining for r in rows])
         return out
@@ -144,7 +143,7 @@ class Batcher:
                 if metrics is not None and metrics[r].drafts != seq.spec_seen.drafts:  # it drafted
                     delta = spec_delta(metrics[r], seq.spec_seen)
                     seq.spec.merge(delta)
-                    seq.spec_seen = copy.deepcopy(metrics[r])
+                    seq.spec_seen = metrics[r].copy()
                 out.append(Output(r, seq, text, n, delta))
             except Exception as e:  # fails this row's request only
                 log.exception("request %s failed in row %d", seq.request.id, r)

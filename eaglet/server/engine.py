@@ -118,6 +118,11 @@ class Chunk:
     spec: SpecMetrics | None = None  # the request's draft counters, on the last chunk
     error: APIError | None = None
 
+    def then(self, nxt: "Chunk") -> "Chunk":
+        """This chunk and the next one (not an error) as one."""
+        return Chunk(self.text + nxt.text, self.tokens + nxt.tokens, nxt.finish_reason, nxt.completion_tokens,
+                     nxt.spec)
+
 
 class Engine:
     def __init__(self, generator: Generator, slots: int, max_queue: int, max_len: int, metrics: ServerMetrics,
@@ -188,6 +193,15 @@ class Engine:
         try:
             while True:
                 chunk = await req.queue.get()
+                # the engine got ahead of this stream (the event loop was busy): one chunk for all
+                # it has, so a loaded server sends fewer, larger events
+                while not (chunk.finish_reason or chunk.error or req.queue.empty()):
+                    nxt = req.queue.get_nowait()
+                    if nxt.error:  # the text before an error still goes out first
+                        yield chunk
+                        chunk = nxt
+                        break
+                    chunk = chunk.then(nxt)
                 yield chunk
                 if chunk.finish_reason or chunk.error:
                     return
@@ -344,22 +358,23 @@ class Engine:
     def _deliver(self, outputs: list[Output]) -> None:
         t = time.perf_counter()
         m, name = self.metrics, self.metrics.name
+        drafted = SpecMetrics()  # this step's draft counters over all rows: one metrics update
         for o in outputs:
             req = o.seq.request
             if o.spec is not None:
-                m.spec(o.spec)
+                drafted.merge(o.spec)
             if o.error is not None:
                 self.batcher.release(o.row)
                 self._fail(req, APIError(500, f"internal error: {type(o.error).__name__}: {o.error}",
                                          "internal_error"))
                 continue
-            m.generation_tokens.labels(name).inc(o.tokens)
+            m.generated.inc(o.tokens)
             if req.first_at is None:
                 req.first_at = t
                 m.prompt_tokens.labels(name).inc(len(req.prompt))
                 m.ttft.labels(name).observe(t - req.arrival)
             else:
-                m.itl.labels(name).observe(t - req.last_at)
+                m.itl_child.observe(t - req.last_at)
             req.last_at = t
             chunk = Chunk(o.text, o.tokens)
             if o.finished:
@@ -372,6 +387,7 @@ class Engine:
                 if o.seq.count > 1:
                     m.tpot.labels(name).observe((t - req.first_at) / (o.seq.count - 1))
             self._send(req, chunk, final=o.finished)
+        m.spec(drafted)
 
     def _fail(self, req: Request, err: APIError) -> None:
         if err.status >= 500:

@@ -79,14 +79,23 @@ class ServerMetrics:
             m.labels(model_name)  # exported from the start, at 0
         for reason in ("stop", "length"):
             self.request_success.labels(model_name, reason)
+        # the children the engine updates per step or per output, looked up once
+        self._drafts, self._draft_tokens = self.drafts.labels(model_name), self.draft_tokens.labels(model_name)
+        self._accepted, self._per_pos = self.accepted_tokens.labels(model_name), {}
+        self.generated = self.generation_tokens.labels(model_name)
+        self.itl_child = self.itl.labels(model_name)
 
     def spec(self, d: SpecMetrics) -> None:
+        """Add an engine step's draft counters (all its rows' at once: one update per step)."""
         if d.drafts:
-            self.drafts.labels(self.name).inc(d.drafts)
-            self.draft_tokens.labels(self.name).inc(d.draft_tokens)
-            self.accepted_tokens.labels(self.name).inc(d.accepted_tokens)
+            self._drafts.inc(d.drafts)
+            self._draft_tokens.inc(d.draft_tokens)
+            self._accepted.inc(d.accepted_tokens)
             for pos, n in enumerate(d.accepted_per_pos):
-                self.accepted_per_pos.labels(self.name, str(pos)).inc(n)
+                child = self._per_pos.get(pos)
+                if child is None:
+                    child = self._per_pos[pos] = self.accepted_per_pos.labels(self.name, str(pos))
+                child.inc(n)
 
     def policy(self, setting: str | None, n: int) -> None:
         """A batch of `n` requests started with `setting` (None: plain)."""

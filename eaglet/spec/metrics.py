@@ -36,6 +36,10 @@ class SpecMetrics:
         self.drafts_reaching_pos = [a + b for a, b in zip(pad(self.drafts_reaching_pos),
                                                           pad(other.drafts_reaching_pos))]
 
+    def copy(self) -> "SpecMetrics":
+        return SpecMetrics(self.drafts, self.draft_tokens, self.accepted_tokens, list(self.accepted_per_pos),
+                           list(self.drafts_reaching_pos))
+
     @property
     def accept_length(self) -> float:
         """τ: tokens emitted per verify step, bonus included (1.0 when nothing was drafted)."""
