@@ -71,3 +71,16 @@ def test_verify_curve_measures_every_chain_length(tiny_dirs):
     c = measure_costs(model, sp, batch=1, context=16, topks=(1,), chain_steps=5)
     assert set(c["verify_ms"]) == {str(n) for n in set(VERIFY_TOKENS) | {3, 5, 6}}
     assert all(v > 0 for v in c["verify_ms"].values()) and c["decode_ms"] == c["verify_ms"]["1"]
+
+
+def test_profile_prompts_spread_over_the_set():
+    """`eaglet profile` measures acceptance on prompts spread over the set, not its first n (MT-bench's
+    first 8 are all writing prompts)."""
+    from eaglet.datasets import load_prompts
+    from eaglet.perf.plan_cmd import spread
+
+    assert spread(list(range(80)), 8) == [0, 10, 20, 30, 40, 50, 60, 70]
+    assert spread(list(range(5)), 8) == [0, 1, 2, 3, 4]
+    assert spread(list(range(10)), 3) == [0, 3, 6]
+    mt = load_prompts("mtbench")
+    assert spread(mt, 8)[1] == mt[len(mt) // 8] and len(set(spread(mt, 8))) == 8

@@ -402,3 +402,56 @@ def test_eaglet_serve_equals_eaglet_generate(model_dir, capsys, monkeypatch):
 def test_serve_flags_are_checked(capsys):
     assert main(["serve", "--max-batch", "0"]) == 1
     assert "--max-batch" in capsys.readouterr().err
+
+
+def test_queued_chunks_go_out_as_one(tiny):
+    """A stream that fell behind the engine gets one chunk for all it has queued: the texts joined,
+    the tokens summed, the last one's finish and counters; text queued before an error still goes
+    out, then the error alone."""
+    from eaglet.sampling import SamplingParams
+    from eaglet.server.engine import Chunk, Engine, Request
+    from eaglet.server.metrics import ServerMetrics
+    from eaglet.server.protocol import APIError
+    from eaglet.spec.metrics import SpecMetrics
+
+    engine = Engine(Generator(tiny.model, tiny.tokenizer), 2, 4, 64, ServerMetrics("t"))
+
+    async def read(chunks: list[Chunk]) -> list[Chunk]:
+        req = Request([1, 2], 8, SamplingParams(0.0))
+        req.queue, req.done = asyncio.Queue(), True
+        for c in chunks:
+            req.queue.put_nowait(c)
+        return [c async for c in engine.chunks(req)]
+
+    spec = SpecMetrics(drafts=2, draft_tokens=6, accepted_tokens=3)
+    got = asyncio.run(read([Chunk("a", 1), Chunk("bc", 2), Chunk("d", 1, "length", 4, spec)]))
+    assert got == [Chunk("abcd", 4, "length", 4, spec)]
+    err = APIError(500, "boom", "internal_error")
+    got = asyncio.run(read([Chunk("a", 1), Chunk("b", 1), Chunk("", 0, error=err)]))
+    assert got == [Chunk("ab", 2), Chunk("", 0, error=err)]
+
+
+def test_streamed_events_are_the_protocol_models(plain):
+    """The streamed text events (their JSON spliced around each text, not rendered per chunk) are
+    byte for byte what the pydantic models render, for chat and completions."""
+    from eaglet.server.protocol import ChatChunk, TextCompletion
+
+    for path, body, model in (("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[0]}]},
+                               ChatChunk),
+                              ("/v1/completions", {"prompt": PROMPTS[1]}, TextCompletion)):
+        lines = []
+        with httpx.stream("POST", plain.url + path, json={"model": "tiny", "max_tokens": 12, "temperature": 0,
+                                                          "stream": True, **body}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    lines.append(line[6:])
+        def text(line: str) -> str | None:
+            choices = model.model_validate_json(line).choices
+            if not choices:
+                return None
+            return choices[0].text if model is TextCompletion else choices[0].delta.content
+
+        texts = [line for line in lines if text(line)]
+        assert len(texts) >= 2
+        for line in texts:
+            assert model.model_validate_json(line).model_dump_json() == line

@@ -10,8 +10,9 @@
 #                                       and the fastapi/uvicorn/pydantic/httpx wheels in .whl:
 #   .venv/bin/pip download --only-binary=:all: --python-version 3.12 --implementation cp -d .whl \
 #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 fastapi uvicorn pydantic httpx aiohttp)
-# SPEC_MAX_BATCH=N lets the policy server speculate in batches of up to N requests (default 1: a
-# lone request); SPEC_POLICY=RECORD gives it an `eaglet profile` record's per-batch-size policy;
+# SPEC_POLICY=RECORD: an `eaglet profile` record whose per-batch-size policy the speculating server
+# follows (default: the H200 profile bench/results/profile-gpu-20261130-202027.json, batch sizes 1-64,
+# as in the runs of 2026-11-30 evening; SPEC_POLICY= for none); SPEC_MAX_BATCH=N caps speculation at N requests;
 # SPEC_ARGS: the speculating server's setting (EAGLE-3 on the GPU defaults to tree 5,4,16 since 79c5415;
 # the 2026-11-30 runs passed "--spec-steps 5 --spec-topk 4 --spec-draft-tokens 16"; "--spec-steps 5": chain 5).
 # With $OUT set (the GPU machine) the records come back as one tar, $OUT/serve-records.tar.
@@ -32,9 +33,10 @@ out=${OUT:-/tmp}/records
 mkdir -p "$out"
 gunzip -c /tmp/stage/sharegpt_first_turns.json.gz > /tmp/sharegpt.json
 declare -A PORT=([eagle3]=8031 [none]=8032)
+policy=${SPEC_POLICY-bench/results/profile-gpu-20261130-202027.json}
 pids=()
 for spec in eagle3 none; do
-  draft=; [ $spec = eagle3 ] && draft="--draft eaglet/drafters/smollm2-135m-instruct-eagle3 ${SPEC_MAX_BATCH:+--spec-max-batch $SPEC_MAX_BATCH} ${SPEC_POLICY:+--spec-policy $SPEC_POLICY} ${SPEC_ARGS:-}"
+  draft=; [ $spec = eagle3 ] && draft="--draft eaglet/drafters/smollm2-135m-instruct-eagle3 ${SPEC_MAX_BATCH:+--spec-max-batch $SPEC_MAX_BATCH} ${policy:+--spec-policy $policy} ${SPEC_ARGS:-}"
   python3 -m eaglet serve --model $GGUF --port ${PORT[$spec]} --max-batch ${MAX_BATCH:-64} --max-model-len 1024 \
     --spec $spec $draft --log-level warning &
   pids+=($!)
