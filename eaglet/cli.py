@@ -105,8 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--stop-at-eos", action="store_true",
                    help="end each reply at EOS (as served replies and speculative-decoding benchmarks do) and "
                         "count the tokens each system made; default: every reply runs --max-new-tokens")
-    b.add_argument("--prompts", help="mtbench, humaneval, or a JSONL file with a 'prompt' field per line "
-                                     "(default: 3 built-in chat prompts)")
+    b.add_argument("--prompts", help="mtbench, humaneval, sharegpt, a ShareGPT .json file, or a JSONL file with "
+                                     "a 'prompt' field per line (default: 3 built-in chat prompts)")
     b.add_argument("--num-prompts", type=int, default=3)
     b.add_argument("--repeats", type=int, default=3, help="timed repeats of the prompt set (median reported)")
     b.add_argument("--systems", nargs="+", metavar="NAME",
@@ -131,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(pr)
     pr.add_argument("--spec", choices=["eagle3", "ngram", "draft"], default="eagle3")
     pr.add_argument("--draft", help="drafter (default: the bundled drafter of the default model)")
-    pr.add_argument("--prompts", default="mtbench", help="mtbench, humaneval, or a JSONL file")
+    pr.add_argument("--prompts", default="mtbench", help="mtbench, humaneval, sharegpt, a ShareGPT .json file "
+                                                         "or a JSONL file (--num-prompts spread over the set)")
     pr.add_argument("--num-prompts", type=int, default=8)
     pr.add_argument("--max-new-tokens", type=int, default=128)
     pr.add_argument("--batch", type=int, default=1, help="rows per generate call while measuring acceptance")

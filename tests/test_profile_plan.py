@@ -73,11 +73,18 @@ def test_verify_curve_measures_every_chain_length(tiny_dirs):
     assert all(v > 0 for v in c["verify_ms"].values()) and c["decode_ms"] == c["verify_ms"]["1"]
 
 
-def test_profile_prompts_spread_over_the_set():
+def test_profile_prompts_spread_over_the_set(tmp_path):
     """`eaglet profile` measures acceptance on prompts spread over the set, not its first n (MT-bench's
-    first 8 are all writing prompts)."""
+    first 8 are all writing prompts); a ShareGPT file gives its first user turns."""
+    import json
+
     from eaglet.datasets import load_prompts
     from eaglet.perf.plan_cmd import spread
+
+    f = tmp_path / "sg.json"
+    f.write_text(json.dumps([{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"}]}
+                             for i in range(6)] + [{"conversations": [{"from": "gpt", "value": "no user turn"}]}]))
+    assert spread(load_prompts(str(f)), 3) == ["q0", "q2", "q4"]
 
     assert spread(list(range(80)), 8) == [0, 10, 20, 30, 40, 50, 60, 70]
     assert spread(list(range(5)), 8) == [0, 1, 2, 3, 4]

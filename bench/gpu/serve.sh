@@ -12,7 +12,8 @@
 #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 fastapi uvicorn pydantic httpx aiohttp)
 # SPEC_POLICY=RECORD: an `eaglet profile` record whose per-batch-size policy the speculating server
 # follows (default: the H200 profile bench/results/profile-gpu-20261130-202027.json, batch sizes 1-64,
-# as in the runs of 2026-11-30 evening; SPEC_POLICY= for none); SPEC_MAX_BATCH=N caps speculation at N requests;
+# as in the runs of 2026-11-30 evening; SPEC_POLICY= for none; PROFILE=1: a profile of this machine on the
+# served prompts, taken first); SPEC_MAX_BATCH=N caps speculation at N requests;
 # SPEC_ARGS: the speculating server's setting (EAGLE-3 on the GPU defaults to tree 5,4,16 since 79c5415;
 # the 2026-11-30 runs passed "--spec-steps 5 --spec-topk 4 --spec-draft-tokens 16"; "--spec-steps 5": chain 5).
 # With $OUT set (the GPU machine) the records come back as one tar, $OUT/serve-records.tar.
@@ -34,6 +35,12 @@ mkdir -p "$out"
 gunzip -c /tmp/stage/sharegpt_first_turns.json.gz > /tmp/sharegpt.json
 declare -A PORT=([eagle3]=8031 [none]=8032)
 policy=${SPEC_POLICY-bench/results/profile-gpu-20261130-202027.json}
+if [ -n "${PROFILE:-}" ]; then  # profile this machine on the served prompts first (~3 min), and follow that
+  python3 -m eaglet profile --model $GGUF --draft eaglet/drafters/smollm2-135m-instruct-eagle3 --prompts /tmp/sharegpt.json \
+    --num-prompts ${PROFILE_PROMPTS:-16} --max-new-tokens 128 --chain-steps 7 --trees 7,4,64 \
+    --batch-sizes 1 2 4 8 16 32 64 --context 256 --out "$out" 2>&1 | grep -E "^(batch|chain|tree|record)"
+  policy=$(ls -t "$out"/profile-*.json | head -1)
+fi
 pids=()
 for spec in eagle3 none; do
   draft=; [ $spec = eagle3 ] && draft="--draft eaglet/drafters/smollm2-135m-instruct-eagle3 ${SPEC_MAX_BATCH:+--spec-max-batch $SPEC_MAX_BATCH} ${policy:+--spec-policy $policy} ${SPEC_ARGS:-}"

