@@ -7,9 +7,10 @@
 # (default 3), so both see the same state of the shared machine; compare medians over rounds.
 #   bash bench/gpu/serve.sh prepare    (here: .gpudata/sharegpt_first_turns.json.gz, to stage with the model)
 #   bash bench/gpu/serve.sh            (needs the model and sharegpt_first_turns.json.gz staged,
-#                                       and the fastapi/uvicorn/pydantic/httpx wheels in .whl:
+#                                       and the fastapi/uvicorn/pydantic/aiohttp wheels in .whl:
 #   .venv/bin/pip download --only-binary=:all: --python-version 3.12 --implementation cp -d .whl \
-#     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 fastapi uvicorn pydantic httpx aiohttp)
+#     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+#     fastapi uvicorn pydantic httpx aiohttp py-spy)
 # SPEC_POLICY=RECORD: an `eaglet profile` record whose per-batch-size policy the speculating server
 # follows (default: the H200 profile bench/results/profile-gpu-20261130-202027.json, batch sizes 1-64,
 # as in the runs of 2026-11-30 evening; SPEC_POLICY= for none; PROFILE=1: a profile of this machine on the
