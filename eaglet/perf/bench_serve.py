@@ -179,8 +179,8 @@ async def run_load(base: str, payloads: list[dict], chat: bool, concurrency: int
     sem = asyncio.Semaphore(concurrency) if concurrency else None
     rng = random.Random(seed)
     bar = tqdm(total=len(payloads), disable=not progress, desc="requests", unit="req")
-    # aiohttp, not httpx: at 64 streams httpx's pool and h11 parsing took ~0.3 ms of CPU per streamed
-    # chunk, and on the H200 the client, not the server, was what a run measured (BENCHMARKS.md)
+    # aiohttp, not httpx: with httpx's per-chunk pool and h11 work the client, not the server, was what
+    # a 64-stream run measured on the H200 (BENCHMARKS.md)
     connector = aiohttp.TCPConnector(limit=concurrency or 0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
         async def one(p):

@@ -358,7 +358,7 @@ class Engine:
     def _deliver(self, outputs: list[Output]) -> None:
         t = time.perf_counter()
         m, name = self.metrics, self.metrics.name
-        drafted = SpecMetrics()  # this step's draft counters over all rows: one metrics update
+        tokens, drafted = 0, SpecMetrics()  # this step's, over all rows: one metrics update each
         for o in outputs:
             req = o.seq.request
             if o.spec is not None:
@@ -368,13 +368,13 @@ class Engine:
                 self._fail(req, APIError(500, f"internal error: {type(o.error).__name__}: {o.error}",
                                          "internal_error"))
                 continue
-            m.generated.inc(o.tokens)
+            tokens += o.tokens
             if req.first_at is None:
                 req.first_at = t
                 m.prompt_tokens.labels(name).inc(len(req.prompt))
                 m.ttft.labels(name).observe(t - req.arrival)
             else:
-                m.itl_child.observe(t - req.last_at)
+                m.gap(t - req.last_at)
             req.last_at = t
             chunk = Chunk(o.text, o.tokens)
             if o.finished:
@@ -387,7 +387,7 @@ class Engine:
                 if o.seq.count > 1:
                     m.tpot.labels(name).observe((t - req.first_at) / (o.seq.count - 1))
             self._send(req, chunk, final=o.finished)
-        m.spec(drafted)
+        m.step(tokens, drafted)
 
     def _fail(self, req: Request, err: APIError) -> None:
         if err.status >= 500:

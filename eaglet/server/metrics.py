@@ -79,14 +79,18 @@ class ServerMetrics:
             m.labels(model_name)  # exported from the start, at 0
         for reason in ("stop", "length"):
             self.request_success.labels(model_name, reason)
-        # the children the engine updates per step or per output, looked up once
+        # the children updated every engine step or output (`step`, `gap`), looked up once
+        self._generated, self._itl = self.generation_tokens.labels(model_name), self.itl.labels(model_name)
         self._drafts, self._draft_tokens = self.drafts.labels(model_name), self.draft_tokens.labels(model_name)
         self._accepted, self._per_pos = self.accepted_tokens.labels(model_name), {}
-        self.generated = self.generation_tokens.labels(model_name)
-        self.itl_child = self.itl.labels(model_name)
 
-    def spec(self, d: SpecMetrics) -> None:
-        """Add an engine step's draft counters (all its rows' at once: one update per step)."""
+    def gap(self, seconds: float) -> None:
+        """Time between two outputs of one request."""
+        self._itl.observe(seconds)
+
+    def step(self, tokens: int, d: SpecMetrics) -> None:
+        """An engine step's generated tokens and draft counters over all its rows: one update each."""
+        self._generated.inc(tokens)
         if d.drafts:
             self._drafts.inc(d.drafts)
             self._draft_tokens.inc(d.draft_tokens)
