@@ -7,6 +7,7 @@ from eaglet.config import SpecConfig
 from eaglet.generate import GenerationConfig, Generator
 from eaglet.perf.planner import batch_policy, candidates, choose
 from eaglet.perf.profile import tree_tau_table
+from eaglet.spec.metrics import SpecMetrics
 from eaglet.spec.speculator import Speculator
 from eaglet.weights import load_model
 
@@ -91,3 +92,25 @@ def test_profile_prompts_spread_over_the_set(tmp_path):
     assert spread(list(range(10)), 3) == [0, 3, 6]
     mt = load_prompts("mtbench")
     assert spread(mt, 8)[1] == mt[len(mt) // 8] and len(set(spread(mt, 8))) == 8
+
+
+@torch.inference_mode()
+def test_acceptance_is_timed_on_a_warm_second_pass(tiny_dirs, monkeypatch):
+    """Each setting runs over the prompts twice and only the second pass counts: the first meets
+    every attention span's graphs cold."""
+    import eaglet.perf.profile as prof
+
+    target = load_model(tiny_dirs["llama3"][0], dtype="float32", device="cpu", tokenizer=False).model
+    small = load_model(tiny_dirs["qwen3"][0], dtype="float32", device="cpu", tokenizer=False).model
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [20, 21]]
+    calls = []
+    real = prof.Generator.generate
+    monkeypatch.setattr(prof.Generator, "generate", lambda self, p, cfg: calls.append(len(p)) or real(self, p, cfg))
+    base = Speculator(SpecConfig("draft", steps=3), draft_model=small)
+    out = prof.measure_acceptance(target, None, base, prompts, max_new=12, batch=2, chain_steps=3, trees=[(3, 2, 8)])
+    assert calls == [2, 1] * 2 * 3  # plain, chain, tree: two passes each, in batches of 2
+    one = SpecMetrics()  # one pass of the chain, for comparison: the record counts one pass, not two
+    for c in Generator(target, None, base).generate(prompts, GenerationConfig(max_new_tokens=12)):
+        one.merge(c.spec)
+    assert out["chain"]["drafts"] == one.drafts and out["chain"]["accept_length"] == one.accept_length
+    assert out["plain"]["step_ms_measured"] > 0 and out["chain"]["step_ms_measured"] > 0
