@@ -20,6 +20,17 @@ import torch
 import torch.nn.functional as F
 
 
+def keep_slots(lens: torch.Tensor, index: torch.Tensor, count: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KVCache.keep's moves as (rows, src, dst), each (B, M): the just-written tokens at block
+    offsets index[b, :count[b]] go to slots lens[b], lens[b]+1, ...; entries past count copy onto
+    themselves. A function of tensors, for compiled callers."""
+    bsz, m = index.shape
+    ar = torch.arange(m, device=index.device)[None, :]  # (1, M)
+    src = lens[:, None] + torch.where(ar < count[:, None], index, ar)
+    return torch.arange(bsz, device=index.device)[:, None].expand(bsz, m), src, lens[:, None] + ar
+
+
 class KVCache:
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
@@ -79,15 +90,13 @@ class KVCache:
         index: (B, M) offsets into the block written by the last forward, count: (B,) <= M.
         Entries of `index` past `count` are ignored.
         """
-        bsz, m = index.shape
-        ar = torch.arange(m, device=index.device)[None, :]  # (1, M)
-        src_off = torch.where(ar < count[:, None], index, ar)  # unused entries copy onto themselves
-        src = self.lens[:, None] + src_off  # (B, M)
-        dst = self.lens[:, None] + ar
-        b = torch.arange(bsz, device=index.device)[:, None].expand_as(src)
-        moved = self.kv[:, :, b, :, src]  # (B, M, L, 2, Hkv, D): gathered before any write
-        self.kv[:, :, b, :, dst] = moved
+        self.move(*keep_slots(self.lens, index, count))
         self.lens += count
+
+    def move(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's keys and values at slots src[b, j] of row rows[b, j] to slots dst[b, j]
+        (all read before any is written; `keep_slots` gives the three)."""
+        self.kv[:, :, rows, :, dst] = self.kv[:, :, rows, :, src]  # (B, M, L, 2, Hkv, D) gathered first
 
     def commit_host(self, counts: list[int] | np.ndarray) -> None:
         """Mirror on the host a device-side commit of counts[b] tokens per row."""

@@ -19,7 +19,7 @@ topk_on = switched_on(topk_mod)
 
 
 @pytest.mark.parametrize("shape,k", [((3, 16384), 8), ((1, 2, 4, 1000), 4), ((2, 64), 8), ((5, 37), 1),
-                                     ((2, 457), 31)])
+                                     ((2, 457), 31), ((2, 5000), 4), ((1, 4099), 8)])
 @pytest.mark.parametrize("log_softmax", [False, True])
 def test_matches_torch(shape, k, log_softmax, topk_on):
     g = torch.Generator().manual_seed(shape[-1] + k)
@@ -70,6 +70,36 @@ def test_ties_go_to_the_lower_index_as_a_stable_sort(topk_on):
     want = x.sort(dim=-1, descending=True, stable=True)
     assert torch.equal(i, want.indices[:, :20]) and torch.equal(v, want.values[:, :20])
     assert all(len(set(r)) == 20 for r in i.tolist())
+
+
+def test_wide_rows_cut_into_pieces_pick_as_one_row(topk_on):
+    """Rows of SPLIT_WIDTH or more go through pieces and a merge: ties across pieces still go to the
+    lower index, a last piece narrower than k pads without taking a real entry's place, a piece of
+    -inf adds nothing to the log-softmax, and the values and indices are the one-row kernel's."""
+    g = torch.Generator().manual_seed(3)
+    n = topk_mod.SPLIT_WIDTH + 3  # the last piece holds 3 entries, fewer than k
+    x = torch.randint(0, 4, (4, n), generator=g).float()
+    x[1, : topk_mod.CHUNK] = float("-inf")  # a whole piece of -inf
+    x[2] = float("-inf")
+    x[2, [5, n - 1]] = 1.0  # two entries in the row, the rest -inf: picks still distinct
+    x[3, n - 2] = 9.0  # the best entry in the short last piece
+    x = x.to(DEV)
+    for log_softmax in (False, True):
+        v, i = topk(x, 8, log_softmax=log_softmax, stable=True)
+        y = x.float().log_softmax(-1) if log_softmax else x
+        want = y.sort(dim=-1, descending=True, stable=True)
+        assert torch.equal(i, want.indices[:, :8]), log_softmax
+        torch.testing.assert_close(v, want.values[:, :8], atol=1e-5, rtol=1e-5)
+        assert all(len(set(r)) == 8 for r in i.tolist())
+        split = (v, i)
+        width = topk_mod.SPLIT_WIDTH
+        topk_mod.SPLIT_WIDTH = n + 1  # the same rows through the one-row kernel
+        try:
+            one = topk(x, 8, log_softmax=log_softmax, stable=True)
+        finally:
+            topk_mod.SPLIT_WIDTH = width
+        assert torch.equal(split[1], one[1])
+        torch.testing.assert_close(split[0], one[0], atol=1e-6, rtol=1e-6)
 
 
 def test_fallback_when_off():

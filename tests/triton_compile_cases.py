@@ -15,7 +15,8 @@ H200 = GPUTarget("cuda", 90, 32)
 TYPES = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "Y": "*bf16", "QKV": "*bf16", "K": "*bf16", "V": "*bf16",
          "OUT": "*bf16", "COS": "*bf16", "SIN": "*bf16", "QW": "*bf16", "KW": "*bf16", "START": "*i64", "MASK": "*i1",
          "PM": "*fp32", "PL": "*fp32", "PO": "*fp32", "eps": "fp32", "scale": "fp32",
-         "x_ptr": "*bf16", "val_ptr": "*fp32", "idx_ptr": "*i64", "off_ptr": "*fp32"}
+         "x_ptr": "*bf16", "val_ptr": "*fp32", "idx_ptr": "*i64", "off_ptr": "*fp32",
+         "part_v": "*fp32", "part_i": "*i64", "stats": "*fp32"}
 
 
 def compile_for_h200(fn, const: dict, warps: int = 4, stages: int = 3) -> None:
@@ -55,6 +56,11 @@ def cases():
         block = max(16, ca.pow2(width))
         yield f"row top-{k} of {width}", lambda k=k, b=block, ls=ls, off=off: compile_for_h200(
             topk._row_topk, dict(K=k, BLOCK=b, LOG_SOFTMAX=ls, OFFSET=off), min(16, max(1, b // 1024)))
+    for k, ls, off in [(4, True, True), (8, True, False), (4, False, False)]:  # a 16,384-wide row in 16 pieces
+        yield f"top-{k} of pieces", lambda k=k, ls=ls: compile_for_h200(
+            topk._chunk_topk, dict(K=k, CHUNK=topk.CHUNK, LOG_SOFTMAX=ls))
+        yield f"top-{k} merge", lambda k=k, ls=ls, off=off: compile_for_h200(
+            topk._merge_topk, dict(K=k, BLOCK=max(16, ca.pow2(16 * k)), CB=16, LOG_SOFTMAX=ls, OFFSET=off), 1)
 
 
 def main() -> int:

@@ -2,9 +2,10 @@
 
 SpecDecoder is a SlotDecoder like generate.PlainDecoder (admit, step, release), so the Generator's
 streaming and stopping logic and the server's batching are shared. Each step runs three phases,
-each one CUDA graph on the GPU (the draft phase stays eager for host-side drafters): `draft` fills
-a static copy of the proposal, `verify` is one target forward over all its nodes, `accept` picks
-the accepted path and commits it to both caches. One host sync per step: the emitted tokens. With a
+each one CUDA graph on the GPU (the draft phase stays eager for host-side drafters): `draft`
+proposes (a graphed draft's outputs are the verify graph's inputs; a host drafter's are copied into
+them), `verify` is one target forward over all its nodes, `accept` picks the accepted path and
+commits it to both caches (`settle`: the bookkeeping after acceptance in one compiled region). One host sync per step: the emitted tokens. With a
 drafter that works on the device the next step can be launched before that sync (lookahead, see
 runtime/decoder.py); a host-side drafter (n-gram) needs the emitted tokens to propose, so it cannot.
 
@@ -17,15 +18,17 @@ from __future__ import annotations
 import torch
 
 from ..config import SpecConfig
+from ..kvcache import keep_slots
 from ..models.attention import AttnMeta
 from ..models.llama import CausalLM
 from ..models.prefill import prefill
+from ..runtime.compile import fusable
 from ..runtime.decoder import SlotDecoder
 from ..sampling import SamplingParams, sample, target_probs
 from .drafters.base import Drafter
 from .metrics import SpecMetrics
 from .tree import DraftProposal
-from .verify import greedy_verify, sample_verify
+from .verify import VerifyResult, cut, greedy_verify, sample_verify
 
 
 def store(dst: DraftProposal | None, src: DraftProposal) -> DraftProposal:
@@ -36,6 +39,23 @@ def store(dst: DraftProposal | None, src: DraftProposal) -> DraftProposal:
         if a is not None:
             a.copy_(b)
     return dst
+
+
+@fusable
+def settle(path, count, tokens, limit, lens, roots, valid, depth):
+    """What follows acceptance, one compiled region on the GPU (a dozen small kernels otherwise):
+    each row cut to its limit (never past its budget; 0 freezes it) and the tokens taken off it,
+    the cache moves that keep the accepted path and its new length, the next roots, and the packed
+    output for the host, (B, 3 + 2(D+1)): count, drafted nodes, deepest drafted position, tokens,
+    path. Updates limit, lens and roots in place; returns count, tokens, bonus, moves, packed."""
+    count, tokens, bonus = cut(count, tokens, limit)
+    moves = keep_slots(lens, path, count)  # from the length before this step's
+    limit.sub_(count)
+    lens.add_(count)
+    roots.copy_(bonus)
+    drafted = valid.sum(1, keepdim=True) - 1  # (B, 1)
+    reach = (depth * valid).amax(1, keepdim=True)  # (B, 1)
+    return count, tokens, bonus, moves, torch.cat([count[:, None], drafted, reach, tokens, path], 1)
 
 
 class SpecDecoder(SlotDecoder):
@@ -117,9 +137,6 @@ class SpecDecoder(SlotDecoder):
         self.drafter.release(rows)
 
     # ---- the three phases; each reads and writes only persistent tensors ----
-    def _draft(self) -> None:
-        self.prop = store(self.prop, self.drafter.propose(self.roots))
-
     def _verify(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every node in one target forward: tree mask, per-node positions. Returns the target's
         argmax (B, N) under greedy or its distribution (B, N, V), and the drafter's taps."""
@@ -138,14 +155,11 @@ class SpecDecoder(SlotDecoder):
             res = greedy_verify(prop, target, self.spec.steps)
         else:
             res = sample_verify(prop, target, self.spec.steps, self.spec.topk, self.gen)
-        res = res.limit(self.limit)  # never past a row's budget; 0 freezes a row
-        self.limit -= res.count
-        self.cache.keep(res.path, res.count)  # only the accepted path stays
-        self.drafter.commit(prop, res, taps)
-        self.roots.copy_(res.bonus)
-        drafted = prop.valid.sum(1, keepdim=True) - 1  # (B, 1)
-        reach = (prop.depth * prop.valid).amax(1, keepdim=True)  # (B, 1) deepest drafted position
-        return torch.cat([res.count[:, None], drafted, reach, res.tokens, res.path], 1)  # (B, 3 + 2(D+1))
+        count, tokens, bonus, moves, packed = settle(res.path, res.count, res.tokens, self.limit, self.cache.lens,
+                                                     self.roots, prop.valid, prop.depth)
+        self.cache.move(*moves)  # only the accepted path stays
+        self.drafter.commit(prop, VerifyResult(res.path, count, tokens, bonus), taps)
+        return packed
 
     def _launch(self) -> torch.Tensor:
         """One draft-verify-accept-commit round, enqueued (a plain step after to_plain)."""
@@ -158,7 +172,12 @@ class SpecDecoder(SlotDecoder):
         if dc is not None:
             key += (self.span_of(dc, self.drafter_room),)
         with self.phase("draft"):
-            self.graphs.run(("draft",) + key, self._draft, graph=self.drafter.graphable)
+            prop = self.graphs.run(("draft",) + key, lambda: self.drafter.propose(self.roots),
+                                   graph=self.drafter.graphable)
+            # a graphed draft's output is its graph's own buffers, refreshed by each replay, which the
+            # verify graph of the same key reads; a host drafter's is new each step, so a graphed verify
+            # needs it copied into the buffers it was captured with
+            self.prop = store(self.prop, prop) if self.graphs.enabled and not self.drafter.graphable else prop
         with self.phase("verify"):
             target, taps = self.graphs.run(("verify",) + key, self._verify)
         with self.phase("accept"):

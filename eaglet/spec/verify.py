@@ -30,9 +30,13 @@ class VerifyResult:
     def limit(self, most: torch.Tensor) -> "VerifyResult":
         """Emit at most most[b] tokens per sequence (0 freezes a finished row): the accepted path is
         cut, and the bonus becomes the last token kept. No sync."""
-        count = torch.minimum(self.count, most)
-        bonus = self.tokens.gather(1, (count - 1).clamp(min=0)[:, None])[:, 0]
-        return VerifyResult(self.path, count, self.tokens, bonus)
+        return VerifyResult(self.path, *cut(self.count, self.tokens, most))
+
+
+def cut(count: torch.Tensor, tokens: torch.Tensor, most: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """VerifyResult.limit's count, tokens and bonus (a function of tensors, for compiled callers)."""
+    count = torch.minimum(count, most)
+    return count, tokens, tokens.gather(1, (count - 1).clamp(min=0)[:, None])[:, 0]
 
 
 def _finish(prop: DraftProposal, path: list[torch.Tensor], count: torch.Tensor, bonus: torch.Tensor) -> VerifyResult:
