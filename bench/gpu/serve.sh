@@ -13,8 +13,10 @@
 #     fastapi uvicorn pydantic httpx aiohttp py-spy)
 # SPEC_POLICY=RECORD: an `eaglet profile` record whose per-batch-size policy the speculating server
 # follows (default: the H200 profile bench/results/profile-gpu-20261130-202027.json, batch sizes 1-64,
-# as in the runs of 2026-11-30 evening; SPEC_POLICY= for none; PROFILE=1: a profile of this machine on the
-# served prompts, taken first); SPEC_MAX_BATCH=N caps speculation at N requests;
+# as in the runs of 2026-11-30 evening and night; SPEC_POLICY= for none; PROFILE=1: a profile of this machine
+# on the served prompts, taken first, ~2.5 min, which with the ~6.5 min of serving nears one call's 10: the
+# night run profiled in one call (profile-gpu-20261130-225722.json) and served with SPEC_POLICY= it in the
+# next); SPEC_MAX_BATCH=N caps speculation at N requests;
 # SPEC_ARGS: the speculating server's setting (EAGLE-3 on the GPU defaults to tree 5,4,16 since 79c5415;
 # the 2026-11-30 runs passed "--spec-steps 5 --spec-topk 4 --spec-draft-tokens 16"; "--spec-steps 5": chain 5).
 # With $OUT set (the GPU machine) the records come back as one tar, $OUT/serve-records.tar.
@@ -36,7 +38,7 @@ mkdir -p "$out"
 gunzip -c /tmp/stage/sharegpt_first_turns.json.gz > /tmp/sharegpt.json
 declare -A PORT=([eagle3]=8031 [none]=8032)
 policy=${SPEC_POLICY-bench/results/profile-gpu-20261130-202027.json}
-if [ -n "${PROFILE:-}" ]; then  # profile this machine on the served prompts first (~3 min), and follow that
+if [ -n "${PROFILE:-}" ]; then  # profile this machine on the served prompts first (~2.5 min), and follow that
   python3 -m eaglet profile --model $GGUF --draft eaglet/drafters/smollm2-135m-instruct-eagle3 --prompts /tmp/sharegpt.json \
     --num-prompts ${PROFILE_PROMPTS:-16} --max-new-tokens 128 --chain-steps 7 --trees 7,4,64 \
     --batch-sizes 1 2 4 8 16 32 64 --context 256 --out "$out" 2>&1 | grep -E "^(batch|chain|tree|record)"
