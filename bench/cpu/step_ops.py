@@ -21,6 +21,7 @@ from eaglet.default_model import default_model_path
 from eaglet.generate import GenerationConfig, Generator
 from eaglet.models import attention, cache_attention, gemv, llama
 from eaglet.perf.record import write_record
+from eaglet.spec import loop as loop_mod
 from eaglet.spec import topk as topk_mod
 from eaglet.spec import tree as tree_mod
 from eaglet.spec import verify as verify_mod
@@ -71,10 +72,18 @@ def instrument(counter: Counter) -> None:
     for mod, names in ((attention, ["slots_and_rows", "attention_mask", "additive_bias"]),
                        (tree_mod, ["ancestor_mask", "kept_tree", "topk"]), (verify_mod, ["greedy_accept"]),
                        (llama, ["rope_cos_sin"]), (eagle3_head, ["rope_cos_sin"]), (cache_attention, ["cache_attention"]),
-                       (expand_mod, ["topk", "level_mask", "next_frontier", "candidates"])):
+                       (expand_mod, ["topk", "level_mask", "next_frontier", "candidates"]), (loop_mod, ["settle"])):
         for n in names:
             if hasattr(mod, n):  # the functions of the code being counted (older commits lack some)
                 setattr(mod, n, counter.region(n, getattr(mod, n)))
+    region = expand_mod.topk  # a row of SPLIT_WIDTH or more is two kernels (pieces, merge)
+    split = getattr(topk_mod, "SPLIT_WIDTH", None)
+
+    def topk(x, k, *a, **kw):
+        if split is not None and x.shape[-1] >= split and topk_mod.usable(x, k) and counter.depth == 0:
+            counter.ops.append(("topk pieces", caller()))
+        return region(x, k, *a, **kw)
+    expand_mod.topk = topk
     for cls in (llama.RMSNorm, llama.RoPE, llama.MLP):
         cls.forward = counter.region(cls.__name__, cls.forward)
 

@@ -137,6 +137,9 @@ class SpecDecoder(SlotDecoder):
         self.drafter.release(rows)
 
     # ---- the three phases; each reads and writes only persistent tensors ----
+    def _draft(self) -> DraftProposal:
+        return self.drafter.propose(self.roots)
+
     def _verify(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every node in one target forward: tree mask, per-node positions. Returns the target's
         argmax (B, N) under greedy or its distribution (B, N, V), and the drafter's taps."""
@@ -172,8 +175,7 @@ class SpecDecoder(SlotDecoder):
         if dc is not None:
             key += (self.span_of(dc, self.drafter_room),)
         with self.phase("draft"):
-            prop = self.graphs.run(("draft",) + key, lambda: self.drafter.propose(self.roots),
-                                   graph=self.drafter.graphable)
+            prop = self.graphs.run(("draft",) + key, self._draft, graph=self.drafter.graphable)
             # a graphed draft's output is its graph's own buffers, refreshed by each replay, which the
             # verify graph of the same key reads; a host drafter's is new each step, so a graphed verify
             # needs it copied into the buffers it was captured with
