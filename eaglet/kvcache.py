@@ -6,9 +6,10 @@ layer's new keys and values together, in one indexed store. Each row b has a com
 device and its mirror `host_lens[b]` on the host (so attention spans are known without a sync).
 A forward writes its T new tokens into slots lens[b] .. lens[b]+T-1 (see AttnMeta) without
 committing them; the caller then commits all of them (`advance`), only an accepted subset
-(`keep`, the accepted path of a tree), or rolls back (`truncate`).
+(`move` of the slots `keep_slots` gives, the accepted path of a tree, then `lens += count`), or
+rolls back (`truncate`).
 
-Device-only operations (`keep`, `lens +=` inside a CUDA graph) leave the host mirror alone; the
+Device-only operations (`move`, `lens +=` inside a CUDA graph) leave the host mirror alone; the
 caller brings it up to date with `commit_host` (counts it already has) or `sync_host` (a sync).
 `view(lo, hi)` is a cache over rows lo..hi-1 sharing this one's storage (prefill of new requests
 into free rows while other rows hold their sequences).
@@ -22,9 +23,11 @@ import torch.nn.functional as F
 
 def keep_slots(lens: torch.Tensor, index: torch.Tensor, count: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """KVCache.keep's moves as (rows, src, dst), each (B, M): the just-written tokens at block
-    offsets index[b, :count[b]] go to slots lens[b], lens[b]+1, ...; entries past count copy onto
-    themselves. A function of tensors, for compiled callers."""
+    """Committing a verified block keeps, for each row b, the just-written tokens at block offsets
+    index[b, :count[b]] (index (B, M), count (B,) <= M), in that order, at slots lens[b], lens[b]+1,
+    ...; the rest are dropped. Returns the moves as (rows, src, dst), each (B, M), for KVCache.move
+    (entries past count copy onto themselves); the caller then adds count to lens. Graph-safe; a
+    function of tensors, for compiled callers (spec/loop.py's settle)."""
     bsz, m = index.shape
     ar = torch.arange(m, device=index.device)[None, :]  # (1, M)
     src = lens[:, None] + torch.where(ar < count[:, None], index, ar)
@@ -81,17 +84,6 @@ class KVCache:
             n.tolist() if isinstance(n, torch.Tensor) else n, dtype=np.int64)  # sync: only when given a tensor
         self.lens += torch.from_numpy(n).to(self.lens.device)
         self.host_lens += n
-
-    def keep(self, index: torch.Tensor, count: torch.Tensor) -> None:
-        """Commit, for each row b, the just-written tokens at block offsets index[b, :count[b]]
-        (in that order), moving them to slots lens[b], lens[b]+1, ...; the rest are dropped.
-        Device only (graph-safe): follow with commit_host or sync_host.
-
-        index: (B, M) offsets into the block written by the last forward, count: (B,) <= M.
-        Entries of `index` past `count` are ignored.
-        """
-        self.move(*keep_slots(self.lens, index, count))
-        self.lens += count
 
     def move(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's keys and values at slots src[b, j] of row rows[b, j] to slots dst[b, j]

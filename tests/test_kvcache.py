@@ -1,10 +1,10 @@
-"""KVCache bookkeeping (advance, keep, truncate) against recomputation from scratch: after committing
+"""KVCache bookkeeping (advance, keeping an accepted subset, truncate) against recomputation from scratch: after committing
 some of the tokens of a block (a causal block or a draft tree), the cache and the logits of the next
 token must equal those of a fresh cache fed the prompt plus the committed tokens only."""
 import pytest
 import torch
 
-from eaglet.kvcache import KVCache
+from eaglet.kvcache import KVCache, keep_slots
 from eaglet.models.attention import AttnMeta
 from eaglet.weights import load_model
 
@@ -13,6 +13,13 @@ MAX_LEN = 64
 # a 6-node draft tree: 0 is the root; 1, 2 its children; 3 under 1; 4 and 5 under 2
 PARENTS = [-1, 0, 0, 1, 2, 2]
 PATH = [0, 2, 5]  # root -> 2 -> 5
+
+
+def keep(cache: KVCache, index: torch.Tensor, count: torch.Tensor) -> None:
+    """Commit the tokens at block offsets index[b, :count[b]], as the speculation step does
+    (spec/loop.py's settle: the moves from keep_slots, then the new lengths)."""
+    cache.move(*keep_slots(cache.lens, index, count))
+    cache.lens += count
 
 
 def tree_mask_and_depth(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +88,7 @@ def test_tree_keep_path_equals_recomputation(model):
     mask, depth = tree_mask_and_depth(PARENTS)
     cache = prefill(model, [prompt])
     tree_logits = run(model, cache, block[None], cache.lens[:, None] + depth, tree_mask=mask[None])[0]
-    cache.keep(torch.tensor([PATH]), torch.tensor([len(PATH)]))
+    keep(cache, torch.tensor([PATH]), torch.tensor([len(PATH)]))
     cache.sync_host()
 
     kept = torch.cat([prompt, block[PATH]])
@@ -100,7 +107,7 @@ def test_causal_block_keep_prefix_equals_recomputation(model, n_keep):
     prompt, block, nxt = rand_ids(7, 2), rand_ids(6, 3), 5
     cache = prefill(model, [prompt])
     run(model, cache, block[None])
-    cache.keep(torch.arange(6)[None], torch.tensor([n_keep]))
+    keep(cache, torch.arange(6)[None], torch.tensor([n_keep]))
     cache.sync_host()
 
     kept = torch.cat([prompt, block[:n_keep]])
@@ -138,7 +145,7 @@ def test_batch_keep_different_counts(model):
 
     cache = prefill(model, prompts)
     run(model, cache, blocks, cache.lens[:, None] + depths, tree_mask=masks)
-    cache.keep(index, count)
+    keep(cache, index, count)
     cache.sync_host()
     got = run(model, cache, nxt)[:, -1]
 
@@ -192,7 +199,7 @@ def test_keep_moves_exact_slots():
     cache = hand_filled([2, 3])
     # row 0: swap offsets 1 and 0 (needs gather-before-write); junk (99, -5) past count 2 is ignored
     # row 1: keep only offset 3 (slot 6 -> slot 3)
-    cache.keep(torch.tensor([[1, 0, 99, -5], [3, 0, 0, 0]]), torch.tensor([2, 1]))
+    keep(cache, torch.tensor([[1, 0, 99, -5], [3, 0, 0, 0]]), torch.tensor([2, 1]))
     assert cache.lens.tolist() == [4, 4]
     assert slots(cache, 0) == [[0, 1, 3, 2, 4, 5, 6, 7]] * 2
     assert slots(cache, 1) == [[0, 1, 2, 6, 4, 5, 6, 7]] * 2
@@ -200,7 +207,7 @@ def test_keep_moves_exact_slots():
 
 def test_keep_count_zero_changes_nothing():
     cache = hand_filled([2, 5])
-    cache.keep(torch.tensor([[3, 2, 1], [2, 1, 0]]), torch.tensor([0, 0]))
+    keep(cache, torch.tensor([[3, 2, 1], [2, 1, 0]]), torch.tensor([0, 0]))
     assert cache.lens.tolist() == [2, 5]
     assert slots(cache, 0) == [list(range(8))] * 2
     assert slots(cache, 1) == [list(range(8))] * 2

@@ -1,6 +1,6 @@
 """Draft trees on hand-built examples: ancestor masks and depth, the EAGLE-2 selection of the best
 nodes, the attention mask over cache slots, one verify-accept-commit round of the real loop against
-recomputation from scratch, VerifyResult.limit, and the n-gram drafter's matching and trie."""
+recomputation from scratch, the cut to a row's limit, and the n-gram drafter's matching and trie."""
 import pytest
 import torch
 
@@ -11,7 +11,7 @@ from eaglet.spec.drafters.base import start_rows
 from eaglet.spec.drafters.ngram import NgramDrafter, build_trie, find_continuations
 from eaglet.spec.loop import SpecDecoder
 from eaglet.spec.tree import DraftProposal, ancestor_mask, chain, select_tree
-from eaglet.spec.verify import VerifyResult
+from eaglet.spec.verify import cut
 from eaglet.weights import load_model
 
 from .test_kvcache import assert_same_prefix, recompute, run
@@ -223,14 +223,12 @@ def test_verify_round_commits_accepted_path(model):
         assert (got[b] - ref_logits).abs().max() <= 1e-5
 
 
-def test_verify_result_limit():
-    res = VerifyResult(path=torch.tensor([[0, 2, 5, 6], [0, 1, 0, 0]]), count=torch.tensor([4, 2]),
-                       tokens=torch.tensor([[11, 12, 13, 14], [21, 22, 0, 0]]), bonus=torch.tensor([14, 22]))
-    cut = res.limit(torch.tensor([2, 5]))
-    assert cut.count.tolist() == [2, 2] and cut.bonus.tolist() == [12, 22]
-    assert torch.equal(cut.path, res.path) and torch.equal(cut.tokens, res.tokens)
-    frozen = res.limit(torch.tensor([0, 1]))
-    assert frozen.count.tolist() == [0, 1] and frozen.bonus.tolist() == [11, 21]
+def test_cut_to_the_limit():
+    count, tokens = torch.tensor([4, 2]), torch.tensor([[11, 12, 13, 14], [21, 22, 0, 0]])
+    n, bonus = cut(count, tokens, torch.tensor([2, 5]))
+    assert n.tolist() == [2, 2] and bonus.tolist() == [12, 22]
+    n, bonus = cut(count, tokens, torch.tensor([0, 1]))  # 0 freezes a row
+    assert n.tolist() == [0, 1] and bonus.tolist() == [11, 21]
 
 
 # ---- n-gram drafter -----------------------------------------------------------------------------

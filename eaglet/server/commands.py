@@ -34,8 +34,8 @@ def add_serve_parsers(sub) -> None:
     sv.add_argument("--spec-max-batch", type=int, metavar="N",
                     help="speculate only in batches that start with at most N requests (the load), decode "
                          "plain above (default 1 without --spec-policy: one setting does not fit every batch "
-                         "size; no cap with a profile, whose per-size settings paid at every size on the H200, "
-                         "BENCHMARKS.md; 0: never speculate)")
+                         "size; no cap with a profile, whose per-size choice applies when a batch starts; "
+                         "0: never speculate)")
     sv.add_argument("--eager", action="store_true", help="no CUDA graphs")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 

@@ -47,15 +47,15 @@ def settle(path, count, tokens, limit, lens, roots, valid, depth):
     each row cut to its limit (never past its budget; 0 freezes it) and the tokens taken off it,
     the cache moves that keep the accepted path and its new length, the next roots, and the packed
     output for the host, (B, 3 + 2(D+1)): count, drafted nodes, deepest drafted position, tokens,
-    path. Updates limit, lens and roots in place; returns count, tokens, bonus, moves, packed."""
-    count, tokens, bonus = cut(count, tokens, limit)
+    path. Updates limit, lens and roots in place; returns count, bonus, moves, packed."""
+    count, bonus = cut(count, tokens, limit)
     moves = keep_slots(lens, path, count)  # from the length before this step's
     limit.sub_(count)
     lens.add_(count)
     roots.copy_(bonus)
     drafted = valid.sum(1, keepdim=True) - 1  # (B, 1)
     reach = (depth * valid).amax(1, keepdim=True)  # (B, 1)
-    return count, tokens, bonus, moves, torch.cat([count[:, None], drafted, reach, tokens, path], 1)
+    return count, bonus, moves, torch.cat([count[:, None], drafted, reach, tokens, path], 1)
 
 
 class SpecDecoder(SlotDecoder):
@@ -158,10 +158,10 @@ class SpecDecoder(SlotDecoder):
             res = greedy_verify(prop, target, self.spec.steps)
         else:
             res = sample_verify(prop, target, self.spec.steps, self.spec.topk, self.gen)
-        count, tokens, bonus, moves, packed = settle(res.path, res.count, res.tokens, self.limit, self.cache.lens,
-                                                     self.roots, prop.valid, prop.depth)
+        count, bonus, moves, packed = settle(res.path, res.count, res.tokens, self.limit, self.cache.lens,
+                                             self.roots, prop.valid, prop.depth)
         self.cache.move(*moves)  # only the accepted path stays
-        self.drafter.commit(prop, VerifyResult(res.path, count, tokens, bonus), taps)
+        self.drafter.commit(prop, VerifyResult(res.path, count, res.tokens, bonus), taps)
         return packed
 
     def _launch(self) -> torch.Tensor:

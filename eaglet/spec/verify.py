@@ -27,16 +27,13 @@ class VerifyResult:
     tokens: torch.Tensor  # (B, D+1) emitted tokens: accepted drafts, then the bonus; padding past count
     bonus: torch.Tensor  # (B,) the last emitted token, the next root
 
-    def limit(self, most: torch.Tensor) -> "VerifyResult":
-        """Emit at most most[b] tokens per sequence (0 freezes a finished row): the accepted path is
-        cut, and the bonus becomes the last token kept. No sync."""
-        return VerifyResult(self.path, *cut(self.count, self.tokens, most))
 
 
-def cut(count: torch.Tensor, tokens: torch.Tensor, most: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """VerifyResult.limit's count, tokens and bonus (a function of tensors, for compiled callers)."""
+def cut(count: torch.Tensor, tokens: torch.Tensor, most: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Emit at most most[b] tokens per row (0 freezes a finished row): the accepted count cut, and
+    the bonus (the next root) the last token kept. No sync."""
     count = torch.minimum(count, most)
-    return count, tokens, tokens.gather(1, (count - 1).clamp(min=0)[:, None])[:, 0]
+    return count, tokens.gather(1, (count - 1).clamp(min=0)[:, None])[:, 0]
 
 
 def _finish(prop: DraftProposal, path: list[torch.Tensor], count: torch.Tensor, bonus: torch.Tensor) -> VerifyResult:
