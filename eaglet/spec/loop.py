@@ -5,7 +5,8 @@ streaming and stopping logic and the server's batching are shared. Each step run
 each one CUDA graph on the GPU (the draft phase stays eager for host-side drafters): `draft`
 proposes (a graphed draft's outputs are the verify graph's inputs; a host drafter's are copied into
 them), `verify` is one target forward over all its nodes, `accept` picks the accepted path and
-commits it to both caches (`settle`: the bookkeeping after acceptance in one compiled region). One host sync per step: the emitted tokens. With a
+commits it to both caches (`settle`: the bookkeeping after acceptance in one compiled region).
+With a drafter on the device and no phase timer or trace, the three run as one graph (`_step`). One host sync per step: the emitted tokens. With a
 drafter that works on the device the next step can be launched before that sync (lookahead, see
 runtime/decoder.py); a host-side drafter (n-gram) needs the emitted tokens to propose, so it cannot.
 
@@ -140,6 +141,12 @@ class SpecDecoder(SlotDecoder):
     def _draft(self) -> DraftProposal:
         return self.drafter.propose(self.roots)
 
+    def _step(self) -> torch.Tensor:
+        """The three phases as one body: one CUDA graph a step on the GPU where the drafter works on
+        the device and nothing times or traces the phases apart (they then run as three graphs)."""
+        self.prop = self._draft()
+        return self._accept(*self._verify())
+
     def _verify(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every node in one target forward: tree mask, per-node positions. Returns the target's
         argmax (B, N) under greedy or its distribution (B, N, V), and the drafter's taps."""
@@ -174,6 +181,8 @@ class SpecDecoder(SlotDecoder):
         dc = getattr(self.drafter, "cache", None)
         if dc is not None:
             key += (self.span_of(dc, self.drafter_room),)
+        if self.drafter.graphable and self.timer is None and self.trace is None:
+            return self.graphs.run(("step",) + key, self._step)  # one launch a step, not three
         with self.phase("draft"):
             prop = self.graphs.run(("draft",) + key, self._draft, graph=self.drafter.graphable)
             # a graphed draft's output is its graph's own buffers, refreshed by each replay, which the
