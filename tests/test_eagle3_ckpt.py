@@ -258,3 +258,25 @@ def test_capture_keeps_order_and_repeats(target):
         _, one = target(ids, pos, c1, meta(c1), capture=(1, 2))
         _, aux = target(ids, pos, c2, meta(c2), capture=(2, 2, 1))
     assert torch.equal(aux, torch.cat([one[..., 64:], one[..., 64:], one[..., :64]], -1))
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("nbr", [False, True])
+def test_head_step_is_logits_of_forward(target, nbr):
+    """Eagle3Head.step (the last residual add inside the final norm) gives forward's output and
+    logits(forward) exactly."""
+    from eaglet.models.attention import AttnMeta
+
+    cfg = Eagle3Config.for_target(target.config, draft_vocab_size=VD)
+    head = random_head(dataclasses.replace(cfg, norm_before_residual=nbr))
+    g = torch.Generator().manual_seed(0)
+    h_size = cfg.layer.hidden_size
+    emb, hid = torch.randn(2, 3, h_size, generator=g), torch.randn(2, 3, h_size, generator=g)
+    pos = torch.arange(3).expand(2, 3)
+    runs = []
+    for use_step in (False, True):
+        cache = KVCache.for_model(cfg.layer, 2, 8, torch.float32, torch.device("cpu"))
+        meta = AttnMeta.build(cache.lens, pos, 3)
+        runs.append(head.step(emb, hid, pos, cache, meta) if use_step else head(emb, hid, pos, cache, meta))
+    h, (logits, h2) = runs
+    assert torch.equal(h2, h) and torch.equal(logits, head.logits(h))

@@ -172,3 +172,20 @@ def test_tree_level_bookkeeping_compiled_equals_eager():
     roots = torch.randint(0, 50, (b,), generator=g)
     args = (best, roots, want[0], want[1], want[2], 5)
     assert all(torch.equal(x, y) for x, y in zip(compiled(kept_tree)(*args), kept_tree(*args)))
+
+
+def test_eagle3_midlayer_input_compiled_equals_eager_and_the_norms():
+    from eaglet.models.llama import RMSNorm
+    from eaglet.spec.drafters.eagle3_head import midlayer_input
+
+    g = torch.Generator().manual_seed(2)
+    emb, h = torch.randn(2, 3, 8, generator=g), torch.randn(2, 3, 8, generator=g)
+    a, b = RMSNorm(8, 1e-5), RMSNorm(8, 1e-6)
+    with torch.no_grad():
+        a.weight.uniform_(0.5, 1.5, generator=g)
+        b.weight.uniform_(0.5, 1.5, generator=g)
+    want = midlayer_input.__wrapped__(emb, h, a.weight, b.weight, a.eps, b.eps)
+    got = compiled(midlayer_input)(emb, h, a.weight, b.weight, a.eps, b.eps)
+    assert torch.equal(want[0], torch.cat([a(emb), b(h)], -1)) and torch.equal(want[1], b(h))
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])

@@ -69,5 +69,4 @@ class Eagle3Drafter(NeuralDrafter):
 
     def draft_step(self, ids, state, depth, mask, pending):
         positions, meta = self.level_meta(*ids.shape, depth, mask, pending)
-        h = self.head(torch.nn.functional.embedding(ids, self.draft_embed), state, positions, self.cache, meta)  # (B, K, H)
-        return self.head.logits(h), h
+        return self.head.step(torch.nn.functional.embedding(ids, self.draft_embed), state, positions, self.cache, meta)

@@ -17,7 +17,8 @@ from ...config import ModelConfig, rope_inv_freq
 from ...kvcache import KVCache
 from ...models.attention import AttnMeta
 from ...models.linear import Linear
-from ...models.llama import MLP, Attention, RMSNorm, rope_cos_sin
+from ...models.llama import MLP, Attention, RMSNorm, rms_norm, rope_cos_sin
+from ...runtime.compile import fusable
 
 
 @dataclass(frozen=True)
@@ -51,13 +52,23 @@ class Eagle3Layer(nn.Module):
         self.mlp = MLP(c)
         self.norm_before_residual = cfg.norm_before_residual
 
-    def forward(self, emb, h, cos, sin, cache: KVCache, meta: AttnMeta) -> torch.Tensor:
-        hn = self.hidden_norm(h)
-        x = torch.cat([self.input_layernorm(emb), hn], -1)  # (B, T, 2H): embedding first
+    def forward(self, emb, h, cos, sin, cache: KVCache, meta: AttnMeta, final_norm: RMSNorm | None = None):
+        """The layer's output (B, T, H); given the head's `final_norm`, (that norm of it, it): the
+        last residual add and the norm in one kernel."""
+        e, n = self.input_layernorm, self.hidden_norm
+        x, hn = midlayer_input(emb, h, e.weight, n.weight, e.eps, n.eps)  # (B, T, 2H): embedding first
         # the residual add and the norm in one kernel (RMSNorm with a residual returns both)
         x, h = self.post_attention_layernorm(self.self_attn(x, cos, sin, cache, meta),
                                              hn if self.norm_before_residual else h)
-        return h + self.mlp(x)
+        return h + self.mlp(x) if final_norm is None else final_norm(self.mlp(x), h)
+
+
+@fusable
+def midlayer_input(emb, h, emb_weight, hidden_weight, emb_eps: float, hidden_eps: float):
+    """[input_layernorm(emb); hidden_norm(h)] (B, T, 2H) and hidden_norm(h): one kernel on the GPU
+    for two norms and a concatenation."""
+    hn = rms_norm(h, hidden_weight, hidden_eps)
+    return torch.cat([rms_norm(emb, emb_weight, emb_eps), hn], -1), hn
 
 
 class Eagle3Head(nn.Module):
@@ -115,6 +126,13 @@ class Eagle3Head(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))  # (..., Vd)
+
+    def step(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+             meta: AttnMeta) -> tuple[torch.Tensor, torch.Tensor]:
+        """`logits(forward(...))` and the output, with the last residual add inside the final norm."""
+        cos, sin = rope_cos_sin(positions, self.inv_freq, emb.dtype)
+        normed, h = self.midlayer(emb, hidden, cos, sin, cache, meta, final_norm=self.norm)
+        return self.lm_head(normed), h
 
     def draft_to_target(self) -> torch.Tensor:
         """(Vd,) target id of each draft id."""
