@@ -19,6 +19,8 @@
 # next); SPEC_MAX_BATCH=N caps speculation at N requests;
 # SPEC_ARGS: the speculating server's setting (EAGLE-3 on the GPU defaults to tree 5,4,16 since 79c5415;
 # the 2026-11-30 runs passed "--spec-steps 5 --spec-topk 4 --spec-draft-tokens 16"; "--spec-steps 5": chain 5).
+# ALT=DIR: a third server, speculating like the first but run from another eaglet package in DIR (e.g. a
+# branch's eaglet/*.py, git-ignored and carried), beside it in every round: an A/B of two versions.
 # With $OUT set (the GPU machine) the records come back as one tar, $OUT/serve-records.tar.
 if [ "${1:-}" = prepare ]; then  # HERE, not on the GPU: ShareGPT first turns (<= 600 chars) into .gpudata/
   mkdir -p .gpudata && .venv/bin/python - <<'PY'
@@ -36,7 +38,8 @@ set +e
 out=${OUT:-/tmp}/records
 mkdir -p "$out"
 gunzip -c /tmp/stage/sharegpt_first_turns.json.gz > /tmp/sharegpt.json
-declare -A PORT=([eagle3]=8031 [none]=8032)
+declare -A PORT=([eagle3]=8031 [none]=8032 [alt]=8033)
+servers="eagle3 none"; [ -n "${ALT:-}" ] && servers="eagle3 alt none"
 policy=${SPEC_POLICY-bench/results/profile-gpu-20261130-202027.json}
 if [ -n "${PROFILE:-}" ]; then  # profile this machine on the served prompts first (~2.5 min), and follow that
   python3 -m eaglet profile --model $GGUF --draft eaglet/drafters/smollm2-135m-instruct-eagle3 --prompts /tmp/sharegpt.json \
@@ -45,13 +48,15 @@ if [ -n "${PROFILE:-}" ]; then  # profile this machine on the served prompts fir
   policy=$(ls -t "$out"/profile-*.json | head -1)
 fi
 pids=()
-for spec in eagle3 none; do
-  draft=; [ $spec = eagle3 ] && draft="--draft eaglet/drafters/smollm2-135m-instruct-eagle3 ${SPEC_MAX_BATCH:+--spec-max-batch $SPEC_MAX_BATCH} ${policy:+--spec-policy $policy} ${SPEC_ARGS:-}"
-  python3 -m eaglet serve --model $GGUF --port ${PORT[$spec]} --max-batch ${MAX_BATCH:-64} --max-model-len 1024 \
-    --spec $spec $draft --log-level warning &
+for name in $servers; do
+  spec=$name draft= dir=$PWD
+  [ $name = alt ] && spec=eagle3 dir=$ALT  # python -m puts the working directory first on the path
+  [ $spec = eagle3 ] && draft="--draft $PWD/eaglet/drafters/smollm2-135m-instruct-eagle3 ${SPEC_MAX_BATCH:+--spec-max-batch $SPEC_MAX_BATCH} ${policy:+--spec-policy $(realpath $policy)} ${SPEC_ARGS:-}"
+  (cd $dir && exec python3 -m eaglet serve --model $GGUF --port ${PORT[$name]} --max-batch ${MAX_BATCH:-64} --max-model-len 1024 \
+    --spec $spec $draft --log-level warning) &
   pids+=($!)
 done
-for spec in eagle3 none; do
+for spec in $servers; do
   for i in $(seq 240); do  # model load and compile: up to 4 minutes
     python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:${PORT[$spec]}/health')" 2>/dev/null && break
     sleep 1
@@ -61,9 +66,9 @@ bs() { python3 -m eaglet bench-serve --url http://127.0.0.1:${PORT[$1]} --prompt
          --ignore-eos --max-prompt-chars 600 --seed 0 --no-progress "${@:2}"; }
 for c in ${CONC:-1 4 16 64}; do
   n=$(( c * 8 > 32 ? c * 8 : 32 ))
-  for spec in eagle3 none; do bs $spec --num-requests $n --concurrency $c > /dev/null; done
+  for spec in $servers; do bs $spec --num-requests $n --concurrency $c > /dev/null; done
   for round in $(seq ${ROUNDS:-3}); do
-    for spec in eagle3 none; do
+    for spec in $servers; do
       echo "== spec $spec, concurrency $c, round $round"
       bs $spec --num-requests $n --concurrency $c --out "$out" | grep -E "throughput|TTFT|TPOT|accept|record"
     done
