@@ -12,6 +12,16 @@ class Tokenizer:
     def __init__(self, hf_tokenizer, eos_ids: set[int]):
         self.hf = hf_tokenizer
         self.eos_ids = frozenset(eos_ids)
+        # a fast tokenizer's Rust core encodes alike without transformers' per-call Python (a server
+        # tokenizes every request on its event loop); not where tokenizer.json sets truncation or
+        # padding, which transformers turns off for each call
+        core = getattr(hf_tokenizer, "backend_tokenizer", None)
+        self._core = core if core is not None and core.truncation is None and core.padding is None else None
+
+    def _ids(self, text: str, special: bool) -> list[int]:
+        if self._core is not None:
+            return self._core.encode(text, add_special_tokens=special).ids
+        return list(self.hf(text, add_special_tokens=special).input_ids)
 
     @staticmethod
     def from_dir(path: Path, config) -> "Tokenizer | None":
@@ -34,14 +44,14 @@ class Tokenizer:
         return len(self.hf)
 
     def encode(self, text: str) -> list[int]:
-        return list(self.hf(text).input_ids)
+        return self._ids(text, True)
 
     def apply_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of `messages` rendered with the model's chat template, ready for the reply."""
         if not getattr(self.hf, "chat_template", None):
             raise InvalidInput("this model has no chat template; pass a plain prompt without --chat")
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(self.hf(text, add_special_tokens=False).input_ids)
+        return self._ids(text, False)
 
     def user_prefix(self) -> list[int]:
         """Token ids of the chat template up to where a user's message begins (a default system
@@ -52,7 +62,7 @@ class Tokenizer:
         text = self.hf.apply_chat_template([{"role": "user", "content": mark}], tokenize=False)
         if mark not in text:
             raise InvalidInput("the chat template does not show where a user message begins")
-        return list(self.hf(text[:text.index(mark)], add_special_tokens=False).input_ids)
+        return self._ids(text[:text.index(mark)], False)
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special)

@@ -10,7 +10,7 @@ import pytest
 from eaglet.cli import main
 from eaglet.config import SpecConfig
 from eaglet.generate import Generator
-from eaglet.perf.bench_serve import accept_length, load_bench_prompts, server_metrics
+from eaglet.perf.bench_serve import accept_length, load_bench_prompts, server_metrics, server_ttft_ms
 from eaglet.spec.speculator import load_speculator
 
 from .serving import PROMPTS, LiveServer
@@ -63,8 +63,11 @@ def test_fixed_concurrency_chat(server, prompts_file, tmp_path, capsys):
     after = r["server"]["metrics_after"]
     assert after["eaglet:spec_decode_num_drafts"] > r["server"]["metrics_before"]["eaglet:spec_decode_num_drafts"]
     assert after["process_resident_memory_bytes"] > 0 and after["eaglet:kv_cache_total_tokens"] > 0
-    for line in ("TTFT (ms)", "TPOT (ms)", "ITL (ms)", "accept length", "40 ok, 0 failed"):
+    for line in ("TTFT (ms)", "TPOT (ms)", "ITL (ms)", "accept length", "40 ok, 0 failed", "server TTFT"):
         assert line in out
+    # the server's own TTFT (its histogram over these 40) is part of the client's
+    assert 0 < r["server_ttft_ms"] < r["ttft_ms"]["mean"]
+    assert r["client_event_loop"] in ("uvloop", "asyncio")
     reqs = requests_of(tmp_path)  # every request, gzipped beside the record, which names the file
     assert r["requests"] == {"file": next(tmp_path.glob("bench-serve-*.requests.json.gz")).name, "count": 40}
     assert len(reqs) == 40 and sum(q["output_tokens"] for q in reqs) == r["output_tokens"]
@@ -110,6 +113,18 @@ def test_accept_length_from_server_counters():
     tau, source = accept_length([], {}, server_metrics("sglang:spec_accept_length 2.5\n"))
     assert tau == 2.5 and "sglang" in source
     assert accept_length([], None, None) == (None, "not reported")
+
+
+def test_server_ttft_from_histograms():
+    """The server's mean TTFT over a run from its histogram's sum and count (any server's prefix)."""
+    before = server_metrics('vllm:time_to_first_token_seconds_sum{model_name="m"} 1.0\n'
+                            'vllm:time_to_first_token_seconds_count{model_name="m"} 10\n')
+    after = server_metrics('vllm:time_to_first_token_seconds_sum{model_name="m"} 1.5\n'
+                           'vllm:time_to_first_token_seconds_count{model_name="m"} 20\n'
+                           'vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 20\n')
+    assert server_ttft_ms(before, after) == pytest.approx(50.0)
+    assert server_ttft_ms(before, before) is None and server_ttft_ms(None, after) is None
+    assert server_ttft_ms({}, server_metrics("sglang:spec_accept_length 2.5\n")) is None
 
 
 def test_sharegpt_file_prompts(tmp_path):

@@ -50,3 +50,34 @@ def test_metadata_and_template(smollm2):
     text = tok.decode(ids, skip_special=False)
     assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>assistant\n")
     assert 2 in tok.eos_ids  # <|im_end|>
+
+
+def test_tokenizer_core_encodes_as_transformers(smollm2):
+    """Tokenizer encodes through the fast tokenizer's Rust core: the same ids as transformers' call,
+    with and without special tokens, on chat-rendered ShareGPT turns and odd text."""
+    from eaglet.datasets import first_turn, read_sharegpt
+
+    tok = smollm2.tokenizer
+    assert tok._core is not None  # the GGUF's tokenizer is a fast one: the core path is what runs
+    turns = [t for t in map(first_turn, read_sharegpt().conversations[:200]) if t]
+    texts = [tok.hf.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+             for t in turns] + ["", " ", "héllo wörld 🦅\n\n\tx", "<|im_start|>user\nhi<|im_end|>", "a" * 3000]
+    for text in texts:
+        for special in (True, False):
+            assert tok._ids(text, special) == list(tok.hf(text, add_special_tokens=special).input_ids)
+    assert tok.encode(texts[0]) == list(tok.hf(texts[0]).input_ids)
+
+
+def test_tokenizer_without_core_where_truncation_is_set(tiny_tokenizer):
+    """A tokenizer.json that sets truncation keeps transformers' call (which turns it off per call)."""
+    import copy
+
+    from eaglet.tokenizer import Tokenizer
+
+    hf = copy.deepcopy(tiny_tokenizer)
+    hf.backend_tokenizer.enable_truncation(4)
+    tok = Tokenizer(hf, {2})
+    assert tok._core is None
+    text = "the quick brown fox jumps over the lazy dog"
+    assert tok.encode(text) == list(hf(text).input_ids) and len(tok.encode(text)) > 4
+    assert Tokenizer(tiny_tokenizer, {2})._core is not None

@@ -10,13 +10,14 @@
 #                                       and the fastapi/uvicorn/pydantic/aiohttp wheels in .whl:
 #   .venv/bin/pip download --only-binary=:all: --python-version 3.12 --implementation cp -d .whl \
 #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-#     fastapi uvicorn pydantic httpx aiohttp py-spy)
+#     fastapi uvicorn uvloop httptools pydantic httpx aiohttp py-spy)
 # SPEC_POLICY=RECORD: an `eaglet profile` record whose per-batch-size policy the speculating server
-# follows (default: the H200 profile bench/results/profile-gpu-20261130-202027.json, batch sizes 1-64,
-# as in the runs of 2026-11-30 evening and night; SPEC_POLICY= for none; PROFILE=1: a profile of this machine
-# on the served prompts, taken first, ~2.5 min, which with the ~6.5 min of serving nears one call's 10: the
-# night run profiled in one call (profile-gpu-20261130-225722.json) and served with SPEC_POLICY= it in the
-# next); SPEC_MAX_BATCH=N caps speculation at N requests;
+# follows (default since 2026-12-01: bench/results/profile-gpu-20261130-225722.json, the H200 profile on
+# the served ShareGPT prompts, batch sizes 1-64: tree 4,4,16 for one request, the fastest of six trees
+# served side by side at concurrency 1 (serve_sweep.sh; 5,4,16 within 0.3%); before it 202027, a profile of
+# MT-bench prompts); SPEC_POLICY= for none; PROFILE=1: a profile of this machine on the served prompts,
+# taken first, ~2.5 min, which with the ~6.5 min of serving nears one call's 10;
+# SPEC_MAX_BATCH=N caps speculation at N requests;
 # SPEC_ARGS: the speculating server's setting (EAGLE-3 on the GPU defaults to tree 5,4,16 since 79c5415;
 # the 2026-11-30 runs passed "--spec-steps 5 --spec-topk 4 --spec-draft-tokens 16"; "--spec-steps 5": chain 5).
 # ALT=DIR: a third server, speculating like the first but run from another eaglet package in DIR (e.g. a
@@ -40,7 +41,7 @@ mkdir -p "$out"
 gunzip -c /tmp/stage/sharegpt_first_turns.json.gz > /tmp/sharegpt.json
 declare -A PORT=([eagle3]=8031 [none]=8032 [alt]=8033)
 servers="eagle3 none"; [ -n "${ALT:-}" ] && servers="eagle3 alt none"
-policy=${SPEC_POLICY-bench/results/profile-gpu-20261130-202027.json}
+policy=${SPEC_POLICY-bench/results/profile-gpu-20261130-225722.json}
 if [ -n "${PROFILE:-}" ]; then  # profile this machine on the served prompts first (~2.5 min), and follow that
   python3 -m eaglet profile --model $GGUF --draft eaglet/drafters/smollm2-135m-instruct-eagle3 --prompts /tmp/sharegpt.json \
     --num-prompts ${PROFILE_PROMPTS:-16} --max-new-tokens 128 --chain-steps 7 --trees 7,4,64 \

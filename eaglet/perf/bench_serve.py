@@ -100,7 +100,31 @@ async def one_request(session, url: str, payload: dict, chat: bool) -> RequestRe
 
 
 SERVER_METRICS = ("spec_decode_num_", "spec_accept_length", "kv_cache_", "num_requests_running",
-                  "num_requests_waiting", "process_resident_memory_bytes")
+                  "num_requests_waiting", "process_resident_memory_bytes",
+                  "time_to_first_token_seconds_sum", "time_to_first_token_seconds_count")
+
+
+def server_ttft_ms(before: dict | None, after: dict | None) -> float | None:
+    """The mean time to first token the server measured over the run (from its histogram's sum and
+    count; vLLM, SGLang and eaglet name it alike), or None: the client's TTFT less this is the HTTP
+    path and the client's own time."""
+    if not before or not after:
+        return None
+    val = {}
+    for end in ("sum", "count"):
+        keys = [k for k in after if k.endswith(f"time_to_first_token_seconds_{end}")]
+        val[end] = sum(after[k] - before.get(k, 0.0) for k in keys) if keys else None
+    return val["sum"] / val["count"] * 1000 if val["count"] else None
+
+
+def event_loop_runner():
+    """(asyncio.run or uvloop's, its name): the load generator runs on uvloop where it is installed,
+    so less of each request's time is the client's own."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run, "asyncio"
+    return uvloop.run, "uvloop"
 
 
 def server_metrics(text: str) -> dict[str, float]:
@@ -236,6 +260,8 @@ def render(res: dict, head: str) -> str:
         values = (res[key][k] for k in ("median", "p99", "mean"))
         cells = (f"{x:>10.1f}" if x is not None else f"{'-':>10}" for x in values)
         lines.append(f"{label:<14}{''.join(cells)}")
+    if res.get("server_ttft_ms") is not None:
+        lines.append(f"server TTFT   {res['server_ttft_ms']:.1f} ms mean, as the server measured it")
     tau = res["accept_length"]
     lines.append(f"accept length {tau:.2f} ({res['accept_length_source']})" if tau is not None
                  else "accept length not reported")
@@ -276,11 +302,14 @@ def run_bench_serve(args) -> int:
             p["ignore_eos"] = True
         payloads.append(p)
     before = fetch_server_metrics(root)
-    results, duration = asyncio.run(run_load(base, payloads, chat, concurrency, args.request_rate, args.seed,
-                                             args.timeout, not args.no_progress))
+    run, loop_name = event_loop_runner()
+    results, duration = run(run_load(base, payloads, chat, concurrency, args.request_rate, args.seed,
+                                     args.timeout, not args.no_progress))
     after = fetch_server_metrics(root) if before is not None else None
     res = summarize(results, duration)
     res["accept_length"], res["accept_length_source"] = accept_length(results, before, after)
+    res["server_ttft_ms"] = server_ttft_ms(before, after)
+    res["client_event_loop"] = loop_name
     res["server"] = {"url": root, "model": model, "models": info, "metrics_before": before, "metrics_after": after}
     mode = ([f"rate={args.request_rate}/s"] if args.request_rate else []) + (
         [f"concurrency={concurrency}"] if concurrency else [])

@@ -4,8 +4,8 @@ engine fills through loop.call_soon_threadsafe, so a request never waits on the 
 accepted or refused.
 
 Loop: apply cancellations (a disconnected client's row is released at the next step boundary,
-its cache freed at once) -> admit waiting requests into free rows -> one step of every running
-row -> hand each request its text, finish the finished ones.
+its cache freed at once) -> admit waiting requests into free rows (their first tokens go out at
+once) -> one step of every running row -> hand each request its text, finish the finished ones.
 
 Sampling: a Batcher's rows share one SamplingParams (temperature, top-k, top-p; every greedy
 request is the same group). Requests are served in arrival order: the head of the queue decides
@@ -274,6 +274,8 @@ class Engine:
                 self._guarded(self.batcher.to_plain, running, drop_batch=True)
             if admit:
                 self._guarded(partial(self._admit, group, admit, setting, n), admit, drop_batch=False)
+                self._gauges()
+                self._flush()  # the first tokens go out now, not after the step below (time to first token)
             if self.batcher is not None and self.batcher.running:
                 running = [s.request for s in self.batcher.rows if s is not None]
                 self._guarded(self.batcher.step, running, drop_batch=True)

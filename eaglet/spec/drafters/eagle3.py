@@ -12,7 +12,7 @@ import torch
 
 from ...config import SpecConfig
 from ...kvcache import KVCache
-from ...models.llama import CausalLM
+from ...models.llama import CausalLM, embed
 from ...sampling import SamplingParams
 from .eagle3_head import Eagle3Head
 from .expand import NeuralDrafter
@@ -37,7 +37,7 @@ class Eagle3Drafter(NeuralDrafter):
         self.pend_feats = torch.zeros(batch, spec.steps + 1, c.hidden_size, dtype=p.dtype, device=p.device)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.embedding(ids, self.embed_weight)
+        return embed(self.embed_weight, ids)
 
     def to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self.full_vocab else self.d2t_ids[ids]
@@ -69,4 +69,4 @@ class Eagle3Drafter(NeuralDrafter):
 
     def draft_step(self, ids, state, depth, mask, pending):
         positions, meta = self.level_meta(*ids.shape, depth, mask, pending)
-        return self.head.step(torch.nn.functional.embedding(ids, self.draft_embed), state, positions, self.cache, meta)
+        return self.head.step(embed(self.draft_embed, ids), state, positions, self.cache, meta)
