@@ -89,3 +89,15 @@ def test_taps_are_residual_stream_entering_layers(tiny_dirs):
     want = torch.cat([hs[0], hs[2], hs[3]], -1)
     assert aux.shape == (1, 9, 3 * 64)
     assert (aux - want).abs().max() <= TOL
+
+
+def test_embed_equals_f_embedding():
+    """models.llama.embed (indexing for 2-63 ids, F.embedding otherwise) gives F.embedding's rows."""
+    import torch.nn.functional as F
+
+    from eaglet.models.llama import embed
+
+    w = torch.randn(50, 8)
+    for shape in [(1, 1), (4,), (1, 4), (4, 4), (1, 63), (1, 64), (3, 40)]:
+        ids = torch.randint(0, 50, shape)
+        assert torch.equal(embed(w, ids), F.embedding(ids, w))

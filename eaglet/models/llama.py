@@ -39,11 +39,13 @@ class RMSNorm(nn.Module):
 
 
 def embed(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The rows of `weight` (V, H) for `ids` (...) -> (..., H), as F.embedding without its backward:
-    indexing runs one kernel over every element, where F.embedding's CUDA index_select for a few ids
-    walks them one after another in each thread (SmolLM2 on the H200: 9.7 µs for a verify's 16 tokens
-    against 1.7 for one; bench/gpu/gather_probe.py)."""
-    return weight[ids]
+    """The rows of `weight` (V, H) for `ids` (...) -> (..., H), as F.embedding without its backward.
+    For 2 to 63 ids by indexing, one kernel over every element: F.embedding's CUDA index_select for a
+    few ids walks them one after another in each thread. On the H200 with SmolLM2's table
+    (bench/gpu/gather_probe.py): 16 ids 1.72 µs against 7.84, 4 ids 1.71 against 3.05; one id 2.82
+    against 1.92 and 64 alike, so those stay with F.embedding."""
+    n = ids.numel()
+    return weight[ids] if 1 < n < 64 else F.embedding(ids, weight)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
