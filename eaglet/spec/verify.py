@@ -28,7 +28,6 @@ class VerifyResult:
     bonus: torch.Tensor  # (B,) the last emitted token, the next root
 
 
-
 def cut(count: torch.Tensor, tokens: torch.Tensor, most: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Emit at most most[b] tokens per row (0 freezes a finished row): the accepted count cut, and
     the bonus (the next root) the last token kept. No sync."""
