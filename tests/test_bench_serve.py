@@ -4,13 +4,15 @@ failures counted and reflected in the exit status; the accept length from /metri
 vLLM and eaglet; prompts from a ShareGPT file cut off mid-record."""
 import json
 import statistics
+import time
 
 import pytest
 
 from eaglet.cli import main
 from eaglet.config import SpecConfig
 from eaglet.generate import Generator
-from eaglet.perf.bench_serve import accept_length, load_bench_prompts, server_metrics, server_ttft_ms
+from eaglet.perf.bench_serve import (accept_length, engine_time, load_bench_prompts, server_metrics,
+                                     server_ttft_ms)
 from eaglet.spec.speculator import load_speculator
 
 from .serving import PROMPTS, LiveServer
@@ -49,6 +51,7 @@ def run(capsys, *argv) -> tuple[int, str]:
 
 
 def test_fixed_concurrency_chat(server, prompts_file, tmp_path, capsys):
+    time.sleep(0.5)  # the engine waits a moment before the run: not the run's time
     rc, out = run(capsys, "--url", server.url, "--prompts", str(prompts_file), "--num-requests", "40",
                   "--concurrency", "8", "--max-tokens", "8", "--ignore-eos", "--out", str(tmp_path))
     assert rc == 0, out
@@ -68,6 +71,16 @@ def test_fixed_concurrency_chat(server, prompts_file, tmp_path, capsys):
     # the server's own TTFT (its histogram over these 40) is part of the client's
     assert 0 < r["server_ttft_ms"] < r["ttft_ms"]["mean"]
     assert r["client_event_loop"] in ("uvloop", "asyncio")
+    # the engine thread's time over the run: its parts add up to its share of the wall, every step
+    # (at most one an iteration) counted; on the CPU nothing waits on a device
+    eng = r["engine"]
+    assert eng["steps"] >= 40 * 8 / 4 / 8  # 8 rows at a time, at most 4 tokens a step (n-gram, 3 steps)
+    assert sum(eng["share"][p] for p in ("idle", "admit", "step", "output", "other")) == pytest.approx(1.0)
+    # between the two scrapes only: the engine's wait before the run was counted at the first
+    assert sum(eng["seconds"][p] for p in ("idle", "admit", "step", "output", "other")) < r["duration_s"] + 0.25
+    assert eng["seconds"]["step"] > 0 and eng["seconds"]["admit"] > 0 and eng["seconds"]["device_wait"] == 0
+    assert eng["per_step_ms"]["busy"] > 0 and eng["per_step_ms"]["host"] == pytest.approx(eng["per_step_ms"]["busy"])
+    assert "engine step" in out and "waiting on the device" in out
     reqs = requests_of(tmp_path)  # every request, gzipped beside the record, which names the file
     assert r["requests"] == {"file": next(tmp_path.glob("bench-serve-*.requests.json.gz")).name, "count": 40}
     assert len(reqs) == 40 and sum(q["output_tokens"] for q in reqs) == r["output_tokens"]
@@ -125,6 +138,22 @@ def test_server_ttft_from_histograms():
     assert server_ttft_ms(before, after) == pytest.approx(50.0)
     assert server_ttft_ms(before, before) is None and server_ttft_ms(None, after) is None
     assert server_ttft_ms({}, server_metrics("sglang:spec_accept_length 2.5\n")) is None
+
+
+def test_engine_time_from_counters():
+    """The engine's split of a run from its counters' deltas: shares of the wall time, and per step
+    the busy time less the device waits (the host's work)."""
+    text = lambda idle, step, wait, steps: "".join(  # noqa: E731
+        f'eaglet:engine_seconds_total{{model_name="m",part="{p}"}} {v}\n'
+        for p, v in (("idle", idle), ("admit", 0.5), ("step", step), ("output", 0.25), ("other", 0.25),
+                     ("device_wait", wait))) + f'eaglet:engine_steps_total{{model_name="m"}} {steps}\n'
+    before, after = server_metrics(text(1.0, 2.0, 0.5, 100)), server_metrics(text(2.0, 5.0, 1.5, 1100))
+    eng = engine_time(before, after)
+    assert eng["seconds"] == {"idle": 1.0, "admit": 0.0, "step": 3.0, "output": 0.0, "other": 0.0, "device_wait": 1.0}
+    assert eng["share"]["step"] == pytest.approx(0.75) and eng["share"]["device_wait"] == pytest.approx(0.25)
+    assert eng["steps"] == 1000 and eng["per_step_ms"] == pytest.approx({"busy": 3.0, "host": 2.0, "device_wait": 1.0})
+    assert engine_time(before, before) is None and engine_time(None, after) is None
+    assert engine_time({}, server_metrics("vllm:spec_decode_num_drafts_total 3\n")) is None  # not eaglet
 
 
 def test_sharegpt_file_prompts(tmp_path):

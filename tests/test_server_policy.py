@@ -202,3 +202,42 @@ def test_load_meter_keeps_the_peak_of_its_window():
     assert m.peak(3.2) == 0
     m.note(2, 4.0)
     assert m.peak(4.0) == 2
+
+
+# The H200 ShareGPT profile's policy (bench/results/profile-gpu-20261130-225722.json), as a table.
+SHAREGPT_POLICY = {1: "tree:4,4,16", 2: "tree:4,4,12", 4: "tree:4,4,16", 8: "tree:5,4,24", 16: "tree:4,4,12",
+                   32: "tree:4,4,12", 64: "chain:4"}
+
+
+def test_reach_is_the_largest_batch_a_setting_is_chosen_for():
+    p = SpecPolicy(Speculator(SpecConfig("ngram", steps=3)), SHAREGPT_POLICY)
+    assert [p.reach(s, 64) for s in ("tree:4,4,16", "tree:4,4,12", "tree:5,4,24", "chain:4", "chain:9")] \
+        == [7, 63, 15, 64, 0]
+    assert p.reach("tree:4,4,12", 16) == 16 and SpecPolicy(p.base, None, 3).reach("chain:3", 64) == 3
+
+
+@pytest.mark.parametrize("joining, plain", [(6, False), (7, True)])
+def test_a_batch_grown_past_its_settings_reach_turns_plain(joining, plain):
+    """A batch that started speculating with tree 4,4,16 (chosen for 1 and 4-7 requests) keeps it
+    while it grows to 7 requests (tree 4,4,12 is chosen at 2: still within its reach, and warmed),
+    and turns plain when it would hold 8 (the policy chose tree 5,4,24 there; the engine does not
+    run a setting at a size it was not chosen, nor warmed, for)."""
+    from collections import deque
+
+    from eaglet.sampling import SamplingParams
+    from eaglet.server.engine import Engine, Request
+    from eaglet.server.metrics import ServerMetrics
+
+    class Gen:
+        speculator = Speculator(SpecConfig("eagle3", steps=4, topk=4, draft_tokens=16))
+
+    class Running:
+        sampling, running, speculative = SamplingParams(), 1, True
+        free_rows = list(range(1, 64))
+
+    eng = Engine(Gen(), 64, 256, 512, ServerMetrics("reach"), SpecPolicy(Gen.speculator, SHAREGPT_POLICY))
+    eng.batcher, eng.setting, eng.chosen = Running(), "tree:4,4,16", True
+    eng.waiting = deque(Request([1, 2], 4, SamplingParams()) for _ in range(joining))
+    group, admit, setting, n = eng._take()
+    assert group is None and len(admit) == joining and not eng.waiting  # they join the running batch
+    assert (eng.switch, eng.setting) == ((True, None) if plain else (False, "tree:4,4,16"))

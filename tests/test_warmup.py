@@ -42,12 +42,12 @@ def target(tiny_dirs):
     return load_model(tiny_dirs["llama3"][0], dtype="float32", device="cpu", tokenizer=False).model
 
 
-def make(target, kind: str):
+def make(target, kind: str, batch: int = 4):
     if kind == "plain":
-        dec = PlainDecoder(target, 4, 300, SamplingParams(), graphs=False)
+        dec = PlainDecoder(target, batch, 300, SamplingParams(), graphs=False)
     else:
         sp = Speculator(SpecConfig("eagle3", steps=3), head=random_head(target.config))
-        dec = SpecDecoder(target, sp.make(target, 4, 300, SamplingParams(), None), sp.spec, 4, 300,
+        dec = SpecDecoder(target, sp.make(target, batch, 300, SamplingParams(), None), sp.spec, batch, 300,
                           SamplingParams(), graphs=False)
     dec.graphs = Recording()
     return dec
@@ -66,13 +66,14 @@ class Gen:
         return self.dec
 
 
-def serve(dec, plan: list[tuple[int, int]]) -> None:
-    """Requests (prompt length, max tokens), each admitted alone as soon as a row is free."""
+def serve(dec, plan: list[tuple[int, int]], at_most: int | None = None) -> None:
+    """Requests (prompt length, max tokens), each admitted alone as soon as a row is free (and
+    fewer than `at_most` run)."""
     b = Batcher(Gen(dec), dec.batch, 300, SamplingParams())
     waiting = [Request([(7 * i + j) % 100 + 3 for j in range(n)], m, SamplingParams(), ignore_eos=True)
                for i, (n, m) in enumerate(plan)]
     while waiting or b.running:
-        if waiting and b.free_rows:
+        if waiting and b.free_rows and b.running < (at_most or dec.batch):
             b.add([waiting.pop(0)])
         for o in b.step():
             if o.finished:
@@ -94,6 +95,21 @@ def test_warmup_covers_what_requests_meet(target, kind):
     serve(dec, PLAN)
     met = set(dec.graphs.calls)
     assert met and met <= warm, sorted(met - warm)
+
+
+@pytest.mark.parametrize("rows", [3, 5])
+def test_warmup_for_some_rows_covers_their_bucket(target, rows):
+    """Warmed for batches of up to 3 (5) rows, a decoder of 8 has its graphs for the row bucket
+    such a batch steps in, 4 (8), when that many requests run at once, and none for a larger one."""
+    dec = make(target, "eagle3", batch=16)
+    dec.warmup(rows=rows, plain_rows=4)
+    warm = {k for k, c in dec.graphs.calls.items() if c >= 2}
+    bucket = 4 if rows == 3 else 8
+    assert {k[1] for k in warm if k[0] == "step"} == {b for b in (1, 2, 4, 8) if b <= bucket}
+    dec.graphs.calls.clear()
+    serve(dec, PLAN, at_most=rows)
+    met = set(dec.graphs.calls)
+    assert bucket in {k[1] for k in met if k[0] == "step"} and met <= warm, sorted(met - warm)
 
 
 def test_warmup_changes_no_tokens(target):

@@ -101,7 +101,8 @@ async def one_request(session, url: str, payload: dict, chat: bool) -> RequestRe
 
 SERVER_METRICS = ("spec_decode_num_", "spec_accept_length", "kv_cache_", "num_requests_running",
                   "num_requests_waiting", "process_resident_memory_bytes",
-                  "time_to_first_token_seconds_sum", "time_to_first_token_seconds_count")
+                  "time_to_first_token_seconds_sum", "time_to_first_token_seconds_count", "eaglet:engine_")
+ENGINE_PARTS = ("idle", "admit", "step", "output", "other")  # eaglet's engine_seconds{part}, besides device_wait
 
 
 def server_ttft_ms(before: dict | None, after: dict | None) -> float | None:
@@ -115,6 +116,27 @@ def server_ttft_ms(before: dict | None, after: dict | None) -> float | None:
         keys = [k for k in after if k.endswith(f"time_to_first_token_seconds_{end}")]
         val[end] = sum(after[k] - before.get(k, 0.0) for k in keys) if keys else None
     return val["sum"] / val["count"] * 1000 if val["count"] else None
+
+
+def engine_time(before: dict | None, after: dict | None) -> dict | None:
+    """What eaglet's engine thread did over the run (its engine_seconds and engine_steps counters),
+    or None for a server without them: seconds per part and the share of its wall time each took,
+    the decoding steps, and per step its busy time (all but idle) split into the host's work and
+    the waits on the device. Busy time that is mostly host work: the host bounds the server."""
+    if not before or not after:
+        return None
+    delta = {k.split("part=")[1].rstrip("}"): after[k] - before.get(k, 0.0) for k in after if "engine_seconds{part=" in k}
+    wall = sum(delta.get(p, 0.0) for p in ENGINE_PARTS)
+    if not wall:
+        return None
+    steps = int(sum(after[k] - before.get(k, 0.0) for k in after if k.endswith("engine_steps")))
+    out = {"seconds": delta, "share": {p: delta.get(p, 0.0) / wall for p in (*ENGINE_PARTS, "device_wait")},
+           "steps": steps}
+    if steps:
+        busy, wait = wall - delta.get("idle", 0.0), delta.get("device_wait", 0.0)
+        out["per_step_ms"] = {"busy": busy / steps * 1000, "host": (busy - wait) / steps * 1000,
+                              "device_wait": wait / steps * 1000}
+    return out
 
 
 def event_loop_runner():
@@ -137,6 +159,8 @@ def server_metrics(text: str) -> dict[str, float]:
         for s in fam.samples:
             if any(k in s.name for k in SERVER_METRICS) and not s.name.endswith("_created"):
                 key = s.name.removesuffix("_total")
+                if "part" in s.labels:  # eaglet:engine_seconds, kept per part
+                    key += f"{{part={s.labels['part']}}}"
                 out[key] = out.get(key, 0.0) + s.value
     return out
 
@@ -262,6 +286,15 @@ def render(res: dict, head: str) -> str:
         lines.append(f"{label:<14}{''.join(cells)}")
     if res.get("server_ttft_ms") is not None:
         lines.append(f"server TTFT   {res['server_ttft_ms']:.1f} ms mean, as the server measured it")
+    eng = res.get("engine")
+    if eng and eng.get("share"):
+        sh = eng["share"]
+        lines.append(f"engine        {sh['step']:.0%} stepping, {sh['admit']:.0%} admitting, {sh['output']:.0%} output, "
+                     f"{sh['idle']:.0%} idle, {sh['other']:.0%} other; {sh['device_wait']:.0%} waiting on the device")
+        if eng.get("steps"):
+            ms = eng["per_step_ms"]
+            lines.append(f"engine step   {ms['busy']:.2f} ms busy a step ({eng['steps']} steps): {ms['host']:.2f} ms "
+                         f"host work, {ms['device_wait']:.2f} ms waiting on the device")
     tau = res["accept_length"]
     lines.append(f"accept length {tau:.2f} ({res['accept_length_source']})" if tau is not None
                  else "accept length not reported")
@@ -309,6 +342,7 @@ def run_bench_serve(args) -> int:
     res = summarize(results, duration)
     res["accept_length"], res["accept_length_source"] = accept_length(results, before, after)
     res["server_ttft_ms"] = server_ttft_ms(before, after)
+    res["engine"] = engine_time(before, after)
     res["client_event_loop"] = loop_name
     res["server"] = {"url": root, "model": model, "models": info, "metrics_before": before, "metrics_after": after}
     mode = ([f"rate={args.request_rate}/s"] if args.request_rate else []) + (

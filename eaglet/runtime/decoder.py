@@ -30,6 +30,7 @@ Subclasses implement `_prefill` (the device part of an admission: prefill, first
 from __future__ import annotations
 
 import copy
+import time
 from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -105,6 +106,7 @@ class SlotDecoder:
         self._prompts: dict[tuple[int, int], PromptBatch] = {}  # each prefill graph's input buffers
         # launch ahead of collect: on the GPU by default (on the CPU a step runs while it is launched)
         self.lookahead = p.device.type == "cuda" if lookahead is None else lookahead
+        self.device_wait = 0.0  # seconds the host has spent blocked on the device's results (the server reads it)
 
     @property
     def batch(self) -> int:
@@ -121,12 +123,19 @@ class SlotDecoder:
         mask_d, value_d = to_device(mask, torch.bool, self.device), to_device(value, torch.long, self.device)
         self.limit.copy_(torch.where(mask_d, value_d, self.limit))
 
-    def span_of(self, cache: KVCache, room: int) -> int:
-        """Fix the cache's attention span for this step (part of every graph key). The host's
+    def span_of(self, cache: KVCache, room: int, *more: tuple[KVCache, int]) -> tuple[int, ...]:
+        """Fix the attention span of this step's caches (part of every graph key): `cache` needs
+        `room` slots past its longest row, and so each (cache, room) in `more` (a drafter's). All
+        get one span, the largest any needs (each capped at its own size): were they spanned apart,
+        a row near a span's end would meet a mix of spans that warm-up never captures. The host's
         lengths lag by the steps in flight, each of which may add tokens_per_step per row."""
         lag = len(self.in_flight) * self.tokens_per_step
-        cache.kv_limit = span(int(cache.host_lens.max()) + room + lag, cache.max_len)
-        return cache.kv_limit
+        need = max(int(c.host_lens.max()) + r for c, r in ((cache, room), *more)) + lag
+        out = []
+        for c, _ in ((cache, room), *more):
+            c.kv_limit = span(need, c.max_len)
+            out.append(c.kv_limit)
+        return tuple(out)
 
     # ---- rows in use ----
     def rows_in_use(self) -> int:
@@ -165,7 +174,9 @@ class SlotDecoder:
         launch still gets its tokens (the caches hold them); `live` says whether they count."""
         f = self.in_flight.popleft()
         if f.done is not None:
+            t = time.perf_counter()
             f.done.synchronize()  # sync: the one per step
+            self.device_wait += time.perf_counter() - t
         rows = f.out.tolist()
         rows += [[0] * len(rows[0])] * (self.batch - len(rows))  # rows past the step's prefix: frozen
         return self._collect(rows, (self.epoch == f.epoch).tolist())
@@ -203,7 +214,7 @@ class SlotDecoder:
     def _launch_plain(self, last: torch.Tensor) -> torch.Tensor:
         """Enqueue one plain step, each row fed its token in `last` (one graph per row bucket and
         attention span); returns (B, 2): each row's token and whether it emitted one."""
-        kv = self.span_of(self.cache, 1)
+        kv, = self.span_of(self.cache, 1)
         with self.phase("decode"):
             return self.graphs.run(("decode", self.batch, kv), lambda: self._decode(last))
 
@@ -242,7 +253,11 @@ class SlotDecoder:
             self._prompts[shape] = PromptBatch.alloc(*shape, self.device)
         batch = self._prompts[shape].fill(prompts, rows)
         with self.phase("prefill"):
-            first = self.graphs.run(self._prefill_key(shape), lambda: self._prefill(batch)).tolist()  # sync: first tokens
+            first = self.graphs.run(self._prefill_key(shape), lambda: self._prefill(batch))
+            t = time.perf_counter()
+            first = first.tolist()  # sync: first tokens
+            if self.device.type == "cuda":
+                self.device_wait += time.perf_counter() - t
         self.cache.host_lens[rows] = [len(p) for p in prompts]
         self._admitted(rows, prompts, first)
         return [[t] for t in first]
@@ -276,9 +291,9 @@ class SlotDecoder:
         """Capture, before serving, the graphs that requests would otherwise meet cold (each key's
         first call runs eagerly, its second captures; GPU only, nothing to do without graphs):
         a prefill of one prompt of every padded length up to `prompt_tokens`, and for every row
-        bucket up to `rows` (default: all) and every attention span up to `max_span`, a prefill
-        and two steps (longer spans, rarer and costlier to warm, are captured when met). Leaves
-        every row free. Returns how many graphs it captured."""
+        bucket that a batch of up to `rows` rows (default: all) steps over, and every attention span
+        up to `max_span`, a prefill and two steps (longer spans, rarer and costlier to warm, are
+        captured when met). Leaves every row free. Returns how many graphs it captured."""
         if not self.graphs.enabled:
             return 0
         before = self.graphs.captured
@@ -290,8 +305,10 @@ class SlotDecoder:
                 self.admit([0], [warm_prompt(t)])
                 self.release([0])
             t *= 2
-        for k in row_buckets(self.batch):
-            if k > (rows or self.batch):
+        buckets = row_buckets(self.batch)
+        last = next(b for b in buckets if b >= min(rows or self.batch, self.batch))  # the one `rows` rows step in
+        for k in buckets:
+            if k > last:
                 break
             for s in range(SPAN, min(self.cache.max_len, max_span) + 1, SPAN):
                 n = s - SPAN + 1  # the longest row's prompt: the steps' span is s

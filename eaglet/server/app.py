@@ -247,6 +247,7 @@ def build_app(generator: Generator, model_name: str, max_batch: int = 8, max_que
 
     @app.get("/metrics")
     async def prometheus():
+        engine.sync_idle()  # the engine's wait so far counts now, not when it next wakes
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app

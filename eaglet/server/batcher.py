@@ -72,6 +72,7 @@ class Batcher:
         self.tokenizer = generator.tokenizer
         self.eos = generator.eos_ids()
         self.dec = generator.decoder(slots, max_len, sampling)  # rows free; a PlainDecoder or SpecDecoder
+        self.dec.device_wait = 0.0  # the engine's count starts with this batch (not a warm-up's)
         self.speculative = generator.speculator is not None
         self.rows: list[Sequence | None] = [None] * slots
 

@@ -20,9 +20,12 @@ once in the last LOAD_WINDOW seconds if that is more. Clients that send their ne
 the last one ends leave a moment with few requests between batches; by the instant count alone a
 batch would start speculating there. An idle batch whose choice would now differ is replaced by a
 new one. When requests wait to join a speculating batch and the grown batch (running + waiting of
-its group, capped) is one the policy decodes plain, the batch turns plain where it stands (its
-decoder decodes plain on the same cache, SpecDecoder.to_plain) and takes them in: nobody waits
-for the speculating requests to finish. Each setting has its own Generator (one model), so its
+its group, capped) is one the policy decodes plain, or larger than any batch the policy chooses
+the batch's setting for (SpecPolicy.reach, as far as warm-up captures that setting's graphs), the
+batch turns plain where it stands (its decoder decodes plain on the same cache,
+SpecDecoder.to_plain) and takes them in: nobody waits for the speculating requests to finish.
+(Moving the requests to a batch of the grown size's setting, each prefilled again, was measured
+to lose far more than it gains: BENCHMARKS.md, nineteenth session.) Each setting has its own Generator (one model), so its
 decoder and CUDA graphs are reused the next time it is chosen.
 
 Failures: an error in one row's output fails that request alone; an error in a step fails the
@@ -48,7 +51,7 @@ from ..generate import Generator
 from ..sampling import SamplingParams
 from ..spec.metrics import SpecMetrics
 from .batcher import Batcher, Output
-from .metrics import ServerMetrics
+from .metrics import ENGINE_PARTS, ServerMetrics
 from .policy import PLAIN, SpecPolicy, setting_name
 from .protocol import APIError
 
@@ -144,6 +147,9 @@ class Engine:
         self.batcher: Batcher | None = None
         self.outbox: list[tuple[Request, Chunk, bool]] = []  # engine thread: chunks to send this iteration
         self.load = LoadMeter()  # engine thread, under the lock
+        # engine thread: its time by part (metrics.ENGINE_PARTS) and its steps, not yet in the metrics
+        self.time, self.time_steps, self.time_pushed = dict.fromkeys(ENGINE_PARTS, 0.0), 0, 0.0
+        self.idle_since: float | None = None  # under the lock: when the engine began waiting for work
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="eaglet-engine", daemon=True)
         metrics.kv(0, slots * max_len)
@@ -156,7 +162,7 @@ class Engine:
         many graphs were captured."""
         if not graphs_on(self.generator):
             return 0
-        rows: dict[str | None, int] = {}  # setting -> the largest batch it is chosen for
+        rows: dict[str | None, int] = {}  # setting -> the largest batch it is chosen for (its reach)
         for n in range(1, self.slots + 1):
             rows[self.policy.choose(n)] = n
         captured = 0
@@ -255,12 +261,19 @@ class Engine:
             self._flush()
 
     def _loop(self) -> None:
+        clock = time.perf_counter
         while True:
+            woke = clock()
             with self.cond:
                 while not (self.stopping or self.waiting or self.cancels or (self.batcher and self.batcher.running)):
+                    self._push_time()  # nothing is held back while the engine waits
+                    self.idle_since = clock()
                     self.cond.wait()
                 if self.stopping:
                     return
+                woke, idle = clock(), 0.0
+                if self.idle_since is not None:  # what sync_idle has not counted yet
+                    idle, self.idle_since = woke - self.idle_since, None
                 cancels, self.cancels = self.cancels, []
                 self.load.note(len(self.waiting) + (self.batcher.running if self.batcher else 0))
                 group, admit, setting, n = self._take()
@@ -272,15 +285,54 @@ class Engine:
             if switch and self.batcher is not None:
                 running = [s.request for s in self.batcher.rows if s is not None]
                 self._guarded(self.batcher.to_plain, running, drop_batch=True)
+            t = {"idle": idle, "admit": 0.0, "step": 0.0, "output": 0.0}
             if admit:
+                t0 = clock()
                 self._guarded(partial(self._admit, group, admit, setting, n), admit, drop_batch=False)
+                t1 = clock()
                 self._gauges()
                 self._flush()  # the first tokens go out now, not after the step below (time to first token)
-            if self.batcher is not None and self.batcher.running:
+                t["admit"], t["output"] = t1 - t0, clock() - t1
+            stepped = self.batcher is not None and self.batcher.running
+            if stepped:
+                t0 = clock()
                 running = [s.request for s in self.batcher.rows if s is not None]
                 self._guarded(self.batcher.step, running, drop_batch=True)
+                t["step"] = clock() - t0
+            t0 = clock()
             self._gauges()  # before the chunks go out: a client that saw its last chunk sees its row free
             self._flush()
+            end = clock()
+            t["output"] += end - t0
+            t["other"] = max(0.0, end - woke - t["admit"] - t["step"] - t["output"])
+            t["device_wait"] = self._device_wait()
+            for part, x in t.items():
+                self.time[part] += x
+            self.time_steps += bool(stepped)
+            if end - self.time_pushed > 0.05:  # a few counter updates every 50 ms, not every iteration
+                self._push_time()
+
+    def sync_idle(self) -> None:
+        """Count the engine's wait so far (the HTTP side calls it before /metrics is rendered): a
+        scrape after a run, and one before the next, then split the wait between runs right."""
+        with self.cond:
+            if self.idle_since is not None:
+                now = time.perf_counter()
+                self.metrics.engine({"idle": now - self.idle_since}, 0)
+                self.idle_since = now
+
+    def _push_time(self) -> None:
+        """The engine time gathered since the last push, to its Prometheus counters."""
+        self.metrics.engine(self.time, self.time_steps)
+        self.time, self.time_steps, self.time_pushed = dict.fromkeys(ENGINE_PARTS, 0.0), 0, time.perf_counter()
+
+    def _device_wait(self) -> float:
+        """The seconds the current batch's decoder has spent blocked on the device since last asked."""
+        dec = self.batcher.dec if self.batcher is not None else None
+        if dec is None:
+            return 0.0
+        w, dec.device_wait = dec.device_wait, 0.0
+        return w
 
     def _take(self) -> tuple[SamplingParams | None, list[Request], str | None, int]:
         """Under the lock: the sampling group of a batch to start (None: keep the current batch),
@@ -302,9 +354,11 @@ class Engine:
             if not same:
                 return None, [], None, 0  # the current batch drains first
             load = min(self.slots, self.batcher.running + run)
-            if self.setting is not None and self.policy.choose(load) is None:
-                log.info("the speculating batch (%s) grows to %d requests, a size the policy decodes plain: "
-                         "it turns plain", self.setting, load)
+            reach = self.policy.reach(self.setting, self.slots) if self.setting is not None else self.slots
+            if self.setting is not None and (load > reach or self.policy.choose(load) is None):
+                why = ("a size the policy decodes plain" if self.policy.choose(load) is None
+                       else f"more than the policy chooses it for (at most {reach})")
+                log.info("the speculating batch (%s) grows to %d requests, %s: it turns plain", self.setting, load, why)
                 self.switch, self.setting = True, None
                 self.metrics.policy(None, load)
             free = len(self.batcher.free_rows)

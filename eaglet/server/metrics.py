@@ -11,6 +11,13 @@ Speculation policy: `spec_policy_speculating` is 1 while the current batch specu
 decodes plain; `spec_policy_setting{setting}` is 1 for the current batch's setting (chain:S,
 tree:S,K,N or plain) and 0 for those chosen before; `spec_policy_batch_size` is the request count
 the choice was made by.
+
+Engine time: `engine_seconds{part}` splits the engine thread's wall time: `idle` (waiting for
+work), `admit` (prefilling new requests: their first tokens), `step` (one decoding step of the
+running rows, and turning its tokens into text), `output` (handing chunks to the event loop) and
+`other`; `device_wait` is the part of admit and step spent blocked on the device's results, so
+`step` less its share is host work. `engine_steps` counts decoding steps. Whether a loaded server
+is bound by its host or by its device reads from these (`eaglet bench-serve` prints them).
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 
 from ..spec.metrics import SpecMetrics
 
+ENGINE_PARTS = ("idle", "admit", "step", "output", "other", "device_wait")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -70,6 +78,10 @@ class ServerMetrics:
                                   registry=r)
         self.spec_batch = Gauge("eaglet:spec_policy_batch_size", "Requests the current batch started with: what the "
                                 "speculation policy chose by", labels, registry=r)
+        self.engine_seconds = Counter("eaglet:engine_seconds", "The engine thread's wall time by part: idle, admit, "
+                                      "step, output, other; device_wait: blocked on the device within admit and step",
+                                      labels + ["part"], registry=r)
+        self.engine_steps = Counter("eaglet:engine_steps", "Decoding steps of the running batch", labels, registry=r)
         self.name = model_name
         self.settings: set[str] = set()  # spec_setting labels shown so far
         for m in (self.request_aborted, self.request_failed, self.request_rejected, self.prompt_tokens,
@@ -83,6 +95,16 @@ class ServerMetrics:
         self._generated, self._itl = self.generation_tokens.labels(model_name), self.itl.labels(model_name)
         self._drafts, self._draft_tokens = self.drafts.labels(model_name), self.draft_tokens.labels(model_name)
         self._accepted, self._per_pos = self.accepted_tokens.labels(model_name), {}
+        self._engine = {part: self.engine_seconds.labels(model_name, part) for part in ENGINE_PARTS}
+        self._engine_steps = self.engine_steps.labels(model_name)
+
+    def engine(self, seconds: dict[str, float], steps: int) -> None:
+        """One engine iteration's time by part (ENGINE_PARTS), and whether it stepped."""
+        for part, t in seconds.items():
+            if t:
+                self._engine[part].inc(t)
+        if steps:
+            self._engine_steps.inc(steps)
 
     def gap(self, seconds: float) -> None:
         """Time between two outputs of one request."""

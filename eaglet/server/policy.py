@@ -2,9 +2,10 @@
 chosen from how many requests the batch holds when it starts.
 
 The engine asks when it starts a batch, and for a speculating batch whenever requests wait to
-join it: if the grown batch is one the policy decodes plain, the batch turns plain where it stands
-(a speculative decoder decodes plain on its own cache; the way back needs a new batch, since the
-drafter has missed the plain steps).
+join it: if the grown batch is one the policy decodes plain, or larger than any it chooses the
+batch's setting for (`reach`), the batch turns plain where it stands (a speculative decoder decodes
+plain on its own cache; the way back needs a new batch, since the drafter has missed the plain
+steps).
 
 - With a profile (`eaglet serve --spec-policy RECORD`): the planner's batch_policy, per measured
   batch size; a batch of n requests follows the largest measured size <= n (the smallest measured
@@ -71,6 +72,7 @@ class SpecPolicy:
         self.base, self.max_batch, self.source = base, max_batch, source
         self.table = dict(sorted(table.items())) if table else None
         self._sizes = list(self.table) if self.table else []
+        self._reach: dict[tuple[str, int], int] = {}
 
     def choose(self, n: int) -> str | None:
         """The setting for a batch of `n` requests, or None for plain decoding."""
@@ -80,6 +82,16 @@ class SpecPolicy:
             return setting_name(self.base.spec)
         i = bisect.bisect_right(self._sizes, n) - 1
         return self.table[self._sizes[max(i, 0)]]
+
+    def reach(self, setting: str, slots: int) -> int:
+        """The largest batch (of at most `slots` requests) the policy chooses `setting` for: how far a
+        batch that speculates with it may grow (the engine warms its graphs that far; past it, the
+        batch turns plain: running a setting at a size the policy chose another for was measured to
+        lose, BENCHMARKS.md, nineteenth session)."""
+        key = (setting, slots)
+        if key not in self._reach:
+            self._reach[key] = max((n for n in range(1, slots + 1) if self.choose(n) == setting), default=0)
+        return self._reach[key]
 
     def speculator(self, name: str | None) -> Speculator | None:
         """The Speculator of a setting (the base one when the shape is its own)."""

@@ -177,10 +177,8 @@ class SpecDecoder(SlotDecoder):
             return self._launch_plain(self.roots)
         if self.trace is not None:
             self._trace_limit = self.limit.tolist()  # sync: profiling only (no lookahead with a trace)
-        key = (self.batch, self.span_of(self.cache, self.room))
         dc = getattr(self.drafter, "cache", None)
-        if dc is not None:
-            key += (self.span_of(dc, self.drafter_room),)
+        key = (self.batch, *self.span_of(self.cache, self.room, *([(dc, self.drafter_room)] if dc is not None else [])))
         if self.drafter.graphable and self.timer is None and self.trace is None:
             return self.graphs.run(("step",) + key, self._step)  # one launch a step, not three
         with self.phase("draft"):
