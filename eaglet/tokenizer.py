@@ -17,6 +17,10 @@ class Tokenizer:
         # padding, which transformers turns off for each call
         core = getattr(hf_tokenizer, "backend_tokenizer", None)
         self._core = core if core is not None and core.truncation is None and core.padding is None else None
+        # and decodes alike (the server's engine detokenizes every row's new tokens each step) where
+        # transformers adds nothing after the core's decode: no clean-up of tokenization spaces
+        cleans = getattr(hf_tokenizer, "clean_up_tokenization_spaces", False)
+        self._decoder = core if core is not None and not cleans else None
 
     def _ids(self, text: str, special: bool) -> list[int]:
         if self._core is not None:
@@ -65,6 +69,8 @@ class Tokenizer:
         return self._ids(text[:text.index(mark)], False)
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        if self._decoder is not None:
+            return self._decoder.decode(ids, skip_special_tokens=skip_special)
         return self.hf.decode(ids, skip_special_tokens=skip_special)
 
 

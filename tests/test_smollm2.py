@@ -68,6 +68,34 @@ def test_tokenizer_core_encodes_as_transformers(smollm2):
     assert tok.encode(texts[0]) == list(tok.hf(texts[0]).input_ids)
 
 
+def test_tokenizer_core_decodes_as_transformers(smollm2):
+    """Tokenizer decodes through the core too: the same text as transformers' decode, special tokens
+    kept or skipped, on whole chat-rendered ShareGPT turns, every 1- to 4-token window of one (what
+    TextStream decodes a step at a time, split UTF-8 characters included) and odd ids."""
+    from eaglet.datasets import first_turn, read_sharegpt
+
+    tok = smollm2.tokenizer
+    assert tok._decoder is not None and not tok.hf.clean_up_tokenization_spaces
+    turns = [t for t in map(first_turn, read_sharegpt().conversations[:100]) if t]
+    seqs = [tok.encode(tok.hf.apply_chat_template([{"role": "user", "content": t + " héllo 🦅"}], tokenize=False,
+                                                   add_generation_prompt=True)) for t in turns]
+    seqs += [seqs[0][i:i + n] for n in (1, 2, 3, 4) for i in range(len(seqs[0]) - n)] + [[], [0], [1, 2], [49151]]
+    for ids in seqs:
+        for skip in (True, False):
+            assert tok.decode(ids, skip) == tok.hf.decode(ids, skip_special_tokens=skip)
+
+
+def test_tokenizer_decodes_through_transformers_where_it_cleans_up(tiny_tokenizer):
+    """clean_up_tokenization_spaces set: transformers' decode does more than the core's, so it stays."""
+    import copy
+
+    from eaglet.tokenizer import Tokenizer
+
+    hf = copy.deepcopy(tiny_tokenizer)
+    hf.clean_up_tokenization_spaces = True
+    assert Tokenizer(hf, {2})._decoder is None and Tokenizer(tiny_tokenizer, {2})._decoder is not None
+
+
 def test_tokenizer_without_core_where_truncation_is_set(tiny_tokenizer):
     """A tokenizer.json that sets truncation keeps transformers' call (which turns it off per call)."""
     import copy

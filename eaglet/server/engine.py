@@ -6,6 +6,8 @@ accepted or refused.
 Loop: apply cancellations (a disconnected client's row is released at the next step boundary,
 its cache freed at once) -> admit waiting requests into free rows (their first tokens go out at
 once) -> one step of every running row -> hand each request its text, finish the finished ones.
+The loop times its parts (idle, admit, step, output; the decoder's device waits) and adds them to
+the engine_seconds counters every 50 ms and before it waits (metrics.py).
 
 Sampling: a Batcher's rows share one SamplingParams (temperature, top-k, top-p; every greedy
 request is the same group). Requests are served in arrival order: the head of the queue decides
@@ -25,8 +27,8 @@ the batch's setting for (SpecPolicy.reach, as far as warm-up captures that setti
 batch turns plain where it stands (its decoder decodes plain on the same cache,
 SpecDecoder.to_plain) and takes them in: nobody waits for the speculating requests to finish.
 (Moving the requests to a batch of the grown size's setting, each prefilled again, was measured
-to lose far more than it gains: BENCHMARKS.md, nineteenth session.) Each setting has its own Generator (one model), so its
-decoder and CUDA graphs are reused the next time it is chosen.
+to lose far more than it gains: BENCHMARKS.md, nineteenth session.) Each setting has its own
+Generator (one model), so its decoder and CUDA graphs are reused the next time it is chosen.
 
 Failures: an error in one row's output fails that request alone; an error in a step fails the
 requests of that batch (the decoder's state is shared) and the engine starts a new batch; any
@@ -263,7 +265,6 @@ class Engine:
     def _loop(self) -> None:
         clock = time.perf_counter
         while True:
-            woke = clock()
             with self.cond:
                 while not (self.stopping or self.waiting or self.cancels or (self.batcher and self.batcher.running)):
                     self._push_time()  # nothing is held back while the engine waits
