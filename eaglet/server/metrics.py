@@ -99,7 +99,7 @@ class ServerMetrics:
         self._engine_steps = self.engine_steps.labels(model_name)
 
     def engine(self, seconds: dict[str, float], steps: int) -> None:
-        """One engine iteration's time by part (ENGINE_PARTS), and whether it stepped."""
+        """The engine's time by part (ENGINE_PARTS) and its decoding steps since the last call."""
         for part, t in seconds.items():
             if t:
                 self._engine[part].inc(t)
