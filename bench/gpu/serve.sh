@@ -71,7 +71,7 @@ for c in ${CONC:-1 4 16 64}; do
   for round in $(seq ${ROUNDS:-3}); do
     for spec in $servers; do
       echo "== spec $spec, concurrency $c, round $round"
-      bs $spec --num-requests $n --concurrency $c --out "$out" | grep -E "throughput|TTFT|TPOT|accept|record"
+      bs $spec --num-requests $n --concurrency $c --out "$out" | grep -E "throughput|TTFT|TPOT|engine|accept|record"
     done
   done
 done
