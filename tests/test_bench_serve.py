@@ -79,6 +79,7 @@ def test_fixed_concurrency_chat(server, prompts_file, tmp_path, capsys):
     # between the two scrapes only: the engine's wait before the run was counted at the first
     assert sum(eng["seconds"][p] for p in ("idle", "admit", "step", "output", "other")) < r["duration_s"] + 0.25
     assert eng["seconds"]["step"] > 0 and eng["seconds"]["admit"] > 0 and eng["seconds"]["device_wait"] == 0
+    assert 1 <= eng["admissions"] <= 40 and eng["admission_ms"] > 0  # 40 requests, one or more a prefill
     assert eng["per_step_ms"]["busy"] > 0 and eng["per_step_ms"]["host"] == pytest.approx(eng["per_step_ms"]["busy"])
     assert "engine step" in out and "waiting on the device" in out
     reqs = requests_of(tmp_path)  # every request, gzipped beside the record, which names the file
@@ -141,17 +142,21 @@ def test_server_ttft_from_histograms():
 
 
 def test_engine_time_from_counters():
-    """The engine's split of a run from its counters' deltas: shares of the wall time, and per step
-    the busy time less the device waits (the host's work)."""
-    text = lambda idle, step, wait, steps: "".join(  # noqa: E731
-        f'eaglet:engine_seconds_total{{model_name="m",part="{p}"}} {v}\n'
-        for p, v in (("idle", idle), ("admit", 0.5), ("step", step), ("output", 0.25), ("other", 0.25),
-                     ("device_wait", wait))) + f'eaglet:engine_steps_total{{model_name="m"}} {steps}\n'
-    before, after = server_metrics(text(1.0, 2.0, 0.5, 100)), server_metrics(text(2.0, 5.0, 1.5, 1100))
+    """The engine's split of a run from its counters' deltas: shares of the wall time, per step the
+    busy time less the device waits (the host's work), and the time of an admission."""
+    def text(idle, admit, step, wait, steps, admissions):
+        parts = (("idle", idle), ("admit", admit), ("step", step), ("output", 0.25), ("other", 0.25),
+                 ("device_wait", wait))
+        return "".join(f'eaglet:engine_seconds_total{{model_name="m",part="{p}"}} {v}\n' for p, v in parts) \
+            + f'eaglet:engine_steps_total{{model_name="m"}} {steps}\n' \
+            + f'eaglet:engine_admissions_total{{model_name="m"}} {admissions}\n'
+    before, after = server_metrics(text(1.0, 0.5, 2.0, 0.5, 100, 5)), server_metrics(text(2.0, 0.7, 4.8, 1.5, 1100, 15))
     eng = engine_time(before, after)
-    assert eng["seconds"] == {"idle": 1.0, "admit": 0.0, "step": 3.0, "output": 0.0, "other": 0.0, "device_wait": 1.0}
-    assert eng["share"]["step"] == pytest.approx(0.75) and eng["share"]["device_wait"] == pytest.approx(0.25)
+    assert eng["seconds"] == pytest.approx({"idle": 1.0, "admit": 0.2, "step": 2.8, "output": 0.0, "other": 0.0,
+                                            "device_wait": 1.0})
+    assert eng["share"]["step"] == pytest.approx(0.7) and eng["share"]["device_wait"] == pytest.approx(0.25)
     assert eng["steps"] == 1000 and eng["per_step_ms"] == pytest.approx({"busy": 3.0, "host": 2.0, "device_wait": 1.0})
+    assert eng["admissions"] == 10 and eng["admission_ms"] == pytest.approx(20.0)
     assert engine_time(before, before) is None and engine_time(None, after) is None
     assert engine_time({}, server_metrics("vllm:spec_decode_num_drafts_total 3\n")) is None  # not eaglet
 

@@ -119,19 +119,23 @@ def server_ttft_ms(before: dict | None, after: dict | None) -> float | None:
 
 
 def engine_time(before: dict | None, after: dict | None) -> dict | None:
-    """What eaglet's engine thread did over the run (its engine_seconds and engine_steps counters),
-    or None for a server without them: seconds per part and the share of its wall time each took,
-    the decoding steps, and per step its busy time (all but idle) split into the host's work and
-    the waits on the device. Busy time that is mostly host work: the host bounds the server."""
+    """What eaglet's engine thread did over the run (its engine_seconds, engine_steps and
+    engine_admissions counters), or None for a server without them: seconds per part and the share
+    of its wall time each took, the decoding steps and admissions, per step its busy time (all but
+    idle) split into the host's work and the waits on the device, and the time of an admission.
+    Busy time that is mostly host work: the host bounds the server."""
     if not before or not after:
         return None
     delta = {k.split("part=")[1].rstrip("}"): after[k] - before.get(k, 0.0) for k in after if "engine_seconds{part=" in k}
     wall = sum(delta.get(p, 0.0) for p in ENGINE_PARTS)
     if not wall:
         return None
-    steps = int(sum(after[k] - before.get(k, 0.0) for k in after if k.endswith("engine_steps")))
+    count = lambda name: int(sum(after[k] - before.get(k, 0.0) for k in after if k.endswith(name)))  # noqa: E731
+    steps, admissions = count("engine_steps"), count("engine_admissions")
     out = {"seconds": delta, "share": {p: delta.get(p, 0.0) / wall for p in (*ENGINE_PARTS, "device_wait")},
-           "steps": steps}
+           "steps": steps, "admissions": admissions}
+    if admissions:
+        out["admission_ms"] = delta.get("admit", 0.0) / admissions * 1000
     if steps:
         busy, wait = wall - delta.get("idle", 0.0), delta.get("device_wait", 0.0)
         out["per_step_ms"] = {"busy": busy / steps * 1000, "host": (busy - wait) / steps * 1000,
@@ -294,7 +298,9 @@ def render(res: dict, head: str) -> str:
         if eng.get("steps"):
             ms = eng["per_step_ms"]
             lines.append(f"engine step   {ms['busy']:.2f} ms busy a step ({eng['steps']} steps): {ms['host']:.2f} ms "
-                         f"host work, {ms['device_wait']:.2f} ms waiting on the device")
+                         f"host work, {ms['device_wait']:.2f} ms waiting on the device"
+                         + (f"; {eng['admissions']} admissions, {eng['admission_ms']:.2f} ms each"
+                            if eng.get("admissions") else ""))
     tau = res["accept_length"]
     lines.append(f"accept length {tau:.2f} ({res['accept_length_source']})" if tau is not None
                  else "accept length not reported")

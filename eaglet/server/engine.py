@@ -149,8 +149,8 @@ class Engine:
         self.batcher: Batcher | None = None
         self.outbox: list[tuple[Request, Chunk, bool]] = []  # engine thread: chunks to send this iteration
         self.load = LoadMeter()  # engine thread, under the lock
-        # engine thread: its time by part (metrics.ENGINE_PARTS) and its steps, not yet in the metrics
-        self.time, self.time_steps, self.time_pushed = dict.fromkeys(ENGINE_PARTS, 0.0), 0, 0.0
+        # engine thread: its time by part (metrics.ENGINE_PARTS), steps and admissions, not yet in the metrics
+        self.time, self.time_steps, self.time_admits, self.time_pushed = dict.fromkeys(ENGINE_PARTS, 0.0), 0, 0, 0.0
         self.idle_since: float | None = None  # under the lock: when the engine began waiting for work
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="eaglet-engine", daemon=True)
@@ -310,6 +310,7 @@ class Engine:
             for part, x in t.items():
                 self.time[part] += x
             self.time_steps += bool(stepped)
+            self.time_admits += bool(admit)
             if end - self.time_pushed > 0.05:  # a few counter updates every 50 ms, not every iteration
                 self._push_time()
 
@@ -319,13 +320,14 @@ class Engine:
         with self.cond:
             if self.idle_since is not None:
                 now = time.perf_counter()
-                self.metrics.engine({"idle": now - self.idle_since}, 0)
+                self.metrics.engine({"idle": now - self.idle_since}, 0, 0)
                 self.idle_since = now
 
     def _push_time(self) -> None:
         """The engine time gathered since the last push, to its Prometheus counters."""
-        self.metrics.engine(self.time, self.time_steps)
-        self.time, self.time_steps, self.time_pushed = dict.fromkeys(ENGINE_PARTS, 0.0), 0, time.perf_counter()
+        self.metrics.engine(self.time, self.time_steps, self.time_admits)
+        self.time, self.time_steps, self.time_admits = dict.fromkeys(ENGINE_PARTS, 0.0), 0, 0
+        self.time_pushed = time.perf_counter()
 
     def _device_wait(self) -> float:
         """The seconds the current batch's decoder has spent blocked on the device since last asked."""

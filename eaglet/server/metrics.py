@@ -16,8 +16,9 @@ Engine time: `engine_seconds{part}` splits the engine thread's wall time: `idle`
 work), `admit` (prefilling new requests: their first tokens), `step` (one decoding step of the
 running rows, and turning its tokens into text), `output` (handing chunks to the event loop) and
 `other`; `device_wait` is the part of admit and step spent blocked on the device's results, so
-`step` less its share is host work. `engine_steps` counts decoding steps. Whether a loaded server
-is bound by its host or by its device reads from these (`eaglet bench-serve` prints them).
+`step` less its share is host work. `engine_steps` counts decoding steps, `engine_admissions`
+prefills (each admits one or more requests). Whether a loaded server is bound by its host or by
+its device reads from these (`eaglet bench-serve` prints them).
 """
 from __future__ import annotations
 
@@ -82,6 +83,8 @@ class ServerMetrics:
                                       "step, output, other; device_wait: blocked on the device within admit and step",
                                       labels + ["part"], registry=r)
         self.engine_steps = Counter("eaglet:engine_steps", "Decoding steps of the running batch", labels, registry=r)
+        self.engine_admissions = Counter("eaglet:engine_admissions", "Prefills of waiting requests into free rows "
+                                         "(each admits one or more)", labels, registry=r)
         self.name = model_name
         self.settings: set[str] = set()  # spec_setting labels shown so far
         for m in (self.request_aborted, self.request_failed, self.request_rejected, self.prompt_tokens,
@@ -97,14 +100,17 @@ class ServerMetrics:
         self._accepted, self._per_pos = self.accepted_tokens.labels(model_name), {}
         self._engine = {part: self.engine_seconds.labels(model_name, part) for part in ENGINE_PARTS}
         self._engine_steps = self.engine_steps.labels(model_name)
+        self._engine_admissions = self.engine_admissions.labels(model_name)
 
-    def engine(self, seconds: dict[str, float], steps: int) -> None:
-        """The engine's time by part (ENGINE_PARTS) and its decoding steps since the last call."""
+    def engine(self, seconds: dict[str, float], steps: int, admissions: int) -> None:
+        """The engine's time by part (ENGINE_PARTS), decoding steps and admissions since the last call."""
         for part, t in seconds.items():
             if t:
                 self._engine[part].inc(t)
         if steps:
             self._engine_steps.inc(steps)
+        if admissions:
+            self._engine_admissions.inc(admissions)
 
     def gap(self, seconds: float) -> None:
         """Time between two outputs of one request."""
