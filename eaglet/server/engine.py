@@ -164,14 +164,12 @@ class Engine:
         many graphs were captured."""
         if not graphs_on(self.generator):
             return 0
-        rows: dict[str | None, int] = {}  # setting -> the largest batch it is chosen for (its reach)
-        for n in range(1, self.slots + 1):
-            rows[self.policy.choose(n)] = n
         captured = 0
         with torch.inference_mode():
-            for setting, n in rows.items():
+            for setting in dict.fromkeys(self.policy.choose(n) for n in range(1, self.slots + 1)):
                 dec = self._generator(setting).decoder(self.slots, self.max_len, SamplingParams())
-                captured += dec.warmup() if setting is None else dec.warmup(rows=n, plain_rows=self.slots)
+                captured += dec.warmup() if setting is None else dec.warmup(
+                    rows=self.policy.reach(setting, self.slots), plain_rows=self.slots)
         return captured
 
     # ---- HTTP side (event loop) -----------------------------------------------------------------
@@ -357,9 +355,10 @@ class Engine:
             if not same:
                 return None, [], None, 0  # the current batch drains first
             load = min(self.slots, self.batcher.running + run)
+            choice = self.policy.choose(load)
             reach = self.policy.reach(self.setting, self.slots) if self.setting is not None else self.slots
-            if self.setting is not None and (load > reach or self.policy.choose(load) is None):
-                why = ("a size the policy decodes plain" if self.policy.choose(load) is None
+            if self.setting is not None and (choice is None or load > reach):
+                why = ("a size the policy decodes plain" if choice is None
                        else f"more than the policy chooses it for (at most {reach})")
                 log.info("the speculating batch (%s) grows to %d requests, %s: it turns plain", self.setting, load, why)
                 self.switch, self.setting = True, None

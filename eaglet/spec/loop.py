@@ -178,7 +178,8 @@ class SpecDecoder(SlotDecoder):
         if self.trace is not None:
             self._trace_limit = self.limit.tolist()  # sync: profiling only (no lookahead with a trace)
         dc = getattr(self.drafter, "cache", None)
-        key = (self.batch, *self.span_of(self.cache, self.room, *([(dc, self.drafter_room)] if dc is not None else [])))
+        drafter = [(dc, self.drafter_room)] if dc is not None else []
+        key = (self.batch, *self.span_of(self.cache, self.room, *drafter))
         if self.drafter.graphable and self.timer is None and self.trace is None:
             return self.graphs.run(("step",) + key, self._step)  # one launch a step, not three
         with self.phase("draft"):
