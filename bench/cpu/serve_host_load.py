@@ -13,21 +13,18 @@ With --pyspy, py-spy samples the server through one more run of each system (raw
 """
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 
 import torch
-import uvicorn
 
 sys.path.insert(0, str(Path(__file__).parent))
 from host_overhead import replay_free  # noqa: E402
+from inprocess import bench_serve, serving  # noqa: E402
 
 from eaglet.config import SpecConfig  # noqa: E402
 from eaglet.generate import Generator, PlainDecoder  # noqa: E402
@@ -65,16 +62,8 @@ def live_rows_only(cls, count: int | None = None) -> None:
     cls._collect = collect
 
 
-def bench(port: int, args, out: str) -> dict:
-    p = subprocess.run([sys.executable, "-m", "eaglet", "bench-serve", "--url", f"http://127.0.0.1:{port}",
-                    "--prompts", args.prompts, "--max-tokens", "128", "--ignore-eos", "--max-prompt-chars", "600",
-                    "--num-requests", str(args.num_requests), "--concurrency", str(args.concurrency),
-                    "--seed", "0", "--no-progress", "--out", out], capture_output=True, text=True)
-    if p.returncode:
-        raise SystemExit(f"bench-serve failed: {p.stderr.strip()[-2000:]}")
-    path = max(Path(out).glob("bench-serve-*[0-9].json"), key=lambda p: p.stat().st_mtime)
-    rec = json.loads(path.read_text())["results"]
-    path.unlink()
+def bench(port: int, args) -> dict:
+    rec = bench_serve(port, args.prompts, args.num_requests, args.concurrency)
     return {"output_tok_s": rec["output_throughput"], "tpot_ms_median": rec["tpot_ms"]["median"],
             "itl_ms_median": rec["itl_ms"]["median"], "accept_length": rec["accept_length"]}
 
@@ -123,23 +112,15 @@ def main() -> None:
             dec.graphs.enabled = True  # warmup() is for graphs; replay_any_shape keeps what it makes
             dec.warmup(prompt_tokens=16)
             dec.graphs.enabled = False
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, loop="uvloop", http="httptools",
-                                               log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        while not server.started:
-            time.sleep(0.05)
-        with tempfile.TemporaryDirectory() as tmp:
-            rounds = [bench(port, args, tmp) for _ in range(args.rounds + 1)][1:]  # the first warms up
+        with serving(app, port):
+            rounds = [bench(port, args) for _ in range(args.rounds + 1)][1:]  # the first warms up
             if args.pyspy:
                 raw = Path(args.out) / f"serve-host-load-{name.replace(':', '-').replace(',', '-')}.pyspy.txt"
-                spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(os.getpid()), "--threads", "-r", "200",
-                                        "-d", "8", "-f", "raw", "-o", str(raw)], stdout=subprocess.DEVNULL,
-                                       stderr=subprocess.DEVNULL)
-                bench(port, args, tmp)
+                spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(os.getpid()),
+                                        "--threads", "-r", "200", "-d", "8", "-f", "raw", "-o", str(raw)],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                bench(port, args)
                 spy.wait()
-        server.should_exit = True
-        thread.join(10)
         tok_s = statistics.median(r["output_tok_s"] for r in rounds)
         results[name] = {"rounds": rounds, "output_tok_s_median": tok_s}
         print(f"{name:<14} {tok_s:8.0f} tok/s (rounds " + " ".join(f"{r['output_tok_s']:.0f}" for r in rounds)

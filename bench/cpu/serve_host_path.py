@@ -12,20 +12,16 @@ Medians over the timed requests. A probe, CPU; its host is not the GPU machine's
   .venv/bin/python bench/cpu/serve_host_path.py [--prompts FILE] [--rounds 3] [--out bench/results]
 """
 import argparse
-import json
 import statistics
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 
 import torch
-import uvicorn
 
 sys.path.insert(0, str(Path(__file__).parent))
 from host_overhead import replay_free  # noqa: E402
+from inprocess import bench_serve, serving  # noqa: E402
 
 from eaglet.generate import Generator  # noqa: E402
 from eaglet.perf.record import write_record  # noqa: E402
@@ -107,29 +103,15 @@ def main() -> None:
     results = {}
     for port, (loop, http) in enumerate([("asyncio", "h11"), ("uvloop", "httptools")], start=8061):
         tl = Timeline(build_app(gen, "m", max_batch=4, max_len=1024))
-        server = uvicorn.Server(uvicorn.Config(tl, host="127.0.0.1", port=port, loop=loop, http=http,
-                                               log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        while not server.started:
-            time.sleep(0.05)
         rounds = []
-        with tempfile.TemporaryDirectory() as tmp:
+        with serving(tl, port, loop, http):
             for r in range(args.rounds + 1):
-                subprocess.run([sys.executable, "-m", "eaglet", "bench-serve", "--url", f"http://127.0.0.1:{port}",
-                                "--prompts", args.prompts, "--max-tokens", "128", "--ignore-eos",
-                                "--max-prompt-chars", "600", "--num-requests", str(args.num_requests),
-                                "--concurrency", "1", "--no-progress", "--out", tmp], check=True,
-                               capture_output=True)
-                rec = json.loads(max(Path(tmp).glob("bench-serve-*[0-9].json"), key=lambda p: p.stat().st_mtime)
-                                 .read_text())["results"]
+                rec = bench_serve(port, args.prompts, args.num_requests, 1)
                 if r:  # round 0 warms up
                     rounds.append({"output_tok_s": rec["output_throughput"], "ttft_ms_median": rec["ttft_ms"]["median"],
                                    "e2e_ms_mean": rec["e2e_ms"]["mean"], "server_ttft_ms": rec["server_ttft_ms"],
                                    "client_event_loop": rec["client_event_loop"],
                                    "server_ms_median": tl.medians(tl.rows[-args.num_requests:])})
-        server.should_exit = True
-        thread.join(10)
         name = f"{loop}+{http}"
         results[name] = rounds
         for x in rounds:
