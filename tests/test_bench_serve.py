@@ -82,6 +82,9 @@ def test_fixed_concurrency_chat(server, prompts_file, tmp_path, capsys):
     assert 1 <= eng["admissions"] <= 40 and eng["admission_ms"] > 0  # 40 requests, one or more a prefill
     assert eng["per_step_ms"]["busy"] > 0 and eng["per_step_ms"]["host"] == pytest.approx(eng["per_step_ms"]["busy"])
     assert "engine step" in out and "waiting on the device" in out
+    # the process's garbage-collection pauses over the run, per generation (often none in 40 tiny requests)
+    assert set(eng["gc_seconds"]) == {"0", "1", "2"} and all(t >= 0 for t in eng["gc_seconds"].values())
+    assert "gc pauses" in out
     reqs = requests_of(tmp_path)  # every request, gzipped beside the record, which names the file
     assert r["requests"] == {"file": next(tmp_path.glob("bench-serve-*.requests.json.gz")).name, "count": 40}
     assert len(reqs) == 40 and sum(q["output_tokens"] for q in reqs) == r["output_tokens"]
@@ -157,8 +160,27 @@ def test_engine_time_from_counters():
     assert eng["share"]["step"] == pytest.approx(0.7) and eng["share"]["device_wait"] == pytest.approx(0.25)
     assert eng["steps"] == 1000 and eng["per_step_ms"] == pytest.approx({"busy": 3.0, "host": 2.0, "device_wait": 1.0})
     assert eng["admissions"] == 10 and eng["admission_ms"] == pytest.approx(20.0)
+    assert "gc_seconds" not in eng  # a server without the gc counter
+    gc = lambda t: "".join(f'eaglet:gc_pause_seconds_total{{generation="{g}"}} {t * (g + 1)}\n' for g in range(3))  # noqa: E731
+    eng = engine_time(server_metrics(text(1.0, 0.5, 2.0, 0.5, 100, 5) + gc(0.1)),
+                      server_metrics(text(2.0, 0.7, 4.8, 1.5, 1100, 15) + gc(0.3)))
+    assert eng["gc_seconds"] == pytest.approx({"0": 0.2, "1": 0.4, "2": 0.6})
     assert engine_time(before, before) is None and engine_time(None, after) is None
     assert engine_time({}, server_metrics("vllm:spec_decode_num_drafts_total 3\n")) is None  # not eaglet
+
+
+def test_server_counts_gc_pauses_and_froze_its_startup_objects(server):
+    """`eaglet serve` moves what it holds after warm-up out of the collector's sight (gc.freeze), and
+    /metrics counts the time every collection stopped the process, per generation."""
+    import gc
+
+    assert gc.get_freeze_count() > 10000  # the model, tokenizer and libraries of this process
+    before = server.metrics()
+    gc.collect()  # a full collection: generation 2
+    after = server.metrics()
+    key = "eaglet:gc_pause_seconds_total{generation=2}"
+    assert after[key] > before[key] >= 0
+    assert after["eaglet:gc_pause_seconds_total{generation=0}"] >= before["eaglet:gc_pause_seconds_total{generation=0}"]
 
 
 def test_sharegpt_file_prompts(tmp_path):

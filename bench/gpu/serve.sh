@@ -66,12 +66,12 @@ done
 bs() { python3 -m eaglet bench-serve --url http://127.0.0.1:${PORT[$1]} --prompts /tmp/sharegpt.json --max-tokens 128 \
          --ignore-eos --max-prompt-chars 600 --seed 0 --no-progress "${@:2}"; }
 for c in ${CONC:-1 4 16 64}; do
-  n=$(( c * 8 > 32 ? c * 8 : 32 ))
+  n=$(( c * ${PER_STREAM:-16} > 32 ? c * ${PER_STREAM:-16} : 32 ))  # requests a run: 16 a stream (8 before 2026-12-01)
   for spec in $servers; do bs $spec --num-requests $n --concurrency $c > /dev/null; done
   for round in $(seq ${ROUNDS:-3}); do
     for spec in $servers; do
       echo "== spec $spec, concurrency $c, round $round"
-      bs $spec --num-requests $n --concurrency $c --out "$out" | grep -E "throughput|TTFT|TPOT|engine|accept|record"
+      bs $spec --num-requests $n --concurrency $c --out "$out" | grep -E "throughput|TTFT|TPOT|engine|gc pauses|accept|record"
     done
   done
 done

@@ -101,7 +101,8 @@ async def one_request(session, url: str, payload: dict, chat: bool) -> RequestRe
 
 SERVER_METRICS = ("spec_decode_num_", "spec_accept_length", "kv_cache_", "num_requests_running",
                   "num_requests_waiting", "process_resident_memory_bytes",
-                  "time_to_first_token_seconds_sum", "time_to_first_token_seconds_count", "eaglet:engine_")
+                  "time_to_first_token_seconds_sum", "time_to_first_token_seconds_count", "eaglet:engine_",
+                  "eaglet:gc_pause_seconds")
 ENGINE_PARTS = ("idle", "admit", "step", "output", "other")  # eaglet's engine_seconds{part}, besides device_wait
 
 
@@ -122,7 +123,8 @@ def engine_time(before: dict | None, after: dict | None) -> dict | None:
     """What eaglet's engine thread did over the run (its engine_seconds, engine_steps and
     engine_admissions counters), or None for a server without them: seconds per part and the share
     of its wall time each took, the decoding steps and admissions, per step its busy time (all but
-    idle) split into the host's work and the waits on the device, and the time of an admission.
+    idle) split into the host's work and the waits on the device, the time of an admission, and the
+    process's time in garbage collection (every thread stopped) by generation.
     Busy time that is mostly host work: the host bounds the server."""
     if not before or not after:
         return None
@@ -134,6 +136,9 @@ def engine_time(before: dict | None, after: dict | None) -> dict | None:
     steps, admissions = count("engine_steps"), count("engine_admissions")
     out = {"seconds": delta, "share": {p: delta.get(p, 0.0) / wall for p in (*ENGINE_PARTS, "device_wait")},
            "steps": steps, "admissions": admissions}
+    gc_keys = [k for k in after if "gc_pause_seconds{generation=" in k]
+    if gc_keys:
+        out["gc_seconds"] = {k.split("generation=")[1].rstrip("}"): after[k] - before.get(k, 0.0) for k in gc_keys}
     if admissions:
         out["admission_ms"] = delta.get("admit", 0.0) / admissions * 1000
     if steps:
@@ -165,6 +170,8 @@ def server_metrics(text: str) -> dict[str, float]:
                 key = s.name.removesuffix("_total")
                 if "part" in s.labels:  # eaglet:engine_seconds, kept per part
                     key += f"{{part={s.labels['part']}}}"
+                if "generation" in s.labels and "gc_pause" in s.name:  # eaglet:gc_pause_seconds, per generation
+                    key += f"{{generation={s.labels['generation']}}}"
                 out[key] = out.get(key, 0.0) + s.value
     return out
 
@@ -301,6 +308,10 @@ def render(res: dict, head: str) -> str:
                          f"host work, {ms['device_wait']:.2f} ms waiting on the device"
                          + (f"; {eng['admissions']} admissions, {eng['admission_ms']:.2f} ms each"
                             if eng.get("admissions") else ""))
+        if eng.get("gc_seconds") is not None:
+            gcs = eng["gc_seconds"]
+            lines.append(f"gc pauses     {sum(gcs.values()) * 1000:.1f} ms over the run (full collections "
+                         f"{gcs.get('2', 0.0) * 1000:.1f} ms), every thread stopped")
     tau = res["accept_length"]
     lines.append(f"accept length {tau:.2f} ({res['accept_length_source']})" if tau is not None
                  else "accept length not reported")

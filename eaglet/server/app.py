@@ -9,6 +9,7 @@ cancels its request. Every error is answered in the OpenAI shape; bad input is a
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import sys
@@ -100,9 +101,15 @@ def build_app(generator: Generator, model_name: str, max_batch: int = 8, max_que
             if n := engine.warmup():
                 print(f"[eaglet] warm-up: {n} CUDA graphs captured in {time.perf_counter() - t0:.1f} s",
                       file=sys.stderr)
+            # what the process holds now (model, tokenizer, libraries, graphs) lives as long as the
+            # server: out of the collector's sight, so a full collection under load stops every
+            # thread for milliseconds, not hundreds of them (metrics.py, gc_pause_seconds)
+            gc.collect()
+            gc.freeze()
             engine.start()
         yield
         engine.shutdown()
+        gc.unfreeze()  # collectable again at exit (extensions report frozen objects as leaked)
 
     app = FastAPI(title="eaglet", lifespan=lifespan)
     app.state.engine = engine

@@ -19,10 +19,21 @@ running rows, and turning its tokens into text), `output` (handing chunks to the
 `step` less its share is host work. `engine_steps` counts decoding steps, `engine_admissions`
 prefills (each admits one or more requests). Whether a loaded server is bound by its host or by
 its device reads from these (`eaglet bench-serve` prints them).
+
+Garbage collection: `gc_pause_seconds{generation}` is the time the process spent in Python's cyclic
+garbage collector, which stops every thread (the engine's and the event loop's). The server freezes
+what it holds after warm-up (app.py), so a full collection no longer walks the model's, the
+tokenizer's and the libraries' objects: on a CPU serving probe that took 275-320 ms a collection,
+one of them in most 64-stream runs (BENCHMARKS.md, twentieth session).
 """
 from __future__ import annotations
 
+import gc
+import threading
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from ..spec.metrics import SpecMetrics
 
@@ -31,10 +42,47 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25
                    7.5, 10.0, 20.0, 40.0, 80.0)
 
 
+class GCPauses:
+    """The process's time in the cyclic garbage collector, per generation (one gc callback for the
+    process, however many servers it runs; installed on first use)."""
+    seconds = [0.0, 0.0, 0.0]
+    collections = [0, 0, 0]
+    _start: float | None = None
+    _lock = threading.Lock()
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        with cls._lock:
+            if not cls._installed:
+                gc.callbacks.append(cls._callback)
+                cls._installed = True
+
+    @classmethod
+    def _callback(cls, phase: str, info: dict) -> None:
+        if phase == "start":
+            cls._start = time.perf_counter()
+        elif cls._start is not None:  # the collector runs one collection at a time, holding the GIL
+            g = min(info["generation"], 2)
+            cls.seconds[g] += time.perf_counter() - cls._start
+            cls.collections[g] += 1
+            cls._start = None
+
+    def collect(self):
+        """Prometheus collector: eaglet:gc_pause_seconds_total{generation}."""
+        fam = CounterMetricFamily("eaglet:gc_pause_seconds", "Time in Python's cyclic garbage collector (every "
+                                  "thread stops), by generation", labels=["generation"])
+        for g, t in enumerate(self.seconds):
+            fam.add_metric([str(g)], t)
+        yield fam
+
+
 class ServerMetrics:
     def __init__(self, model_name: str):
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)  # process_resident_memory_bytes and friends, as vLLM exports
+        GCPauses.install()
+        r.register(GCPauses())
         labels = ["model_name"]
         self.request_success = Counter("eaglet:request_success", "Requests finished, by reason (stop, length)",
                                        labels + ["finished_reason"], registry=r)
