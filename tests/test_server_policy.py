@@ -14,7 +14,7 @@ import uvicorn
 from eaglet.cli import main
 from eaglet.config import SpecConfig
 from eaglet.generate import Generator
-from eaglet.server.engine import LOAD_WINDOW, LoadMeter
+from eaglet.server.engine import ADMIT_SHARE, ADMIT_WAIT, LoadMeter
 from eaglet.server.policy import SpecPolicy, load_profile_policy
 from eaglet.spec.speculator import Speculator
 
@@ -85,6 +85,7 @@ def test_spec_policy_speculates_alone_and_serves_a_burst_plain(tiny, model_dir, 
     want = {p: reference(tiny, None, p, 16, chat=False) for p in PROMPTS[:4]}
     with LiveServer(None, app=app) as srv:
         c = srv.client()
+        srv.engine.load.window = WINDOW  # the server's LOAD_WINDOW, shortened for the test
 
         def alone() -> None:
             m0 = srv.metrics()
@@ -125,7 +126,7 @@ def test_spec_policy_speculates_alone_and_serves_a_burst_plain(tiny, model_dir, 
         assert m["eaglet:spec_policy_speculating"] == 0 and m["eaglet:spec_policy_batch_size"] == 4
         assert m["eaglet:spec_policy_setting{setting=plain}"] == 1
         assert m["eaglet:spec_policy_setting{setting=chain:2}"] == 0
-        time.sleep(LOAD_WINDOW + 0.1)  # the policy remembers the burst's load this long
+        time.sleep(WINDOW + 0.1)  # the policy remembers the burst's load this long
         alone()  # the next request alone speculates again
     assert "a batch of 4 requests starts plain (was chain:2)" in caplog.text
     assert "a batch of 1 request starts speculating with chain:2 (was plain)" in caplog.text
@@ -191,6 +192,9 @@ def test_spec_policy_flags_are_checked(tmp_path, case, capsys):
             "negative cap": "--spec-max-batch must be >= 0"}[case] in err
 
 
+WINDOW = 1.0
+
+
 def test_load_meter_keeps_the_peak_of_its_window():
     m = LoadMeter(window=2.0)
     assert m.peak(0.0) == 0
@@ -241,3 +245,34 @@ def test_a_batch_grown_past_its_settings_reach_turns_plain(joining, plain):
     group, admit, setting, n = eng._take()
     assert group is None and len(admit) == joining and not eng.waiting  # they join the running batch
     assert (eng.switch, eng.setting) == ((True, None) if plain else (False, "tree:4,4,16"))
+
+
+@pytest.mark.parametrize("running, free, waiting, age, admitted", [
+    (56, 8, 6, 0.0, 0),  # 6 of the 7 (56 / ADMIT_SHARE) a group needs: they wait
+    (56, 8, 7, 0.0, 7),  # a group
+    (60, 4, 6, 0.0, 4),  # a group as large as the free rows
+    (56, 8, 2, ADMIT_WAIT + 0.01, 2),  # the oldest has waited long enough
+    (8, 56, 1, 0.0, 1),  # a batch of up to ADMIT_SHARE rows takes each at once
+])
+def test_a_running_batch_admits_in_groups(running, free, waiting, age, admitted):
+    """Requests joining a running batch are admitted together, one prefill for several, once enough
+    wait (1/ADMIT_SHARE of the running rows, at most the free ones) or the oldest waited ADMIT_WAIT."""
+    from collections import deque
+
+    from eaglet.sampling import SamplingParams
+    from eaglet.server.engine import Engine, Request
+    from eaglet.server.metrics import ServerMetrics
+
+    class Gen:
+        speculator = None
+
+    class Running:
+        sampling, speculative = SamplingParams(), False
+
+    Running.running, Running.free_rows = running, list(range(running, running + free))
+    eng = Engine(Gen(), 64, 256, 512, ServerMetrics("groups"), SpecPolicy(None))
+    eng.batcher, eng.setting, eng.chosen = Running(), None, True
+    now = time.perf_counter()
+    eng.waiting = deque(Request([1, 2], 4, SamplingParams(), arrival=now - age) for _ in range(waiting))
+    group, admit, setting, n = eng._take()
+    assert group is None and len(admit) == admitted and len(eng.waiting) == waiting - admitted

@@ -20,15 +20,25 @@ SpecPolicy when the batch starts from the load: the requests it starts with (tho
 those of its group still waiting, capped at its rows), or the most requests the server held at
 once in the last LOAD_WINDOW seconds if that is more. Clients that send their next request when
 the last one ends leave a moment with few requests between batches; by the instant count alone a
-batch would start speculating there. An idle batch whose choice would now differ is replaced by a
-new one. When requests wait to join a speculating batch and the grown batch (running + waiting of
-its group, capped) is one the policy decodes plain, or larger than any batch the policy chooses
-the batch's setting for (SpecPolicy.reach, as far as warm-up captures that setting's graphs), the
-batch turns plain where it stands (its decoder decodes plain on the same cache,
-SpecDecoder.to_plain) and takes them in: nobody waits for the speculating requests to finish.
-(Moving the requests to a batch of the grown size's setting, each prefilled again, was measured
+batch would start speculating there. A window of 30 s spans the gap between one load run and the
+next (a load generator's start, another server's run beside it: ~8 s at 64 streams); with 2 s the
+burst of a new run met a batch started by its first request alone, whose setting (chosen for one)
+turned plain as the burst joined it (BENCHMARKS.md, twentieth session). An idle batch whose choice
+would now differ is replaced by a new one. When requests wait to join a speculating batch and the
+grown batch (running + waiting of its group, capped) is one the policy decodes plain, or larger
+than any batch the policy chooses the batch's setting for (SpecPolicy.reach, as far as warm-up
+captures that setting's graphs), the batch turns plain where it stands (its decoder decodes plain
+on the same cache, SpecDecoder.to_plain) and takes them in: nobody waits for the speculating
+requests to finish. (Moving the requests to a batch of the grown size's setting, each prefilled again, was measured
 to lose far more than it gains: BENCHMARKS.md, nineteenth session.) Each setting has its own
 Generator (one model), so its decoder and CUDA graphs are reused the next time it is chosen.
+
+Admissions into a running batch come in groups: each is a prefill and a sync that stalls the
+pipelined steps (~6 ms on the H200 at 64 speculating rows), and speculating rows finish at
+staggered steps, so admitting each request as it came made hundreds of one-request prefills a run
+(528 for 1024 requests at 64 streams, 46% of the engine's time). A running batch admits once the
+requests waiting to join number 1/ADMIT_SHARE of its running rows (at most its free rows), or the
+oldest has waited ADMIT_WAIT; a batch of up to ADMIT_SHARE rows, or an idle one, admits at once.
 
 Failures: an error in one row's output fails that request alone; an error in a step fails the
 requests of that batch (the decoder's state is shared) and the engine starts a new batch; any
@@ -58,7 +68,9 @@ from .policy import PLAIN, SpecPolicy, setting_name
 from .protocol import APIError
 
 log = logging.getLogger("eaglet.server")
-LOAD_WINDOW = 2.0  # seconds the policy remembers a load peak for
+LOAD_WINDOW = 30.0  # seconds the policy remembers a load peak for (2 before 2026-12-01)
+ADMIT_SHARE = 8  # a running batch admits once 1/ADMIT_SHARE of its running count waits (or free rows' worth),
+ADMIT_WAIT = 0.02  # or once the oldest waiting request has waited this long (seconds)
 
 
 def put_all(items: list[tuple[asyncio.Queue, "Chunk"]]) -> None:
@@ -354,6 +366,10 @@ class Engine:
         if not idle:
             if not same:
                 return None, [], None, 0  # the current batch drains first
+            free = len(self.batcher.free_rows)
+            group = min(free, -(-self.batcher.running // ADMIT_SHARE))
+            if run < group and time.perf_counter() - self.waiting[0].arrival < ADMIT_WAIT:
+                return None, [], None, 0  # a larger group soon: one prefill (and one sync) for several
             load = min(self.slots, self.batcher.running + run)
             choice = self.policy.choose(load)
             reach = self.policy.reach(self.setting, self.slots) if self.setting is not None else self.slots
@@ -363,7 +379,6 @@ class Engine:
                 log.info("the speculating batch (%s) grows to %d requests, %s: it turns plain", self.setting, load, why)
                 self.switch, self.setting = True, None
                 self.metrics.policy(None, load)
-            free = len(self.batcher.free_rows)
             return None, [self.waiting.popleft() for _ in range(min(free, run))], None, 0
         n = min(self.slots, max(run, self.load.peak()))
         setting = self.policy.choose(n)
