@@ -76,6 +76,31 @@ class SeqState:
             text += self.stream.flush()
         return text
 
+    def push_many(self, tokens: list[int]) -> tuple[str, int]:
+        """Take a step's tokens up to the one that finishes the sequence (none once finished): the
+        text that became final and how many tokens counted; as `push` of each in turn."""
+        if self.finish_reason or not tokens:
+            return "", 0
+        if self.stream is None or self.stream.stop or len(tokens) == 1:  # a stop string ends at its token
+            text, n = "", 0
+            for tok in tokens:
+                if self.finish_reason:
+                    break
+                text += self.push(tok)
+                n += 1
+            return text, n
+        n = next((i + 1 for i, tok in enumerate(tokens) if tok in self.eos), len(tokens))
+        n = min(n, self.budget - self.count)
+        self.count += n
+        text = self.stream.extend(tokens[:n])
+        if tokens[n - 1] in self.eos:
+            self.finish_reason = "stop"
+        elif self.count >= self.budget:
+            self.finish_reason = "length"
+        if self.finish_reason:
+            text += self.stream.flush()
+        return text, n
+
 
 class PlainDecoder(SlotDecoder):
     """One target forward per token (one graph per row bucket and attention span)."""
@@ -114,7 +139,7 @@ class Generator:
         self.trace = trace  # handed to SpecDecoder: the profiler records draft trees there
         self.graphs, self.timer, self.lookahead = graphs, timer, lookahead
         self.context = model.config.max_position
-        self.last_metrics: list[SpecMetrics] | None = None  # per sequence, of the last call
+        self._last = None  # the decoder of the last stream() call
         self._dec = None  # (batch, max_len, sampling, decoder) of the last call
 
     def decoder(self, batch: int, max_len: int, sampling: SamplingParams):
@@ -151,7 +176,7 @@ class Generator:
         budget = [min(gen.max_new_tokens, self.context - len(p)) for p in prompts]
         max_len = max(len(p) + b for p, b in zip(prompts, budget))  # a finished row stops moving
         dec = self.decoder(len(prompts), max_len, gen.sampling)
-        self.last_metrics = getattr(dec, "metrics", None)
+        self._last = dec  # its per-row draft counters are this call's (last_metrics)
         eos = frozenset() if gen.ignore_eos else self.eos_ids()
         seqs = [SeqState(self.tokenizer, gen.stop, eos, b) for b in budget]
         rows = list(range(len(prompts)))
@@ -173,6 +198,11 @@ class Generator:
                     break
                 text = seqs[i].push(tok)
                 yield TokenEvent(i, tok, text, seqs[i].finish_reason)
+
+    @property
+    def last_metrics(self) -> list[SpecMetrics] | None:
+        """Per sequence of the last call: its draft counters (None for plain decoding)."""
+        return getattr(self._last, "metrics", None)
 
     def eos_ids(self) -> frozenset[int]:
         return frozenset(self.model.config.eos_token_ids) | (self.tokenizer.eos_ids if self.tokenizer else frozenset())

@@ -113,6 +113,21 @@ class TextStream:
         hold = max((k for s in self.stop for k in range(1, len(s)) if full.endswith(s[:k])), default=0)
         return self._emit(full[: len(full) - hold])
 
+    def extend(self, tokens: list[int]) -> str:
+        """Add several tokens (a speculative step's); return the text that became final: what
+        pushing them one at a time returns, joined, for one decode of the window instead of one per
+        token. With stop strings each token is pushed alone (the one that completes a stop ends
+        the text)."""
+        if self.stop or len(tokens) == 1:
+            return "".join(self.push(t) for t in tokens)
+        self.ids.extend(tokens)
+        full = self._decoded()
+        if full is None:  # ends inside a multi-byte character: one at a time gives out the text before it
+            del self.ids[-len(tokens):]
+            return "".join(self.push(t) for t in tokens)
+        self.full, self.prefix_off, self.read_off = full, self.read_off, len(self.ids)
+        return self._emit(full)
+
     def flush(self) -> str:
         """At the end of generation: release any held-back text."""
         if self.stopped:

@@ -85,6 +85,41 @@ def test_tokenizer_core_decodes_as_transformers(smollm2):
             assert tok.decode(ids, skip) == tok.hf.decode(ids, skip_special_tokens=skip)
 
 
+def test_a_step_of_tokens_decodes_as_its_tokens_one_by_one(smollm2):
+    """A speculative step's tokens taken at once (SeqState.push_many: one decode of the window) give
+    what taking them one at a time gives, after every step: text, token count and finish reason, on
+    ShareGPT replies with split UTF-8 characters, EOS inside a step and the budget ending in one."""
+    import random
+
+    from eaglet.datasets import first_turn, read_sharegpt
+    from eaglet.generate import SeqState
+
+    tok = smollm2.tokenizer
+    eos = frozenset(tok.eos_ids)
+    rng = random.Random(0)
+    turns = [t for t in map(first_turn, read_sharegpt().conversations[:60]) if t]
+    for k, turn in enumerate(turns):
+        ids = tok.encode(turn + " héllo wörld 🦅 日本語")
+        if k % 3 == 1:  # an EOS inside the reply
+            ids.insert(rng.randrange(len(ids)), min(eos))
+        budget = len(ids) + 5 if k % 3 != 2 else rng.randrange(1, len(ids) + 1)
+        one, many = SeqState(tok, (), eos, budget), SeqState(tok, (), eos, budget)
+        i = 0
+        while i < len(ids) and not one.finish_reason:
+            step = ids[i:i + rng.randrange(1, 7)]
+            i += len(step)
+            text, n = "", 0
+            for t in step:
+                if one.finish_reason:
+                    break
+                text += one.push(t)
+                n += 1
+            assert many.push_many(step) == (text, n)
+            assert (many.count, many.finish_reason, many.stream.text) == (one.count, one.finish_reason, one.stream.text)
+        if many.finish_reason:
+            assert many.push_many(ids[:3]) == ("", 0)  # nothing after the end
+
+
 def test_tokenizer_decodes_through_transformers_where_it_cleans_up(tiny_tokenizer):
     """clean_up_tokenization_spaces set: transformers' decode does more than the core's, so it stays."""
     import copy

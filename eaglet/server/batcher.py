@@ -22,23 +22,13 @@ log = logging.getLogger("eaglet.server")
 
 
 class Sequence(SeqState):
-    """One request in one row: its stopping state (SeqState) and its draft counters."""
+    """One request in one row: its stopping state (SeqState) and, once it finishes in a speculating
+    batch, its draft counters."""
 
     def __init__(self, request, tokenizer: Tokenizer, eos: frozenset[int]):
         super().__init__(tokenizer, request.stop, frozenset() if request.ignore_eos else eos, request.max_tokens)
         self.request = request
-        self.spec = SpecMetrics()  # this request's draft counters
-        self.spec_seen: SpecMetrics | None = None  # the decoder's row counters when last read
-
-    def push_all(self, tokens: list[int]) -> tuple[str, int]:
-        """Take a step's new tokens; return the text that became final and how many tokens counted."""
-        text, n = "", 0
-        for tok in tokens:
-            if self.finish_reason:
-                break
-            text += self.push(tok)
-            n += 1
-        return text, n
+        self.spec = SpecMetrics()  # this request's draft counters (set when it finishes)
 
 
 @dataclass
@@ -48,22 +38,11 @@ class Output:
     seq: Sequence
     text: str
     tokens: int
-    spec: SpecMetrics | None = None  # the draft counters of this step (speculative decoders only)
     error: Exception | None = None  # an internal failure of this row alone
 
     @property
     def finished(self) -> bool:
         return self.error is not None or self.seq.finish_reason is not None
-
-
-def spec_delta(now: SpecMetrics, before: SpecMetrics) -> SpecMetrics:
-    """The counters added since `before` (a row's per-position lists only grow)."""
-    def minus(xs: list[int], ys: list[int]) -> list[int]:
-        return [x - y for x, y in zip(xs, ys + [0] * (len(xs) - len(ys)))]
-    return SpecMetrics(now.drafts - before.drafts, now.draft_tokens - before.draft_tokens,
-                       now.accepted_tokens - before.accepted_tokens,
-                       minus(now.accepted_per_pos, before.accepted_per_pos),
-                       minus(now.drafts_reaching_pos, before.drafts_reaching_pos))
 
 
 class Batcher:
@@ -101,10 +80,6 @@ class Batcher:
             for r in rows:
                 self.release(r)
             raise
-        if self.speculative:
-            metrics = self.dec.metrics
-            for r in rows:
-                self.rows[r].spec_seen = metrics[r].copy()
         out = self._emit(dict(zip(rows, new)))
         self.dec.set_rows(rows, [self.rows[r].remaining for r in rows])
         return out
@@ -133,19 +108,20 @@ class Batcher:
             if not self.running:
                 self.dec.drain()  # an idle batch keeps no step in flight
 
+    def take_drafted(self) -> SpecMetrics | None:
+        """The draft counters of the steps handed out since the last call, over all rows (None for a
+        plain batch)."""
+        return self.dec.take_drafted() if self.speculative else None
+
     def _emit(self, new: dict[int, list[int]]) -> list[Output]:
-        metrics = self.dec.metrics if self.speculative else None
         out = []
         for r, toks in new.items():
             seq = self.rows[r]
             try:
-                text, n = seq.push_all(toks)
-                delta = None
-                if metrics is not None and metrics[r].drafts != seq.spec_seen.drafts:  # it drafted
-                    delta = spec_delta(metrics[r], seq.spec_seen)
-                    seq.spec.merge(delta)
-                    seq.spec_seen = metrics[r].copy()
-                out.append(Output(r, seq, text, n, delta))
+                text, n = seq.push_many(toks)
+                if seq.finish_reason and self.speculative:
+                    seq.spec = self.dec.counters.of(r)
+                out.append(Output(r, seq, text, n))
             except Exception as e:  # fails this row's request only
                 log.exception("request %s failed in row %d", seq.request.id, r)
                 out.append(Output(r, seq, "", 0, error=e))

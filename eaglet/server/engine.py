@@ -431,11 +431,10 @@ class Engine:
     def _deliver(self, outputs: list[Output]) -> None:
         t = time.perf_counter()
         m, name = self.metrics, self.metrics.name
-        tokens, drafted = 0, SpecMetrics()  # this step's, over all rows: one metrics update each
+        tokens = 0  # this step's, over all rows: one metrics update
+        drafted = (self.batcher.take_drafted() if self.batcher is not None else None) or SpecMetrics()
         for o in outputs:
             req = o.seq.request
-            if o.spec is not None:
-                drafted.merge(o.spec)
             if o.error is not None:
                 self.batcher.release(o.row)
                 self._fail(req, APIError(500, f"internal error: {type(o.error).__name__}: {o.error}",

@@ -16,6 +16,7 @@ until `reset`.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..config import SpecConfig
@@ -27,7 +28,7 @@ from ..runtime.compile import fusable
 from ..runtime.decoder import SlotDecoder
 from ..sampling import SamplingParams, sample, target_probs
 from .drafters.base import Drafter
-from .metrics import SpecMetrics
+from .metrics import RowCounters, SpecMetrics
 from .tree import DraftProposal
 from .verify import VerifyResult, cut, greedy_verify, sample_verify
 
@@ -68,7 +69,8 @@ class SpecDecoder(SlotDecoder):
         self.drafter, self.spec = drafter, spec
         # the profiler's trace reads the proposal of the step just collected
         self.lookahead = self.lookahead and drafter.graphable and trace is None
-        self.metrics = [SpecMetrics() for _ in range(batch)]
+        self.counters = RowCounters(batch, spec.steps)  # each row's draft counters since its admission
+        self.drafted = SpecMetrics()  # the draft counters of the steps collected since take_drafted()
         self.roots = torch.zeros(batch, dtype=torch.long, device=self.device)  # each row's last emitted token
         self.prop: DraftProposal | None = None  # the verify graph's input
         self.trace = trace  # the profiler's: per step (scores, depths, accepted path, count, limit)
@@ -76,6 +78,16 @@ class SpecDecoder(SlotDecoder):
         self.room = spec.draft_tokens
         self.drafter_room = spec.steps + 1 + spec.steps * spec.topk + 1
         self.plain = False  # decoding plain since to_plain(), until reset()
+
+    @property
+    def metrics(self) -> list[SpecMetrics]:
+        """Each row's draft counters since its admission."""
+        return [self.counters.of(r) for r in range(self.batch)]
+
+    def take_drafted(self) -> SpecMetrics:
+        """The draft counters of the steps collected since the last call, over all rows."""
+        d, self.drafted = self.drafted, SpecMetrics()
+        return d
 
     @property
     def tokens_per_step(self) -> int:
@@ -130,8 +142,7 @@ class SpecDecoder(SlotDecoder):
     def _admitted(self, rows, prompts, first):
         if not self.plain:
             self.drafter.start_host(rows, prompts, first)
-        for r in rows:
-            self.metrics[r] = SpecMetrics()
+        self.counters.reset(rows)
 
     def release(self, rows: list[int]) -> None:
         super().release(rows)
@@ -201,9 +212,10 @@ class SpecDecoder(SlotDecoder):
         emitted = [r[3:3 + n] for r, n in zip(rows, counts)]
         self.cache.commit_host(counts)
         self.drafter.commit_host(emitted)
-        for i, r in enumerate(rows):
-            if counts[i] > 0 and self.live[i]:  # not a step past a stop the host has seen
-                self.metrics[i].record(accepted=r[0] - 1, draft_tokens=r[1], max_depth=r[2])
+        drew = [i for i, n in enumerate(counts) if n > 0 and self.live[i]]  # not a step past a stop the host has seen
+        if drew:
+            head = np.array([rows[i][:3] for i in drew])  # count, drafted nodes, deepest drafted position
+            self.drafted.merge(self.counters.record(drew, head[:, 0] - 1, head[:, 1], head[:, 2]))
         if self.trace is not None and self.prop.score is not None:
             paths = torch.tensor([r[3 + d1:3 + 2 * d1] for r in rows])
             score, depth = (t.to("cpu", copy=True) for t in (self.prop.score, self.prop.depth))  # sync: profiling only
