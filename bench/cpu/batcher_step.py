@@ -17,18 +17,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_host_load import live_rows_only, replay_any_shape  # noqa: E402
+from serve_host_load import model_without_cost, system  # noqa: E402
 
-from eaglet.config import SpecConfig  # noqa: E402
-from eaglet.generate import Generator, PlainDecoder  # noqa: E402
+from eaglet.generate import Generator  # noqa: E402
 from eaglet.perf.record import write_record  # noqa: E402
-from eaglet.runtime.graphs import GraphRunner  # noqa: E402
 from eaglet.sampling import SamplingParams  # noqa: E402
 from eaglet.server.batcher import Batcher  # noqa: E402
-from eaglet.server.policy import setting_spec  # noqa: E402
-from eaglet.spec.loop import SpecDecoder  # noqa: E402
-from eaglet.spec.speculator import bundled_drafter, load_speculator  # noqa: E402
-from eaglet.weights import load_model  # noqa: E402
+from eaglet.spec.speculator import bundled_drafter  # noqa: E402
 
 
 @dataclasses.dataclass(eq=False)
@@ -49,19 +44,14 @@ def main() -> None:
     ap.add_argument("--tokens-per-step", type=int, default=3)
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    GraphRunner.run = replay_any_shape
-    live_rows_only(PlainDecoder)
-    live_rows_only(SpecDecoder, args.tokens_per_step)
-    loaded = load_model(None, "float32", "cpu")
-    base = load_speculator(SpecConfig("eagle3", str(bundled_drafter())), loaded.model)
+    loaded, base = model_without_cost(args.tokens_per_step)
     prompt = loaded.tokenizer.apply_chat([{"role": "user", "content": "Write a long story about a fox."}])
     results = {}
     with torch.inference_mode():
         for name in args.systems:
-            spec = None if name == "plain" else dataclasses.replace(base, spec=setting_spec(name, base.spec))
             # a cache of 1024 a row: the prompt and (20 + steps) x tokens-per-step fit
-            b = Batcher(Generator(loaded.model, loaded.tokenizer, spec), args.rows, 1024, SamplingParams())
+            b = Batcher(Generator(loaded.model, loaded.tokenizer, system(base, name)), args.rows, 1024,
+                        SamplingParams())
             b.add([Request(prompt) for _ in range(args.rows)])
             times, tokens = [], 0
             for i in range(20 + args.steps):

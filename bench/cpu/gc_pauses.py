@@ -8,7 +8,6 @@ round. The pauses come from eaglet's own counter (server/metrics.py, GCPauses). 
   .venv/bin/python bench/cpu/gc_pauses.py [--rounds 3] [--systems plain tree:4,4,16]
 """
 import argparse
-import dataclasses
 import gc
 import sys
 from pathlib import Path
@@ -17,19 +16,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from inprocess import bench_serve, serving  # noqa: E402
-from serve_host_load import live_rows_only, replay_any_shape  # noqa: E402
+from serve_host_load import model_without_cost, system  # noqa: E402
 
-from eaglet.config import SpecConfig  # noqa: E402
-from eaglet.generate import Generator, PlainDecoder  # noqa: E402
+from eaglet.generate import Generator  # noqa: E402
 from eaglet.perf.record import write_record  # noqa: E402
-from eaglet.runtime.graphs import GraphRunner  # noqa: E402
 from eaglet.sampling import SamplingParams  # noqa: E402
 from eaglet.server.app import build_app  # noqa: E402
 from eaglet.server.metrics import GCPauses  # noqa: E402
-from eaglet.server.policy import setting_spec  # noqa: E402
-from eaglet.spec.loop import SpecDecoder  # noqa: E402
-from eaglet.spec.speculator import bundled_drafter, load_speculator  # noqa: E402
-from eaglet.weights import load_model  # noqa: E402
+from eaglet.spec.speculator import bundled_drafter  # noqa: E402
 
 
 def main() -> None:
@@ -39,12 +33,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    GraphRunner.run = replay_any_shape
-    live_rows_only(PlainDecoder)
-    live_rows_only(SpecDecoder, 3)
-    loaded = load_model(None, "float32", "cpu")
-    base = load_speculator(SpecConfig("eagle3", str(bundled_drafter())), loaded.model)
+    loaded, base = model_without_cost(3)
     GCPauses.install()
     freeze = gc.freeze
     results = {"objects_tracked": len(gc.get_objects())}
@@ -52,8 +41,7 @@ def main() -> None:
     for frozen in (False, True):
         gc.freeze = freeze if frozen else (lambda: None)  # app.py's lifespan calls gc.freeze()
         for name in args.systems:
-            spec = None if name == "plain" else dataclasses.replace(base, spec=setting_spec(name, base.spec))
-            gen = Generator(loaded.model, loaded.tokenizer, spec)
+            gen = Generator(loaded.model, loaded.tokenizer, system(base, name))
             app = build_app(gen, "m", max_batch=64, max_len=1024)
             with torch.inference_mode():  # every row bucket's one real step before any timing
                 dec = gen.decoder(64, 1024, SamplingParams())

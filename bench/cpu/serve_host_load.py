@@ -62,6 +62,23 @@ def live_rows_only(cls, count: int | None = None) -> None:
     cls._collect = collect
 
 
+def model_without_cost(tokens_per_step: int):
+    """SmolLM2 on the CPU (one thread) with every step body run once per key and its outputs returned
+    after that, speculating rows emitting `tokens_per_step` tokens a step: (loaded model, the bundled
+    EAGLE-3 speculator), what the host-path probes serve or step."""
+    torch.set_num_threads(1)
+    GraphRunner.run = replay_any_shape
+    live_rows_only(PlainDecoder)
+    live_rows_only(SpecDecoder, tokens_per_step)
+    loaded = load_model(None, "float32", "cpu")
+    return loaded, load_speculator(SpecConfig("eagle3", str(bundled_drafter())), loaded.model)
+
+
+def system(base, name: str):
+    """The speculator of a system named plain (None), chain:S or tree:S,K,N."""
+    return None if name == "plain" else dataclasses.replace(base, spec=setting_spec(name, base.spec))
+
+
 def bench(port: int, args) -> dict:
     rec = bench_serve(port, args.prompts, args.num_requests, args.concurrency)
     return {"output_tok_s": rec["output_throughput"], "tpot_ms_median": rec["tpot_ms"]["median"],
@@ -95,17 +112,11 @@ def main() -> None:
     ap.add_argument("--pyspy", action="store_true")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    GraphRunner.run = replay_any_shape
-    live_rows_only(PlainDecoder)
-    live_rows_only(SpecDecoder, args.tokens_per_step)
-    loaded = load_model(None, "float32", "cpu")
-    base = load_speculator(SpecConfig("eagle3", str(bundled_drafter())), loaded.model)
+    loaded, base = model_without_cost(args.tokens_per_step)
     results = {"decode_us": decode_cost(loaded.tokenizer)}
     print("decode of a 1-4 token window, µs a call: " + ", ".join(f"{k} {v:.2f}" for k, v in results["decode_us"].items()))
     for port, name in enumerate(args.systems, start=8091):
-        spec = None if name == "plain" else dataclasses.replace(base, spec=setting_spec(name, base.spec))
-        gen = Generator(loaded.model, loaded.tokenizer, spec)
+        gen = Generator(loaded.model, loaded.tokenizer, system(base, name))
         app = build_app(gen, "m", max_batch=args.concurrency, max_len=1024)
         with torch.inference_mode():  # every row bucket's one real step before any timing (the engine reuses it)
             dec = gen.decoder(args.concurrency, 1024, SamplingParams())
