@@ -76,19 +76,24 @@ class SeqState:
             text += self.stream.flush()
         return text
 
+    def push_each(self, tokens: list[int]) -> tuple[str, int]:
+        """`push` each token until the sequence finishes: the text that became final, tokens taken."""
+        text, n = "", 0
+        for tok in tokens:
+            if self.finish_reason:
+                break
+            text += self.push(tok)
+            n += 1
+        return text, n
+
     def push_many(self, tokens: list[int]) -> tuple[str, int]:
         """Take a step's tokens up to the one that finishes the sequence (none once finished): the
-        text that became final and how many tokens counted; as `push` of each in turn."""
+        text that became final and how many tokens counted, as push_each gives them, for one decode
+        of the window."""
         if self.finish_reason or not tokens:
             return "", 0
         if self.stream is None or self.stream.stop or len(tokens) == 1:  # a stop string ends at its token
-            text, n = "", 0
-            for tok in tokens:
-                if self.finish_reason:
-                    break
-                text += self.push(tok)
-                n += 1
-            return text, n
+            return self.push_each(tokens)
         n = next((i + 1 for i, tok in enumerate(tokens) if tok in self.eos), len(tokens))
         n = min(n, self.budget - self.count)
         self.count += n

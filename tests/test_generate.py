@@ -217,8 +217,8 @@ def test_stop_string_across_or_inside_tokens(tok, stop, want):
 
 @pytest.mark.parametrize("stop", [(), ("own f",)])
 def test_push_many_is_push_of_each(tok, stop):
-    """SeqState.push_many of a step's tokens: the text and count of pushing each until the sequence
-    finishes (EOS inside the step, the budget, a stop string completed mid-step)."""
+    """SeqState.push_many of a step's tokens: the text and count of push_each (push of each until the
+    sequence finishes), with EOS inside the step, the budget, a stop string completed mid-step."""
     from eaglet.generate import SeqState
 
     ids = tok.encode("the quick brown fox jumps over the lazy dog")
@@ -228,12 +228,6 @@ def test_push_many_is_push_of_each(tok, stop):
             for size in (1, 2, 3, 5):
                 one, many = SeqState(tok, stop, frozenset({2}), budget), SeqState(tok, stop, frozenset({2}), budget)
                 for i in range(0, len(toks), size):
-                    text, n = "", 0
-                    for t in toks[i:i + size]:
-                        if one.finish_reason:
-                            break
-                        text += one.push(t)
-                        n += 1
-                    assert many.push_many(toks[i:i + size]) == (text, n)
+                    assert many.push_many(toks[i:i + size]) == one.push_each(toks[i:i + size])
                     assert (many.count, many.finish_reason) == (one.count, one.finish_reason)
                 assert many.stream.text == one.stream.text

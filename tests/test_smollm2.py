@@ -108,13 +108,7 @@ def test_a_step_of_tokens_decodes_as_its_tokens_one_by_one(smollm2):
         while i < len(ids) and not one.finish_reason:
             step = ids[i:i + rng.randrange(1, 7)]
             i += len(step)
-            text, n = "", 0
-            for t in step:
-                if one.finish_reason:
-                    break
-                text += one.push(t)
-                n += 1
-            assert many.push_many(step) == (text, n)
+            assert many.push_many(step) == one.push_each(step)
             assert (many.count, many.finish_reason, many.stream.text) == (one.count, one.finish_reason, one.stream.text)
         if many.finish_reason:
             assert many.push_many(ids[:3]) == ("", 0)  # nothing after the end
