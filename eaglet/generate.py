@@ -68,13 +68,16 @@ class SeqState:
         """Take one token (callers stop pushing once finished); returns the text that became final."""
         self.count += 1
         text = self.stream.push(tok) if self.stream else ""
-        if tok in self.eos or (self.stream and self.stream.stopped):
+        return text + self._settle(tok)
+
+    def _settle(self, last: int) -> str:
+        """After taking tokens up to `last`: finish on EOS, a stop string or the budget, and release
+        any held-back text then."""
+        if last in self.eos or (self.stream and self.stream.stopped):
             self.finish_reason = "stop"
         elif self.count >= self.budget:
             self.finish_reason = "length"
-        if self.finish_reason and self.stream:
-            text += self.stream.flush()
-        return text
+        return self.stream.flush() if self.finish_reason and self.stream else ""
 
     def push_each(self, tokens: list[int]) -> tuple[str, int]:
         """`push` each token until the sequence finishes: the text that became final, tokens taken."""
@@ -97,14 +100,7 @@ class SeqState:
         n = next((i + 1 for i, tok in enumerate(tokens) if tok in self.eos), len(tokens))
         n = min(n, self.budget - self.count)
         self.count += n
-        text = self.stream.extend(tokens[:n])
-        if tokens[n - 1] in self.eos:
-            self.finish_reason = "stop"
-        elif self.count >= self.budget:
-            self.finish_reason = "length"
-        if self.finish_reason:
-            text += self.stream.flush()
-        return text, n
+        return self.stream.extend(tokens[:n]) + self._settle(tokens[n - 1]), n
 
 
 class PlainDecoder(SlotDecoder):

@@ -215,10 +215,10 @@ def test_stop_string_across_or_inside_tokens(tok, stop, want):
     assert stream.flush() == ""
 
 
-@pytest.mark.parametrize("stop", [(), ("own f",)])
-def test_push_many_is_push_of_each(tok, stop):
-    """SeqState.push_many of a step's tokens: the text and count of push_each (push of each until the
-    sequence finishes), with EOS inside the step, the budget, a stop string completed mid-step."""
+def test_push_many_is_push_of_each(tok):
+    """SeqState.push_many of a step's tokens (one decode of the window): the text and count of
+    push_each (push of each until the sequence finishes), with EOS inside the step and the budget
+    ending mid-step."""
     from eaglet.generate import SeqState
 
     ids = tok.encode("the quick brown fox jumps over the lazy dog")
@@ -226,8 +226,23 @@ def test_push_many_is_push_of_each(tok, stop):
         toks = ids[:eos_at] + [2] + ids[eos_at:] if eos_at else ids
         for budget in (4, len(toks) + 2):
             for size in (1, 2, 3, 5):
-                one, many = SeqState(tok, stop, frozenset({2}), budget), SeqState(tok, stop, frozenset({2}), budget)
+                one, many = SeqState(tok, (), frozenset({2}), budget), SeqState(tok, (), frozenset({2}), budget)
                 for i in range(0, len(toks), size):
                     assert many.push_many(toks[i:i + size]) == one.push_each(toks[i:i + size])
                     assert (many.count, many.finish_reason) == (one.count, one.finish_reason)
                 assert many.stream.text == one.stream.text
+                assert many.finish_reason == ("length" if budget == 4 else "stop" if eos_at else None)
+
+
+def test_push_many_ends_at_a_stop_string_inside_the_step(tok):
+    """A stop string completed by the second of a step's three tokens: the text ends before it, the
+    sequence stops, and the third token does not count."""
+    from eaglet.generate import SeqState
+
+    ids = tok.encode("the quick brown fox jumps")
+    end = next(i for i in range(len(ids)) if "own f" in tok.decode(ids[:i + 1]))  # the token completing it
+    seq = SeqState(tok, ("own f",), frozenset({2}), 100)
+    text, n = seq.push_many(ids[:end - 1])
+    more, m = seq.push_many(ids[end - 1:end + 2])
+    assert text + more == "the quick br" and seq.stream.text == "the quick br"
+    assert seq.finish_reason == "stop" and n + m == end + 1 == seq.count

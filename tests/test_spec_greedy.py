@@ -283,32 +283,32 @@ def test_smollm2_batch_rows_equal_each_prompt_alone(smol):
 
 
 def test_row_counters_are_per_row_spec_metrics():
-    """RowCounters (a batch's draft counters as arrays, one update a step) hold, for every row, what
-    SpecMetrics.record of each of its drafts holds, and each step's record returns the sum of them."""
+    """RowCounters (a batch's draft counters as arrays, one update a step) hold, for every row, the
+    sums over the drafts it made since its last reset, and each step's record returns that step's
+    sums over its rows; per-position lists run to the deepest position any draft reached."""
     import numpy as np
 
     from eaglet.spec.metrics import RowCounters, SpecMetrics
 
+    def expect(drafts: list[tuple[int, int, int]]) -> SpecMetrics:  # (accepted, drafted, reach) each
+        depth = max((m for _, _, m in drafts), default=0)
+        return SpecMetrics(len(drafts), sum(d for _, d, _ in drafts), sum(a for a, _, _ in drafts),
+                           [sum(a > i for a, _, _ in drafts) for i in range(depth)],
+                           [sum(m > i for _, _, m in drafts) for i in range(depth)])
+
     rng = np.random.default_rng(0)
     rows, depth = 8, 5
-    counters, want = RowCounters(rows, depth), [SpecMetrics() for _ in range(rows)]
+    counters, made = RowCounters(rows, depth), [[] for _ in range(rows)]
     for step in range(40):
         if step == 20:  # rows 1 and 3 taken by new requests
             counters.reset([1, 3])
-            want[1], want[3] = SpecMetrics(), SpecMetrics()
+            made[1], made[3] = [], []
         drew = sorted(rng.choice(rows, size=int(rng.integers(1, rows + 1)), replace=False).tolist())
         reach = rng.integers(0, depth + 1, len(drew))
         accepted = np.array([rng.integers(0, r + 1) for r in reach])
         drafted = reach + rng.integers(0, 10, len(drew))
-        total = SpecMetrics()
-        for r, a, d, m in zip(drew, accepted, drafted, reach):
-            want[r].record(accepted=int(a), draft_tokens=int(d), max_depth=int(m))
-            one = SpecMetrics()
-            one.record(accepted=int(a), draft_tokens=int(d), max_depth=int(m))
-            total.merge(one)
-        got = counters.record(drew, accepted, drafted, reach)
-        assert got == SpecMetrics(total.drafts, total.draft_tokens, total.accepted_tokens,
-                                  *[xs[:len(got.accepted_per_pos)] for xs in (total.accepted_per_pos,
-                                                                               total.drafts_reaching_pos)])
-        assert not any(total.drafts_reaching_pos[len(got.drafts_reaching_pos):])  # only trailing zeros trimmed
-    assert [counters.of(r) for r in range(rows)] == want
+        this = [(int(a), int(d), int(m)) for a, d, m in zip(accepted, drafted, reach)]
+        for r, t in zip(drew, this):
+            made[r].append(t)
+        assert counters.record(drew, accepted, drafted, reach) == expect(this)
+    assert [counters.of(r) for r in range(rows)] == [expect(m) for m in made]

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..errors import InvalidInput
+from ..server.metrics import ENGINE_PARTS, WALL_PARTS
 
 
 @dataclass
@@ -103,7 +104,6 @@ SERVER_METRICS = ("spec_decode_num_", "spec_accept_length", "kv_cache_", "num_re
                   "num_requests_waiting", "process_resident_memory_bytes",
                   "time_to_first_token_seconds_sum", "time_to_first_token_seconds_count", "eaglet:engine_",
                   "eaglet:gc_pause_seconds")
-ENGINE_PARTS = ("idle", "admit", "step", "output", "other")  # eaglet's engine_seconds{part}, besides device_wait
 
 
 def server_ttft_ms(before: dict | None, after: dict | None) -> float | None:
@@ -129,12 +129,12 @@ def engine_time(before: dict | None, after: dict | None) -> dict | None:
     if not before or not after:
         return None
     delta = {k.split("part=")[1].rstrip("}"): after[k] - before.get(k, 0.0) for k in after if "engine_seconds{part=" in k}
-    wall = sum(delta.get(p, 0.0) for p in ENGINE_PARTS)
+    wall = sum(delta.get(p, 0.0) for p in WALL_PARTS)
     if not wall:
         return None
     count = lambda name: int(sum(after[k] - before.get(k, 0.0) for k in after if k.endswith(name)))  # noqa: E731
     steps, admissions = count("engine_steps"), count("engine_admissions")
-    out = {"seconds": delta, "share": {p: delta.get(p, 0.0) / wall for p in (*ENGINE_PARTS, "device_wait")},
+    out = {"seconds": delta, "share": {p: delta.get(p, 0.0) / wall for p in ENGINE_PARTS},
            "steps": steps, "admissions": admissions}
     gc_keys = [k for k in after if "gc_pause_seconds{generation=" in k]
     if gc_keys:

@@ -36,7 +36,7 @@ Generator (one model), so its decoder and CUDA graphs are reused the next time i
 Admissions into a running batch come in groups: each is a prefill and a sync that stalls the
 pipelined steps (~6 ms on the H200 at 64 speculating rows), and speculating rows finish at
 staggered steps, so admitting each request as it came made hundreds of one-request prefills a run
-(528 for 1024 requests at 64 streams, 46% of the engine's time). A running batch admits once the
+(528 for 1024 requests at 64 streams, 45% of the engine's time). A running batch admits once the
 requests waiting to join number 1/ADMIT_SHARE of its running rows (at most its free rows), or the
 oldest has waited ADMIT_WAIT; a batch of up to ADMIT_SHARE rows, or an idle one, admits at once.
 
@@ -367,8 +367,8 @@ class Engine:
             if not same:
                 return None, [], None, 0  # the current batch drains first
             free = len(self.batcher.free_rows)
-            group = min(free, -(-self.batcher.running // ADMIT_SHARE))
-            if run < group and time.perf_counter() - self.waiting[0].arrival < ADMIT_WAIT:
+            enough = min(free, -(-self.batcher.running // ADMIT_SHARE))
+            if run < enough and time.perf_counter() - self.waiting[0].arrival < ADMIT_WAIT:
                 return None, [], None, 0  # a larger group soon: one prefill (and one sync) for several
             load = min(self.slots, self.batcher.running + run)
             choice = self.policy.choose(load)

@@ -23,8 +23,8 @@ its device reads from these (`eaglet bench-serve` prints them).
 Garbage collection: `gc_pause_seconds{generation}` is the time the process spent in Python's cyclic
 garbage collector, which stops every thread (the engine's and the event loop's). The server freezes
 what it holds after warm-up (app.py), so a full collection no longer walks the model's, the
-tokenizer's and the libraries' objects: on a CPU serving probe that took 275-320 ms a collection,
-one of them in most 64-stream runs (BENCHMARKS.md, twentieth session).
+tokenizer's and the libraries' objects: on a CPU serving probe that took 225-301 ms a collection,
+one in every other 64-stream round (BENCHMARKS.md, twentieth session).
 """
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ from prometheus_client.core import CounterMetricFamily
 
 from ..spec.metrics import SpecMetrics
 
-ENGINE_PARTS = ("idle", "admit", "step", "output", "other", "device_wait")
+WALL_PARTS = ("idle", "admit", "step", "output", "other")  # they add up to the engine thread's wall time
+ENGINE_PARTS = WALL_PARTS + ("device_wait",)  # device_wait: within admit and step
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0)
 

@@ -15,19 +15,6 @@ class SpecMetrics:
     accepted_per_pos: list[int] = field(default_factory=list)  # position i (1-based depth) accepted
     drafts_reaching_pos: list[int] = field(default_factory=list)  # drafts that proposed depth i
 
-    def record(self, accepted: int, draft_tokens: int, max_depth: int) -> None:
-        self.drafts += 1
-        self.draft_tokens += draft_tokens
-        self.accepted_tokens += accepted
-        grow = max(max_depth, accepted) - len(self.accepted_per_pos)
-        if grow > 0:
-            self.accepted_per_pos += [0] * grow
-            self.drafts_reaching_pos += [0] * grow
-        for i in range(accepted):
-            self.accepted_per_pos[i] += 1
-        for i in range(max_depth):
-            self.drafts_reaching_pos[i] += 1
-
     def merge(self, other: "SpecMetrics") -> None:
         self.drafts += other.drafts
         self.draft_tokens += other.draft_tokens
@@ -37,10 +24,6 @@ class SpecMetrics:
         self.accepted_per_pos = [a + b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))]
         self.drafts_reaching_pos = [a + b for a, b in zip(pad(self.drafts_reaching_pos),
                                                           pad(other.drafts_reaching_pos))]
-
-    def copy(self) -> "SpecMetrics":
-        return SpecMetrics(self.drafts, self.draft_tokens, self.accepted_tokens, list(self.accepted_per_pos),
-                           list(self.drafts_reaching_pos))
 
     @property
     def accept_length(self) -> float:
@@ -74,7 +57,8 @@ class RowCounters:
 
     def record(self, rows: list[int], accepted: np.ndarray, draft_tokens: np.ndarray, max_depth: np.ndarray
                ) -> SpecMetrics:
-        """One draft of each of `rows` (SpecMetrics.record of each); returns their sum."""
+        """One draft of each of `rows`: `accepted` drafted tokens taken (so positions 1..accepted
+        count one), `draft_tokens` drafted, positions 1..max_depth reached. Returns their sum."""
         acc = accepted[:, None] > self.pos  # (n, depth)
         reach = max_depth[:, None] > self.pos
         self.totals[rows] += np.stack([np.ones_like(accepted), draft_tokens, accepted], 1)
