@@ -94,6 +94,26 @@ def busy_and_launches(prof) -> tuple[float, float, float, int]:
     return busy, (spans[-1][1] - spans[0][0]) if spans else 0.0, launch_us, launches
 
 
+def idle_by_transition(prof, reps: int) -> dict:
+    """Per replay of one graph profiled `reps` times: the span from its first kernel's start to its
+    last one's end, the kernels' summed time, and the idle time between consecutive kernels summed
+    by (kernel before, kernel after), costliest first: whether a slower wall comes from the kernels
+    or from the gaps between them (µs)."""
+    ks = sorted((e.time_range.start, e.time_range.end, e.name[:40]) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA)
+    n = len(ks) // reps
+    span = busy = 0.0
+    idle = defaultdict(float)
+    for r in range(reps):
+        seq = ks[r * n:(r + 1) * n]
+        span += seq[-1][1] - seq[0][0]
+        busy += sum(b - a for a, b, _ in seq)
+        for (_, a1, an), (b0, _, bn) in zip(seq, seq[1:]):
+            idle[f"{an} -> {bn}"] += max(0.0, b0 - a1)
+    return {"kernels": n, "span_us": span / reps, "kernel_us": busy / reps, "idle_us": (span - busy) / reps,
+            "idle_by_transition": {k: v / reps for k, v in sorted(idle.items(), key=lambda kv: -kv[1])}}
+
+
 def profile_system(gen, ids, cfg, steps_of) -> dict:
     gen.generate([ids], cfg)  # warm-up: graphs captured
     gen.generate([ids], cfg)
@@ -207,20 +227,27 @@ def main_forward(shape: str, out_dir: str, tokens: tuple[int, ...] = (1, 2, 16),
                  reps: int = 20) -> None:
     """The graphed forward of T tokens of `bench --shape`'s curve (its context: 512 + 64), each T's
     kernels from `reps` replays, and the kernels that grow most from the first T to the last."""
-    from eaglet.perf.curves import forward_steps
+    from eaglet.perf.curves import forward_steps, time_ms
     from eaglet.perf.shapes import random_model
 
     model = random_model(shape, torch.device("cuda"), torch.bfloat16)
-    tables = {}
+    tables, timing = {}, {}
     for t, step in forward_steps(model, tokens, context, graphs=True):
+        event_ms = time_ms(step, torch.device("cuda"), 50)  # as bench --shape times it, no profiler
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(reps):
                 step()
-            torch.cuda.synchronize()
+                torch.cuda.synchronize()  # replays apart: one replay's gaps are its own
         rows = kernel_table(prof, reps)
         tables[t] = {n: (c, us) for n, c, us in rows}
-        print(f"T={t}: {sum(r[2] for r in rows):.0f} us in {sum(r[1] for r in rows):.0f} kernels", flush=True)
+        timing[t] = {"event_ms": event_ms, **idle_by_transition(prof, reps)}
+        tm = timing[t]
+        print(f"T={t}: {sum(r[2] for r in rows):.0f} us in {sum(r[1] for r in rows):.0f} kernels; CUDA events "
+              f"{event_ms * 1e3:.0f} us a replay; profiled: first kernel to last {tm['span_us']:.0f} us, kernels "
+              f"{tm['kernel_us']:.0f}, idle between them {tm['idle_us']:.0f}", flush=True)
+        for k, us in list(tm["idle_by_transition"].items())[:8]:
+            print(f"    idle {us:7.1f} us  {k}")
         print_summary(summary(rows), top=10)
     lo, hi = tables[tokens[0]], tables[tokens[-1]]
     grew = sorted(((n, hi.get(n, (0, 0.0)), lo.get(n, (0, 0.0))) for n in set(lo) | set(hi)),
@@ -229,7 +256,7 @@ def main_forward(shape: str, out_dir: str, tokens: tuple[int, ...] = (1, 2, 16),
     for n, (c1, u1), (c0, u0) in grew[:15]:
         print(f"  {u1 - u0:+8.1f} us  {c0:5.1f} x {u0:7.1f} -> {c1:5.1f} x {u1:7.1f}  {n[:110]}")
     results = {str(t): {"gpu_us": sum(us for _, us in tab.values()), "kernels": sum(c for c, _ in tab.values()),
-                        "all": [{"name": n[:160], "count": c, "us": us} for n, (c, us) in tab.items()]}
+                        **timing[t], "all": [{"name": n[:160], "count": c, "us": us} for n, (c, us) in tab.items()]}
                for t, tab in tables.items()}
     print(f"record: {write_record('forward-profile', {'shape': shape, 'context': context, 'tokens': list(tokens)}, results, out_dir)}")
 
