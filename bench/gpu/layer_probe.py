@@ -22,6 +22,7 @@ split across programs, configs of six numbers, the last the split).
   python3 bench/gpu/layer_probe.py OUT_DIR
   python3 bench/gpu/layer_probe.py OUT_DIR sweep [llama-3.1-8b | qwen3-8b | smollm2-135m] [ROWS, e.g. 1,6,16,64]
   SWEEP=split python3 ...   (2 to 16 rows: what dot_tiles picks against the split-K candidates only)
+  SWEEP=swap python3 ...    (2 to 16 rows: against `dot_swap` and `dot_swap_tma`, the operands swapped)
   python3 bench/gpu/layer_probe.py OUT_DIR glu [SHAPE] [ROWS]   (gate-up + SiLU·mul: unfused against gemv.glu)
 """
 import os
@@ -88,6 +89,39 @@ def dot_splitk(X, W, Y, P, C, M, N, sx, K: tl.constexpr, BM: tl.constexpr, BN: t
             tot += tl.load(part + i * BM * N, mask=cm[None, :], other=0.0, cache_modifier=".cg")
         tl.store(Y + m[:, None] * N + cols[None, :], tot.to(Y.dtype.element_ty), mask=mm[:, None] & cm[None, :])
         tl.atomic_xchg(C + cb, 0)
+
+
+@triton.jit
+def dot_swap(X, W, Y, M, N, sx, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """A candidate for 2 to 16 rows (verify): the tensor-core kernel with its operands swapped, Yᵀ = W Xᵀ.
+    eaglet's kernel puts X's 16 rows on the instruction's wide side, which Hopper's wgmma makes 64
+    rows (so 3/4 of it is padding, or Triton falls back to the older mma); here the weight tile is
+    that side (BN >= 64) and the few rows of X the narrow one (8 to 256 wide)."""
+    m = tl.arange(0, BM)
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    mm, cm = m < M, cols < N
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + tl.arange(0, BK)
+        x = tl.load(X + m[:, None] * sx + kk[None, :], mask=mm[:, None], other=0.0)
+        w = tl.load(W + cols[:, None] * K + kk[None, :], mask=cm[:, None], other=0.0, eviction_policy="evict_first")
+        acc = tl.dot(w, tl.trans(x), acc)
+    tl.store(Y + m[None, :] * N + cols[:, None], acc.to(Y.dtype.element_ty), mask=cm[:, None] & mm[None, :])
+
+
+@triton.jit
+def dot_swap_tma(X, W, Y, M, N, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """`dot_swap` with X and W read through tensor descriptors (Hopper's TMA copies whole tiles into
+    shared memory; no per-thread addresses), X padded to BM rows by the descriptor's bounds."""
+    m = tl.arange(0, BM)
+    c0 = tl.program_id(0) * BN
+    cols = c0 + tl.arange(0, BN)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        x = X.load([0, k0])
+        w = W.load([c0, k0])
+        acc = tl.dot(w, tl.trans(x), acc)
+    tl.store(Y + m[None, :] * N + cols[:, None], acc.to(Y.dtype.element_ty), mask=(cols < N)[:, None] & (m < M)[None, :])
 
 
 @triton.jit
@@ -262,6 +296,14 @@ SWEEP_SHAPES = {
 
 ROWS = (1, 6, 16, 64)
 SPLIT_ONLY = os.environ.get("SWEEP") == "split"  # the picked tile and the split-K candidates only
+SWAP_ONLY = os.environ.get("SWEEP") == "swap"  # the picked tile and the swapped-operand candidates only
+
+
+def swap_grid(bm: int, k: int) -> list[tuple]:
+    """("swap" | "tma", columns, slice width, warps, stages) for `dot_swap` / `dot_swap_tma`, where
+    their stages fit in shared memory."""
+    return [(kind, bn, bk, w, st) for kind in ("swap", "tma") for bn in (64, 128) for bk in (128, 256)
+            for w in (4, 8) for st in (3, 4) if bk <= k and (bm + bn) * bk * 2 * st <= 200 * 1024]
 
 
 def sweep(out_dir: str, shape: str) -> None:
@@ -281,9 +323,22 @@ def sweep(out_dir: str, shape: str) -> None:
             ref = F.linear(xx, ws[-1]).float()  # what yy holds after a run: the last layer's product
 
             def launcher(cfg):
+                if cfg[0] == "tma":
+                    from triton.tools.tensor_descriptor import TensorDescriptor
+                    xd = TensorDescriptor.from_tensor(xx, [16, cfg[2]])
+                    wds = [TensorDescriptor.from_tensor(wt, [cfg[1], cfg[2]]) for wt in ws]
+
                 def run():
-                    for wt in ws:
-                        if len(cfg) == 6:  # the split-K candidate
+                    for i, wt in enumerate(ws):
+                        if cfg[0] == "swap":
+                            _, bn, bk, warps, stages = cfg
+                            dot_swap[(triton.cdiv(n, bn),)](xx, wt, yy, rows, n, k, K=k, BM=16, BN=bn, BK=bk,
+                                                            num_warps=warps, num_stages=stages)
+                        elif cfg[0] == "tma":
+                            _, bn, bk, warps, stages = cfg
+                            dot_swap_tma[(triton.cdiv(n, bn),)](xd, wds[i], yy, rows, n, K=k, BM=16, BN=bn, BK=bk,
+                                                                num_warps=warps, num_stages=stages)
+                        elif len(cfg) == 6:  # the split-K candidate
                             bm, bn, bk, warps, stages, split = cfg
                             dot_splitk[(triton.cdiv(n, bn), split)](xx, wt, yy, part, count_, rows, n, k, K=k, BM=bm,
                                                                     BN=bn, BK=bk, SPLIT=split, num_warps=warps,
@@ -318,7 +373,9 @@ def sweep(out_dir: str, shape: str) -> None:
                              if bn * bk <= 16384 and k % (sp * bk) == 0]
                 split = split if bm <= 16 else []
                 grid = [picked or grid[0]] + split if SPLIT_ONLY else grid + split
-                if rows <= 8 and not SPLIT_ONLY:
+                if SWAP_ONLY and bm <= 16:
+                    grid = [picked or grid[0]] + swap_grid(bm, k)
+                if rows <= 8 and not (SPLIT_ONLY or SWAP_ONLY):
                     mp = 1 << (rows - 1).bit_length()
                     grid += [(bn, bk, w, mp) for bn in (1, 2) for bk in (256, 512, 1024) for w in (4, 8)
                              if bk <= max(256, 1 << (k - 1).bit_length())]
@@ -327,10 +384,13 @@ def sweep(out_dir: str, shape: str) -> None:
             if picked not in grid:
                 grid.append(picked)
             for cfg in grid:
-                run = launcher(cfg)
                 try:
+                    run = launcher(cfg)
                     run()
                 except triton.runtime.errors.OutOfResources:
+                    continue
+                except Exception as e:  # a candidate tile Triton cannot build here (e.g. a TMA box too wide)
+                    print(f"  {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}", flush=True)
                     continue
                 err = (yy.float() - ref).abs().max().item()
                 ms = timed_graph(run)
