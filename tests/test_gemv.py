@@ -87,7 +87,7 @@ def test_tiles(gemv_on):
     assert gemv.dot_tiles(6, 49152, 576) is None  # SmolLM2's head: cuBLAS
     assert not gemv.usable(torch.ones(6, 576).half(), torch.ones(49152, 576).half(), 6)
     assert gemv.glu_tiles(1, 4096) == (1, 2048, 8) and gemv.glu_tiles(1, 576) == (1, 256, 4)
-    assert gemv.glu_tiles(16, 4096) == (16, 32, 128, 4, 3, False)
+    assert gemv.glu_tiles(16, 4096) == (16, 64, 128, 4, 4, True)
     assert gemv.glu_tiles(6, 576) == (16, 32, 128, 4, 4, False)
 
 

@@ -66,12 +66,12 @@ def dot_tiles(rows: int, n: int, k: int) -> tuple[int, int, int, int, int, bool]
     15.56 µs), the down projection 5% (31.99 against 33.59), gate-up 3% and the head 11% (246.7
     against 278.1); the 4096 x 4096 o projection stays unswapped (10.76 against 11.07). SmolLM2's
     narrow ones: 16 to 32 columns, unswapped (64-column tiles would leave most SMs idle)."""
-    if k >= 2048:
-        if n <= 4096 and k < 8192:
+    if k >= 2048 and _swap and (n > 4096 or k >= 8192):
+        return (16, 128, 128, 4, 3, True) if n >= 16384 and k < 8192 else (16, 64, 256, 4, 4, True)
+    if k >= 2048:  # unswapped (EAGLET_DOT_SWAP=0 keeps these tiles for the projections above too)
+        if k >= 8192 or n <= 4096:
             return 16, 32, 512, 4, 4, False
-        if k >= 8192:
-            return 16, 64, 256, 4, 4, _swap
-        return (16, 128, 128, 4, 3, _swap) if n >= 16384 else (16, 64, 256, 4, 4, _swap)
+        return (16, 64, 128, 4, 3, False) if n >= 16384 else (16, 64, 256, 4, 4, False)
     if n >= 16384:
         return None
     if n >= 2048:
@@ -85,10 +85,13 @@ def glu_tiles(rows: int, k: int) -> tuple[int, ...]:
     gate-up at 1 / 2 / 16 rows 53.3 / 58.2 / 59.0 µs against 54.5 / 59.7 / 61.4 for the matmul and the
     compiled SiLU·mul (at 2-16 rows 128-wide slices rather than 256: within 1% on Llama, 0.28 ms a
     16-token forward faster on Qwen3-8B, bench-shape-qwen3-8b-gpu-20261130-110525/-110631.json);
-    SmolLM2's at 1 / 6 / 16 rows 3.0 / 4.2 / 4.3 µs against 4.0 / 5.5 / 5.5."""
+    SmolLM2's at 1 / 6 / 16 rows 3.0 / 4.2 / 4.3 µs against 4.0 / 5.5 / 5.5. Swapped as in dot_tiles,
+    Llama's at 2 / 16 rows 57.5 / 58.0 µs against 58.3 / 59.0 (glu-sweep-gpu-20261201-093335.json)."""
     if rows == 1:
         return (1, 2048, 8) if k >= 2048 else (1, max(64, min(256, pow2(k))), 4)
-    return (16, 32, 128, 4, 3, False) if k >= 2048 else (16, 32, min(128, max(16, pow2(k))), 4, 4, False)
+    if k >= 2048:
+        return (16, 64, 128, 4, 4, True) if _swap else (16, 32, 128, 4, 3, False)
+    return (16, 32, min(128, max(16, pow2(k))), 4, 4, False)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
