@@ -50,45 +50,18 @@ def test_glu_matches_silu_of_gate_times_up(rows, i, k, bias, gemv_on):
     torch.testing.assert_close(y.float(), F.silu(gate) * up, atol=2e-3, rtol=2e-3)
 
 
-@pytest.mark.parametrize("glu,bias,k", [(False, False, 256), (False, True, 100), (True, False, 256), (True, True, 100)])
-def test_swapped_operands_give_the_same_product(glu, bias, k, gemv_on, monkeypatch):
-    """The tensor-core kernel with SWAP (the product formed as W Xᵀ and transposed back) equals its
-    unswapped self and F.linear, plain and with SiLU·mul, for even and ragged widths and 70 output
-    columns (a second, partial 64-column tile)."""
-    g = torch.Generator().manual_seed(k + glu)
-    w = (torch.randn(140 if glu else 70, k, generator=g) * 0.05).half().to(DEV)
-    b = torch.randn(w.shape[0], generator=g).half().to(DEV) if bias else None
-    x = torch.randn(1, 6, k, generator=g).half().to(DEV)
-    out = {}
-    for swap in (False, True):
-        tile = (16, 64, 64, 4, 3, swap)
-        monkeypatch.setattr(gemv, "dot_tiles", lambda rows, n, k, t=tile: t)
-        monkeypatch.setattr(gemv, "glu_tiles", lambda rows, k, t=tile: t)
-        with torch.no_grad():
-            out[swap] = (gemv.glu if glu else gemv.gemv)(x, w, b)
-    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
-    if glu:
-        gate, up = ref.half().float().chunk(2, -1)
-        ref = F.silu(gate) * up
-    torch.testing.assert_close(out[True].float(), ref, atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(out[True], out[False], atol=1e-3, rtol=1e-3)
-
-
 def test_tiles(gemv_on):
     assert gemv.tiles(4096, 14336) == (1, 1024, 8)  # Llama-3.1-8B's down projection
     assert gemv.tiles(960, 576) == (2, 1024, 2)  # SmolLM2's q/k/v
     assert gemv.tiles(49152, 576) == (4, 1024, 2)  # its head
     assert gemv.tiles(576, 1536) == (2, 2048, 4)
     assert gemv.tiles(10, 40) == (2, 64, 2)
-    assert gemv.dot_tiles(6, 4096, 14336) == (16, 64, 256, 4, 4, True)  # the 8B's down projection, swapped
-    assert gemv.dot_tiles(16, 28672, 4096) == (16, 128, 128, 4, 3, True)
-    assert gemv.dot_tiles(16, 4096, 4096) == (16, 32, 512, 4, 4, False)  # its o projection
-    assert gemv.dot_tiles(6, 960, 576) == (16, 16, 256, 4, 3, False)  # SmolLM2's q/k/v
+    assert gemv.dot_tiles(6, 4096, 14336) == (16, 32, 512, 4, 4)
+    assert gemv.dot_tiles(16, 28672, 4096) == (16, 64, 128, 4, 3)
     assert gemv.dot_tiles(6, 49152, 576) is None  # SmolLM2's head: cuBLAS
     assert not gemv.usable(torch.ones(6, 576).half(), torch.ones(49152, 576).half(), 6)
     assert gemv.glu_tiles(1, 4096) == (1, 2048, 8) and gemv.glu_tiles(1, 576) == (1, 256, 4)
-    assert gemv.glu_tiles(16, 4096) == (16, 64, 128, 4, 4, True)
-    assert gemv.glu_tiles(6, 576) == (16, 32, 128, 4, 4, False)
+    assert gemv.glu_tiles(16, 4096) == (16, 32, 128, 4, 3) and gemv.glu_tiles(6, 576) == (16, 32, 128, 4, 4)
 
 
 def test_linear_routes_single_half_rows_without_grad(gemv_on, monkeypatch):

@@ -36,16 +36,12 @@ def cases():
                lambda k=k, glu=glu, bn=bn, bk=bk, w=warps: compile_for_h200(
                    gemv._kernel, dict(K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0, HAS_BIAS=False, GLU=glu), w))
     for rows, n, k, glu, bias in [(6, 576, 576, False, True), (16, 3072, 576, True, False),
-                                  (16, 4096, 4096, False, False), (2, 28672, 4096, True, False),
-                                  (16, 6144, 4096, False, False), (6, 4096, 14336, False, True),
-                                  (16, 128256, 4096, False, False)]:
-        bm, bn, bk, warps, stages, swap = gemv.glu_tiles(rows, k) if glu else gemv.dot_tiles(rows, n, k)
-        yield (f"gemv {rows} rows, {n} x {k}, glu {glu}, swapped {swap}",
-               lambda k=k, glu=glu, bias=bias, t=(bm, bn, bk), w=warps, s=stages, sw=swap: compile_for_h200(
-                   gemv._dot_kernel, dict(K=k, BM=t[0], BN=t[1], BK=t[2], EVEN_K=k % t[2] == 0, HAS_BIAS=bias, GLU=glu,
-                                          SWAP=sw), w, s))
-    yield "gemv 16 rows, glu, swapped", lambda: compile_for_h200(  # the swapped gate-up the glu sweep times
-        gemv._dot_kernel, dict(K=4096, BM=16, BN=64, BK=128, EVEN_K=True, HAS_BIAS=False, GLU=True, SWAP=True), 4, 4)
+                                  (16, 4096, 4096, False, False), (2, 28672, 4096, True, False)]:
+        bm, bn, bk, warps, stages = gemv.glu_tiles(rows, k) if glu else gemv.dot_tiles(rows, n, k)
+        yield (f"gemv {rows} rows, {n} x {k}, glu {glu}",
+               lambda k=k, glu=glu, bias=bias, t=(bm, bn, bk), w=warps, s=stages: compile_for_h200(
+                   gemv._dot_kernel, dict(K=k, BM=t[0], BN=t[1], BK=t[2], EVEN_K=k % t[2] == 0, HAS_BIAS=bias, GLU=glu),
+                   w, s))
     for t, tree, split, norm in [(1, False, False, False), (6, False, True, False), (16, True, False, False),
                                  (32, True, True, True)]:
         g, hkv, d = 3, 3, 64

@@ -22,8 +22,7 @@ split across programs, configs of six numbers, the last the split).
   python3 bench/gpu/layer_probe.py OUT_DIR
   python3 bench/gpu/layer_probe.py OUT_DIR sweep [llama-3.1-8b | qwen3-8b | smollm2-135m] [ROWS, e.g. 1,6,16,64]
   SWEEP=split python3 ...   (2 to 16 rows: what dot_tiles picks against the split-K candidates only)
-  SWEEP=swap python3 ...    (2 to 16 rows: against `dot_swap` and `dot_swap_tma`, the operands swapped;
-                             in `glu`, against gemv's own kernel swapped)
+  SWEEP=swap python3 ...    (2 to 16 rows: against `dot_swap` and `dot_swap_tma`, the operands swapped)
   python3 bench/gpu/layer_probe.py OUT_DIR glu [SHAPE] [ROWS]   (gate-up + SiLU·mul: unfused against gemv.glu)
 """
 import os
@@ -271,10 +270,10 @@ def eaglet_kernel(cfg, xx, wt, yy, rows, n, k, glu=False):
         eg._kernel[(triton.cdiv(n, bn),)](xx, wt, yy, yy, n, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0, HAS_BIAS=False,
                                           GLU=glu, num_warps=warps)
     else:
-        bm, bn, bk, warps, stages, *swap = cfg  # swapped: a sixth element, True
+        bm, bn, bk, warps, stages = cfg
         eg._dot_kernel[(triton.cdiv(n, bn),)](xx, wt, yy, yy, rows, n, k, K=k, BM=bm, BN=bn, BK=bk,
-                                              EVEN_K=k % bk == 0, HAS_BIAS=False, GLU=glu, SWAP=bool(swap and swap[0]),
-                                              num_warps=warps, num_stages=stages)
+                                              EVEN_K=k % bk == 0, HAS_BIAS=False, GLU=glu, num_warps=warps,
+                                              num_stages=stages)
 
 
 def long_slices(bm: int, k: int, operands: int = 1) -> list[tuple[int, ...]]:
@@ -339,7 +338,7 @@ def sweep(out_dir: str, shape: str) -> None:
                             _, bn, bk, warps, stages = cfg
                             dot_swap_tma[(triton.cdiv(n, bn),)](xd, wds[i], yy, rows, n, K=k, BM=16, BN=bn, BK=bk,
                                                                 num_warps=warps, num_stages=stages)
-                        elif len(cfg) == 6 and not isinstance(cfg[5], bool):  # the split-K candidate
+                        elif len(cfg) == 6:  # the split-K candidate
                             bm, bn, bk, warps, stages, split = cfg
                             dot_splitk[(triton.cdiv(n, bn), split)](xx, wt, yy, part, count_, rows, n, k, K=k, BM=bm,
                                                                     BN=bn, BK=bk, SPLIT=split, num_warps=warps,
@@ -437,9 +436,7 @@ def glu_sweep(out_dir: str, shape: str) -> None:
         else:
             grid = [(16, bn, bk, w, st) for bn in (16, 32, 64) for bk in (64, 128, 256) for w in (4, 8)
                     for st in (2, 3, 4) if bn * bk <= 16384] + long_slices(16, k, operands=2)
-            swapped = [(16, bn, bk, w, st, True) for bn in (64, 128) for bk in (64, 128, 256) for w in (4, 8)
-                       for st in (3, 4) if bk <= k and (16 + 2 * bn) * bk * 2 * st <= 200 * 1024]
-            grid = [eg.glu_tiles(rows, k)] + swapped if SWAP_ONLY else grid + swapped
+
         for cfg in grid:
             def run(cfg=cfg):
                 for wt in ws:

@@ -13,8 +13,8 @@ MLP's gate-up with SiLU·mul in the same kernel: one kernel fewer per layer, 1.0
 faster than the two apart on SmolLM2 and 1.2 to 2.3 µs on Llama-3.1-8B (`glu_tiles`). Sums run
 in float32, so results differ from cuBLAS's by rounding only.
 
-Enabled by runtime/compile.py for float16 and bfloat16 on the GPU; `EAGLET_GEMV=0` keeps cuBLAS and
-`EAGLET_DOT_SWAP=0` the unswapped tensor-core tiles (for side-by-side runs). Under TRITON_INTERPRET=1 (the CPU tests) it runs on any device.
+Enabled by runtime/compile.py for float16 and bfloat16 on the GPU; `EAGLET_GEMV=0` keeps cuBLAS (for
+side-by-side runs). Under TRITON_INTERPRET=1 (the CPU tests) it runs on any device.
 """
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ except ImportError:  # CPU installs without Triton
     triton = None
 
 _on = False
-_swap = os.environ.get("EAGLET_DOT_SWAP", "1") != "0"  # 0: the unswapped tiles of before (side-by-side runs)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ROWS = 16  # more rows go to cuBLAS: at 64 it matched the best tile of the sweep
 
@@ -58,25 +57,22 @@ def tiles(n: int, k: int) -> tuple[int, int, int]:
     return (4 if n >= 16384 else 2), bk, 4 if bk >= 2048 else 2
 
 
-def dot_tiles(rows: int, n: int, k: int) -> tuple[int, int, int, int, int, bool] | None:
-    """The tensor-core kernel's (row tile, output columns per program, slice width, warps, stages,
-    swapped) for 2 to MAX_ROWS rows, or None where cuBLAS was as fast. From the sweeps at 16 rows on
-    Llama-3.1-8B (gemv-sweep-gpu-20261201-092750.json): with the operands swapped (W Xᵀ, the weight
-    tile on wgmma's 64-row side) q/k/v stream 3% faster than the best unswapped tile (15.09 against
-    15.56 µs), the down projection 5% (31.99 against 33.59), gate-up 3% and the head 11% (246.7
-    against 278.1); the 4096 x 4096 o projection stays unswapped (10.76 against 11.07). SmolLM2's
-    narrow ones: 16 to 32 columns, unswapped (64-column tiles would leave most SMs idle)."""
-    if k >= 2048 and _swap and (n > 4096 or k >= 8192):
-        return (16, 128, 128, 4, 3, True) if n >= 16384 and k < 8192 else (16, 64, 256, 4, 4, True)
-    if k >= 2048:  # unswapped (EAGLET_DOT_SWAP=0 keeps these tiles for the projections above too)
+def dot_tiles(rows: int, n: int, k: int) -> tuple[int, int, int, int, int] | None:
+    """The tensor-core kernel's (row tile, output columns per program, slice width, warps, stages) for
+    2 to MAX_ROWS rows, or None where cuBLAS was as fast. From the sweep at 6 and 16 rows: Llama-3.1-8B's
+    14336-wide down projection and the 4096-row ones take 512-wide slices, the wide gate-up and head
+    128-wide ones in three stages, 64 columns as q/k/v (the head 1.02-1.07x faster than with 32 at
+    2-16 rows, gate-up within 1%: gemv-sweep-gpu-20261130-073651/-092559.json); SmolLM2's narrow
+    ones 16 to 32 columns."""
+    if k >= 2048:
         if k >= 8192 or n <= 4096:
-            return 16, 32, 512, 4, 4, False
-        return (16, 64, 128, 4, 3, False) if n >= 16384 else (16, 64, 256, 4, 4, False)
+            return 16, 32, 512, 4, 4
+        return (16, 64, 128, 4, 3) if n >= 16384 else (16, 64, 256, 4, 4)
     if n >= 16384:
         return None
     if n >= 2048:
-        return 16, 32, min(128, max(16, pow2(k))), 4, 4, False
-    return (16, 16, 512, 4, 4, False) if k > 1024 else (16, 16, min(256, max(16, pow2(k))), 4, 3, False)
+        return 16, 32, min(128, max(16, pow2(k))), 4, 4
+    return (16, 16, 512, 4, 4) if k > 1024 else (16, 16, min(256, max(16, pow2(k))), 4, 3)
 
 
 def glu_tiles(rows: int, k: int) -> tuple[int, ...]:
@@ -85,13 +81,10 @@ def glu_tiles(rows: int, k: int) -> tuple[int, ...]:
     gate-up at 1 / 2 / 16 rows 53.3 / 58.2 / 59.0 µs against 54.5 / 59.7 / 61.4 for the matmul and the
     compiled SiLU·mul (at 2-16 rows 128-wide slices rather than 256: within 1% on Llama, 0.28 ms a
     16-token forward faster on Qwen3-8B, bench-shape-qwen3-8b-gpu-20261130-110525/-110631.json);
-    SmolLM2's at 1 / 6 / 16 rows 3.0 / 4.2 / 4.3 µs against 4.0 / 5.5 / 5.5. Swapped as in dot_tiles,
-    Llama's at 2 / 16 rows 57.5 / 58.0 µs against 58.3 / 59.0 (glu-sweep-gpu-20261201-093335.json)."""
+    SmolLM2's at 1 / 6 / 16 rows 3.0 / 4.2 / 4.3 µs against 4.0 / 5.5 / 5.5."""
     if rows == 1:
         return (1, 2048, 8) if k >= 2048 else (1, max(64, min(256, pow2(k))), 4)
-    if k >= 2048:
-        return (16, 64, 128, 4, 4, True) if _swap else (16, 32, 128, 4, 3, False)
-    return (16, 32, min(128, max(16, pow2(k))), 4, 4, False)
+    return (16, 32, 128, 4, 3) if k >= 2048 else (16, 32, min(128, max(16, pow2(k))), 4, 4)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -120,9 +113,9 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: 
         _kernel[(triton.cdiv(out, bn),)](xr, weight, b, y, out, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
                                          HAS_BIAS=bias is not None, GLU=glu, num_warps=warps)
     else:
-        bm, bn, bk, warps, stages, swap = glu_tiles(m, k) if glu else dot_tiles(m, n, k)
+        bm, bn, bk, warps, stages = glu_tiles(m, k) if glu else dot_tiles(m, n, k)
         _dot_kernel[(triton.cdiv(out, bn),)](xr, weight, b, y, m, out, xr.stride(0), K=k, BM=bm, BN=bn, BK=bk,
-                                             EVEN_K=k % bk == 0, HAS_BIAS=bias is not None, GLU=glu, SWAP=swap,
+                                             EVEN_K=k % bk == 0, HAS_BIAS=bias is not None, GLU=glu,
                                              num_warps=warps, num_stages=stages)
     return y.view(*x.shape[:-1], out)
 
@@ -184,34 +177,25 @@ if triton is not None:
 
     @triton.jit
     def _dot_kernel(X, W, B, Y, M, N, sx, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr, SWAP: tl.constexpr):
+                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr):
         """Y (M, N) = X (M, K) Wᵀ (+ B) for M <= BM rows: each program streams BN rows of W once (with
-        GLU also the BN rows N further on, and writes silu(first) * second). With SWAP the product
-        is formed transposed, (BN, BM) = W Xᵀ: the weight tile takes the tensor-core instruction's
-        wide side (Hopper's wgmma: 64 rows) and X's few rows the narrow one."""
+        GLU also the BN rows N further on, and writes silu(first) * second)."""
         m = tl.arange(0, BM)
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
         mm, cm = m < M, cols < N
-        if SWAP:
-            acc = tl.zeros((BN, BM), dtype=tl.float32)
-            acc2 = tl.zeros((BN, BM), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            acc2 = tl.zeros((BM, BN), dtype=tl.float32)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc2 = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
             kk = k0 + tl.arange(0, BK)
             xm = mm[:, None] if EVEN_K else mm[:, None] & (kk < K)[None, :]
             wm = cm[:, None] if EVEN_K else cm[:, None] & (kk < K)[None, :]
             x = tl.load(X + m[:, None] * sx + kk[None, :], mask=xm, other=0.0)
             w = tl.load(W + cols[:, None] * K + kk[None, :], mask=wm, other=0.0, eviction_policy="evict_first")
-            acc = tl.dot(w, tl.trans(x), acc) if SWAP else tl.dot(x, tl.trans(w), acc)
+            acc = tl.dot(x, tl.trans(w), acc)
             if GLU:
                 w2 = tl.load(W + (cols + N)[:, None] * K + kk[None, :], mask=wm, other=0.0,
                              eviction_policy="evict_first")
-                acc2 = tl.dot(w2, tl.trans(x), acc2) if SWAP else tl.dot(x, tl.trans(w2), acc2)
-        if SWAP:  # to (BM, BN)
-            acc = tl.trans(acc)
-            acc2 = tl.trans(acc2)
+                acc2 = tl.dot(x, tl.trans(w2), acc2)
         if HAS_BIAS:
             acc += tl.load(B + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
         if GLU:
