@@ -189,3 +189,19 @@ def test_eagle3_midlayer_input_compiled_equals_eager_and_the_norms():
     assert torch.equal(want[0], torch.cat([a(emb), b(h)], -1)) and torch.equal(want[1], b(h))
     torch.testing.assert_close(got[0], want[0])
     torch.testing.assert_close(got[1], want[1])
+
+
+def test_ngram_lookup_and_trie_compiled_equal_eager():
+    """The n-gram drafter's device lookup and trie (spec/drafters/ngram.py), traced whole."""
+    from eaglet.spec.drafters.ngram import continuations, trie
+
+    g = torch.Generator().manual_seed(0)
+    look, merge = compiled(continuations), compiled(trie)
+    for ngram_min, ngram_max, steps, want in [(1, 4, 5, 1), (2, 3, 3, 4)]:
+        hist = torch.randint(0, 4, (3, 40), generator=g)
+        lens = torch.tensor([40, 17, 2])
+        got = look(hist, lens, ngram_min, ngram_max, steps, want)
+        want_ = continuations.__wrapped__(hist, lens, ngram_min, ngram_max, steps, want)
+        assert all(torch.equal(a, b) for a, b in zip(got, want_))
+        got = merge(*want_, steps + want)
+        assert all(torch.equal(a, b) for a, b in zip(got, trie.__wrapped__(*want_, steps + want)))

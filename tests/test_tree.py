@@ -8,10 +8,10 @@ from eaglet.config import SpecConfig
 from eaglet.models.attention import AttnMeta
 from eaglet.sampling import SamplingParams
 from eaglet.spec.drafters.base import start_rows
-from eaglet.spec.drafters.ngram import NgramDrafter, build_trie, find_continuations
+from eaglet.spec.drafters.ngram import NgramDrafter, continuations, trie
 from eaglet.spec.loop import SpecDecoder
 from eaglet.spec.tree import DraftProposal, ancestor_mask, chain, select_tree
-from eaglet.spec.verify import cut
+from eaglet.spec.verify import VerifyResult, cut
 from eaglet.weights import load_model
 
 from .test_kvcache import assert_same_prefix, recompute, run
@@ -237,42 +237,118 @@ def ngram(steps=3, topk=1, **kw) -> SpecConfig:
     return SpecConfig("ngram", steps=steps, topk=topk, draft_tokens=None if topk == 1 else steps + topk, **kw)
 
 
-def test_find_continuations_longest_suffix_wins():
+def conts_of(hist: list[int], spec: SpecConfig, want: int, width: int = 24) -> list[list[int]]:
+    """`continuations` of one history, as lists (existing tokens only, empty ones dropped)."""
+    h = torch.zeros(1, width, dtype=torch.long)
+    h[0, :len(hist)] = torch.tensor(hist)
+    toks, ok = continuations(h, torch.tensor([len(hist)]), spec.ngram_min, spec.ngram_max, spec.steps, want)
+    return [t[o].tolist() for t, o in zip(toks[0], ok[0]) if o.any()]
+
+
+def reference_continuations(hist: list[int], spec: SpecConfig, want: int) -> list[list[int]]:
+    """The lookup written plainly: the longest suffix (ngram_max down to ngram_min tokens) with an
+    earlier occurrence followed by at least one token; the tokens after its `want` most recent ones."""
+    for n in range(min(spec.ngram_max, len(hist) - 1), spec.ngram_min - 1, -1):
+        at = [i for i in range(len(hist) - n - 1, -1, -1) if hist[i:i + n] == hist[len(hist) - n:]][:want]
+        if at:
+            return [hist[i + n:i + n + spec.steps] for i in at]
+    return []
+
+
+def reference_trie(conts: list[list[int]], budget: int) -> tuple[list[int], list[int]]:
+    """Continuations merged into a trie below node 0, numbered breadth first (depth, then the
+    continuation that made the node), cut to budget - 1: (tokens, parents) of the kept nodes."""
+    nodes: dict[tuple[int, ...], tuple[int, int, int]] = {}  # prefix -> (depth, maker, token)
+    for c, cont in enumerate(conts):
+        for d in range(len(cont)):
+            nodes.setdefault(tuple(cont[:d + 1]), (d, c, cont[d]))
+    order = sorted(nodes, key=lambda p: nodes[p][:2])[:budget - 1]
+    ids = {p: i + 1 for i, p in enumerate(order)}
+    return [nodes[p][2] for p in order], [ids.get(p[:-1], 0) for p in order]
+
+
+def test_continuations_longest_suffix_wins():
     # [1, 2, 3] occurred at 0 (then 9, 7, 3); the 1-gram [3] occurred later, at 5 (then 5, 1, 2)
     hist = [1, 2, 3, 9, 7, 3, 5, 1, 2, 3]
-    assert find_continuations(hist, ngram(), 1) == [[9, 7, 3]]
-    assert find_continuations(hist, ngram(ngram_max=1), 1) == [[5, 1, 2]]
-    assert find_continuations([1, 2, 3], ngram(), 1) == []  # nothing earlier matches
-    assert find_continuations([4, 1, 2, 5, 2], ngram(ngram_min=2), 1) == []  # 1-gram [2] not allowed
-    assert find_continuations([7, 7, 7], ngram(), 1) == [[7]]  # a continuation cut by the history's end
+    assert conts_of(hist, ngram(), 1) == [[9, 7, 3]]
+    assert conts_of(hist, ngram(ngram_max=1), 1) == [[5, 1, 2]]
+    assert conts_of([1, 2, 3], ngram(), 1) == []  # nothing earlier matches
+    assert conts_of([4, 1, 2, 5, 2], ngram(ngram_min=2), 1) == []  # 1-gram [2] not allowed
+    assert conts_of([7, 7, 7], ngram(), 1) == [[7]]  # a continuation cut by the history's end
 
 
-def test_find_continuations_most_recent_first():
+def test_continuations_most_recent_first():
     hist = [4, 5, 6, 4, 5, 7, 4, 5, 8, 4, 5]
-    assert find_continuations(hist, ngram(steps=2, topk=3), 3) == [[8, 4], [7, 4], [6, 4]]
-    assert find_continuations(hist, ngram(steps=2, topk=3), 2) == [[8, 4], [7, 4]]
-    assert find_continuations(hist, ngram(steps=2), 1) == [[8, 4]]
+    assert conts_of(hist, ngram(steps=2, topk=3), 3) == [[8, 4], [7, 4], [6, 4]]
+    assert conts_of(hist, ngram(steps=2, topk=3), 2) == [[8, 4], [7, 4]]
+    assert conts_of(hist, ngram(steps=2), 1) == [[8, 4]]
+    assert conts_of([4, 5, 6, 4, 5, 6, 4, 5], ngram(steps=2, topk=2, ngram_max=2), 2) == [[6, 4], [6, 4]]  # repeats stay
 
 
-def test_build_trie_merges_prefixes_breadth_first():
-    conts = [[5, 6, 7], [5, 6, 8], [9, 6]]
-    assert build_trie(conts, 100) == ([5, 9, 6, 6, 7, 8], [0, 0, 1, 2, 3, 3])
-    assert build_trie(conts, 4) == ([5, 9, 6], [0, 0, 1])  # root + 3, cut in breadth order
-    assert build_trie(conts, 1) == ([], [])
-    assert build_trie([[3, 4], [3, 4]], 10) == ([3, 4], [0, 1])  # duplicates merge completely
-    for budget in range(1, 8):  # never an orphan: every parent is the root or an earlier kept node
-        toks, pars = build_trie(conts, budget)
-        assert len(toks) == len(pars) == min(budget - 1, 6)
-        assert all(0 <= p <= i for i, p in enumerate(pars))
+def test_continuations_match_the_plain_lookup():
+    """Random histories over few tokens (many recurring suffixes), several rows of different lengths
+    in one call, every n-gram range: the device lookup equals the plain one."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        spec = ngram(steps=1 + trial % 4, topk=1 + trial % 3, ngram_min=1 + trial % 2, ngram_max=2 + trial % 3)
+        want = spec.topk
+        lens = torch.randint(1, 30, (5,), generator=g)
+        hist = torch.randint(0, 4, (5, 32), generator=g)
+        toks, ok = continuations(hist, lens, spec.ngram_min, spec.ngram_max, spec.steps, want)
+        for r in range(5):
+            got = [t[o].tolist() for t, o in zip(toks[r], ok[r]) if o.any()]
+            assert got == reference_continuations(hist[r, :lens[r]].tolist(), spec, want), (trial, r)
+
+
+def test_trie_merges_prefixes_breadth_first():
+    c = torch.tensor([[[5, 6, 7], [5, 6, 8], [9, 6, 0]]])
+    ok = torch.tensor([[[1, 1, 1], [1, 1, 1], [1, 1, 0]]]).bool()
+    tokens, parents, valid = trie(c, ok, 7)
+    assert tokens[0, 1:].tolist() == [5, 9, 6, 6, 7, 8] and parents[0].tolist() == [-1, 0, 0, 1, 2, 3, 3]
+    tokens, parents, valid = trie(c, ok, 4)  # root + 3, cut in breadth order
+    assert tokens[0, 1:].tolist() == [5, 9, 6] and parents[0, 1:].tolist() == [0, 0, 1] and valid.all()
+    tokens, parents, valid = trie(c, ok, 10)  # room for more than there is: padding, not valid
+    assert valid[0].tolist() == [True] * 7 + [False] * 3
+    tokens, parents, valid = trie(torch.tensor([[[3, 4], [3, 4]]]), torch.ones(1, 2, 2, dtype=torch.bool), 5)
+    assert tokens[0, 1:3].tolist() == [3, 4] and parents[0, 1:3].tolist() == [0, 1]  # repeats merge completely
+    assert valid[0].tolist() == [True, True, True, False, False]
+
+
+def test_trie_matches_the_plain_merge():
+    g = torch.Generator().manual_seed(1)
+    for trial in range(40):
+        c, s, budget = 1 + trial % 4, 1 + trial % 5, 2 + trial % 9
+        conts = torch.randint(0, 3, (3, c, s), generator=g)
+        ok = torch.arange(s)[None, None] < torch.randint(0, s + 1, (3, c, 1), generator=g)
+        tokens, parents, valid = trie(conts, ok, budget)
+        for r in range(3):
+            ref_t, ref_p = reference_trie([t[o].tolist() for t, o in zip(conts[r], ok[r])], budget)
+            n = len(ref_t)
+            assert valid[r].tolist() == [True] * (n + 1) + [False] * (budget - n - 1), trial
+            assert tokens[r, 1:n + 1].tolist() == ref_t and parents[r, 1:n + 1].tolist() == ref_p, trial
 
 
 def test_ngram_drafter_pads_its_proposal():
-    drafter = NgramDrafter(ngram(steps=2, topk=2), 1)
+    drafter = NgramDrafter(ngram(steps=2, topk=2), 1, 32)
     start_rows(drafter, [0], [[4, 5, 6, 4, 5, 7, 4]], None, torch.tensor([5]))  # history ... 4, 5
     prop = drafter.propose(torch.tensor([5]))
     # matches of [4, 5] (most recent first): then 7, 4 and then 6, 4; draft_tokens 4 = root + 3
     assert prop.tokens[0].tolist() == [5, 7, 6, 4] and prop.parents[0].tolist() == [-1, 0, 0, 1]
     assert prop.depth[0].tolist() == [0, 1, 1, 2] and prop.valid.all()
-    drafter.commit_host([[9]])  # history ... 4, 5, 9: no earlier 9, nothing to propose
-    prop = drafter.propose(torch.tensor([9]))
+    tokens = torch.tensor([[9, 0, 0]])  # the step emitted 9 alone: history ... 4, 5, 9
+    drafter.commit(prop, VerifyResult(torch.zeros(1, 3, dtype=torch.long), torch.tensor([1]), tokens, tokens[:, 0]), None)
+    assert drafter.lens.tolist() == [9] and drafter.hist[0, :9].tolist() == [4, 5, 6, 4, 5, 7, 4, 5, 9]
+    prop = drafter.propose(torch.tensor([9]))  # no earlier 9: nothing to propose
     assert prop.tokens[0, 0] == 9 and prop.valid[0].tolist() == [True, False, False, False]
+
+
+def test_ngram_row_views_share_the_history():
+    drafter = NgramDrafter(ngram(steps=2), 3, 16)
+    start_rows(drafter, [0, 1, 2], [[1, 2, 1], [3, 3], [5]], None, torch.tensor([2, 3, 6]))
+    view = drafter.rows(2)
+    tokens = torch.tensor([[7, 8, 0], [4, 0, 0]])
+    view.commit(None, VerifyResult(torch.zeros(2, 3, dtype=torch.long), torch.tensor([2, 1]), tokens, tokens[:, 0]), None)
+    assert drafter.lens.tolist() == [6, 4, 2] and drafter.hist[0, :6].tolist() == [1, 2, 1, 2, 7, 8]
+    assert drafter.hist[1, :4].tolist() == [3, 3, 3, 4] and drafter.hist[2, :2].tolist() == [5, 6]
+    prop = drafter.propose(torch.tensor([8, 4, 6]))
+    assert prop.tokens.tolist()[2] == [6, 0, 0] and prop.valid.tolist()[2] == [True, False, False]

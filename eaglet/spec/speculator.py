@@ -32,7 +32,7 @@ class Speculator:
         # a drafter's cache also holds the block absorbed each step and the drafted nodes
         room = max_len + self.spec.steps + 2 + self.spec.steps * self.spec.topk + self.spec.draft_tokens
         if self.spec.method == "ngram":
-            return NgramDrafter(self.spec, batch)
+            return NgramDrafter(self.spec, batch, room, next(target.parameters()).device)
         if self.spec.method == "draft":
             return DraftModelDrafter(self.draft_model, target, self.spec, sampling, batch, room, generator)
         return Eagle3Drafter(self.head, target, self.spec, sampling, batch, room, self.head_embed, generator)
