@@ -78,11 +78,12 @@ def row_buckets(batch: int) -> list[int]:
 
 def row_prefix(obj, k: int):
     """A shallow copy of a decoder or drafter over rows 0..k-1: its `row_tensors` and its `cache`
-    sliced (views: writes land in the original's storage)."""
+    (if it has one) sliced (views: writes land in the original's storage)."""
     v = copy.copy(obj)
     for name in obj.row_tensors:
         setattr(v, name, getattr(obj, name)[:k])
-    v.cache = obj.cache.view(0, k)
+    if getattr(obj, "cache", None) is not None:
+        v.cache = obj.cache.view(0, k)
     return v
 
 

@@ -9,12 +9,11 @@ with no host sync, so a step's lookup, verify and accept are one CUDA graph like
 lookup compares every earlier window of the history with the suffix at once, for each n."""
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from ...config import SpecConfig
 from ...runtime.compile import fusable
+from ...runtime.decoder import row_prefix
 from ..tree import DraftProposal, chain
 
 
@@ -78,6 +77,7 @@ def trie(conts: torch.Tensor, ok: torch.Tensor, budget: int) -> tuple[torch.Tens
 class NgramDrafter:
     taps = ()
     graphable = True
+    row_tensors = ("hist", "lens")  # sliced by rows(k)
 
     def __init__(self, spec: SpecConfig, batch: int, max_len: int, device=None):
         self.spec = spec
@@ -111,9 +111,7 @@ class NgramDrafter:
         self.lens[rows] = 0
 
     def rows(self, k: int) -> "NgramDrafter":
-        v = copy.copy(self)  # views: writes land in this drafter's history
-        v.hist, v.lens = self.hist[:k], self.lens[:k]
-        return v
+        return row_prefix(self, k)
 
     def propose(self, roots: torch.Tensor) -> DraftProposal:
         """roots are the histories' last tokens (the last emitted ones)."""
