@@ -57,16 +57,17 @@ class Tokenizer:
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self._ids(text, False)
 
-    def user_prefix(self) -> list[int]:
+    def user_prefix(self, opening: str = "") -> list[int]:
         """Token ids of the chat template up to where a user's message begins (a default system
-        prompt and the user header included): continued by the model, a user turn it writes."""
+        prompt and the user header included), then `opening`, the turn's first words: continued by
+        the model, a user turn it writes."""
         if not getattr(self.hf, "chat_template", None):
             raise InvalidInput("this model has no chat template")
         mark = "\x00eaglet-user\x00"
         text = self.hf.apply_chat_template([{"role": "user", "content": mark}], tokenize=False)
         if mark not in text:
             raise InvalidInput("the chat template does not show where a user message begins")
-        return self._ids(text[:text.index(mark)], False)
+        return self._ids(text[:text.index(mark)] + opening, False)
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         if self._decoder is not None:

@@ -190,10 +190,13 @@ def test_os_errors_are_one_line(capsys, tmp_path, monkeypatch):
     assert capsys.readouterr().err.strip() == f"eaglet: error: {tmp_path / 'x'}: Permission denied"
 
 
-@pytest.mark.parametrize("flags", [["--self-prompts", "-1"], ["--self-prompts", "4", "--source", "x.json"]])
-def test_data_self_prompts_bad_flags(capsys, model_dir, tmp_path, flags):
+@pytest.mark.parametrize("flags, word", [(["--self-prompts", "-1"], "--self-prompts"),
+                                         (["--self-prompts", "4", "--source", "x.json"], "--self-prompts"),
+                                         (["--prompt-openers", "tasks"], "needs --self-prompts"),
+                                         (["--self-prompts", "4", "--prompt-openers", "nope.txt"], "nope.txt")])
+def test_data_self_prompts_bad_flags(capsys, model_dir, tmp_path, flags, word):
     rc, out, err = run_cli(capsys, "data", "--model", str(model_dir), "--device", "cpu", "--out", str(tmp_path / "d"), *flags)
-    assert_one_error_line(rc, err, "--self-prompts")
+    assert_one_error_line(rc, err, word)
     assert not (tmp_path / "d").exists()
 
 

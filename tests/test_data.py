@@ -17,6 +17,7 @@ from eaglet.tokenizer import Tokenizer
 from eaglet.train.regen import (
     RegenConfig,
     is_heldout,
+    read_openers,
     read_shards,
     regenerate,
     split_prompts,
@@ -342,6 +343,29 @@ def test_self_written_prompts(target, tok, tmp_path, monkeypatch):
     monkeypatch.setattr(regen_mod, "eval_prompt_keys", lambda: {normalize(rows[0]["prompt"])})
     regenerate(self_cfg(tmp_path / "c"), target, tok, **QUIET)
     assert [r["prompt"] for r in read_shards(tmp_path / "c")] == [r["prompt"] for r in rows[1:]]
+
+
+def test_self_written_prompts_start_with_the_openers(target, tok, tmp_path):
+    """openers: row i of shard k continues the user header plus opener (k * shard_size + i) mod n, and
+    its turn is that opener and what the target wrote after it; the built-in set reads."""
+    openers = ("Write a poem about", "Solve", "Implement")
+    assert tok.user_prefix("Solve") == tok.hf("<s>user: Solve", add_special_tokens=False).input_ids
+    regenerate(self_cfg(tmp_path / "o", openers=openers), target, tok, **QUIET)
+    rows = read_shards(tmp_path / "o")
+    assert rows
+    for r in rows:
+        _, shard, i = r["id"].split("-")
+        opener = openers[(int(shard) * 12 + int(i)) % 3]
+        assert r["prompt"].startswith(opener) and len(r["prompt"]) > len(opener)
+    regenerate(self_cfg(tmp_path / "p"), target, tok, **QUIET)
+    plain = {r["id"]: r["prompt"] for r in read_shards(tmp_path / "p")}
+    assert all(plain.get(r["id"]) != r["prompt"] for r in rows)  # the openers changed what was written
+    builtin = read_openers("tasks")
+    assert len(builtin) >= 40 and len(set(builtin)) == len(builtin) and all(o == o.strip() for o in builtin)
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    for bad, words in (("empty.txt", "has no openings"), ("absent.txt", "no file")):
+        with pytest.raises(InvalidInput, match=words):
+            read_openers(str(tmp_path / bad))
 
 
 def test_sampled_replies_repeat_and_differ_from_greedy(regenerated, target, tok, source, tmp_path):

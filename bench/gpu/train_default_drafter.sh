@@ -99,10 +99,11 @@ case $phase in
     done ;;
   self)
     # FIRST_SHARD=15 SELF_PROMPTS=61440 writes shards 15..29 (their own seeds, so other turns) into all-tself15
-    first=${FIRST_SHARD:-0}; dir=/tmp/all-tself; [ "$first" -gt 0 ] && dir=/tmp/all-tself$first
+    # OPENERS=tasks: each turn starts with one of the built-in openings (`--prompt-openers`), into all-topen*
+    first=${FIRST_SHARD:-0}; dir=/tmp/all-t${OPENERS:+open}self; [ "$first" -gt 0 ] && dir=$dir$first
     time timeout ${DATA_SECONDS:-570} python3 -m eaglet data --model $GGUF --dtype bfloat16 --out $dir \
       --self-prompts ${SELF_PROMPTS:-30720} --first-shard $first --temperature 0 --batch ${BATCH:-1024} \
-      --max-new-tokens 320 --max-prompt-tokens 256 --shard-size 2048
+      --max-new-tokens 320 --max-prompt-tokens 256 --shard-size 2048 ${OPENERS:+--prompt-openers $OPENERS}
     ls $dir | wc -l ;;
   self2)
     # self-written turns on two GPUs at once: shards START..START+14 on GPU 0, START+15..START+29 on
@@ -121,7 +122,7 @@ case $phase in
     read -r data k lr <<< "$([ $phase = finetune ] && echo "more 5 2e-4" || echo "all ${K:-7} 1.5e-4")"
     mkdir -p ${OUT:-/tmp}/records
     launch="python3"; [ "${NPROC:-1}" -gt 1 ] && launch="python3 -m torch.distributed.run --nproc-per-node $NPROC"
-    $launch -m eaglet train-draft --model $GGUF --dtype bfloat16 --data /tmp/$data-t* \
+    $launch -m eaglet train-draft --model $GGUF --dtype bfloat16 --data ${DATA:-/tmp/$data-t*} \
       --out /tmp/train$k --init-from ${INIT:-eaglet/drafters/smollm2-135m-instruct-eagle3} --epochs ${EPOCHS:-1} \
       --lr $lr --seed $((k - 1)) --batch-tokens 32768 --max-len 1024 --draft-vocab 16384 --save-every 200 \
       --time-limit ${TRAIN_SECONDS:-540} ${WIDTH:+--intermediate-size $WIDTH} \

@@ -30,6 +30,10 @@ def add_train_parsers(sub) -> None:
                    help="first user turn of each conversation, or every user turn as its own prompt")
     d.add_argument("--self-prompts", type=int, default=0, metavar="N",
                    help="instead of ShareGPT: N user turns written by the target itself (Magpie), then its replies")
+    d.add_argument("--prompt-openers", metavar="FILE|tasks",
+                   help="with --self-prompts: each turn starts with one of these openings, in turn (a text file, "
+                        "one per line; 'tasks': the built-in set of writing, role-play, math, code, extraction "
+                        "and explanation openings)")
     d.add_argument("--prompt-temperature", type=float, default=1.0,
                    help="sampling temperature of the self-written user turns")
     d.add_argument("--seed", type=int, default=0,
@@ -86,15 +90,18 @@ def add_train_parsers(sub) -> None:
 def cmd_data(args) -> int:
     from ..errors import InvalidInput
     from ..weights import load_model
-    from .regen import RegenConfig, regenerate
+    from .regen import RegenConfig, read_openers, regenerate
 
     if args.self_prompts < 0 or (args.self_prompts and args.source):
         raise InvalidInput("--self-prompts takes a count >= 0 and replaces --source")
+    if args.prompt_openers and not args.self_prompts:
+        raise InvalidInput("--prompt-openers needs --self-prompts (it steers the turns the target writes)")
+    openers = read_openers(args.prompt_openers) if args.prompt_openers else ()
     cfg = RegenConfig(out=Path(args.out), source=args.source, limit=args.limit, batch=args.batch,
                       max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                       temperature=args.temperature, shard_size=args.shard_size, turns=args.turns,
                       first_shard=args.first_shard, self_prompts=args.self_prompts,
-                      prompt_temperature=args.prompt_temperature, seed=args.seed)
+                      prompt_temperature=args.prompt_temperature, seed=args.seed, openers=openers)
     loaded = load_model(args.model, args.dtype, args.device)
     meta = regenerate(cfg, loaded.model, loaded.tokenizer)
     print(json.dumps({k: v for k, v in meta.items() if k != "settings"}))

@@ -15,7 +15,10 @@ prompts are dropped before anything else.
 With `self_prompts` the prompts come from the target too (Magpie, Xu et al. 2024): it continues
 its chat template's user header and writes a user turn, sampled with a seed per shard, so a rerun
 writes the same shard again. Only turns it ended itself, of at least MIN_CHARS characters, are
-kept; there is no held-out split (heldout.jsonl is empty).
+kept; there is no held-out split (heldout.jsonl is empty). With `openers` each turn starts with
+one of the given opening words, in turn ("Write a short story", "Solve", "Implement"...): the
+target continues them, which steers its turns toward a workload's kinds of task (the built-in
+set, `openers.txt`, spans writing, role-play, reasoning, math, code, extraction and explanation).
 """
 from __future__ import annotations
 
@@ -47,6 +50,22 @@ class RegenConfig:
     first_shard: int = 0  # start here: the shards before belong to another run (a second directory)
     self_prompts: int = 0  # > 0: no ShareGPT; the target writes this many user turns (before filtering)
     prompt_temperature: float = 1.0  # for self-written user turns
+    openers: tuple[str, ...] = ()  # self-written turns start with these, in turn (row by row)
+
+
+BUILTIN_OPENERS = Path(__file__).with_name("openers.txt")
+
+
+def read_openers(spec: str) -> tuple[str, ...]:
+    """`--prompt-openers`: "tasks" (the built-in set) or a text file, one opening per line."""
+    path = BUILTIN_OPENERS if spec == "tasks" else Path(spec)
+    if not path.is_file():
+        raise InvalidInput(f"--prompt-openers: no file {spec} (give 'tasks' or a text file, one opening per line)")
+    lines = tuple(line.strip() for line in path.read_text().splitlines())
+    openers = tuple(line for line in lines if line)
+    if not openers:
+        raise InvalidInput(f"--prompt-openers: {spec} has no openings")
+    return openers
 
 
 def is_heldout(conv_id: str, permille: int) -> bool:
@@ -87,14 +106,16 @@ def batch_seed(cfg: RegenConfig, shard: int, b: int) -> int:
 def self_written(cfg: RegenConfig, gen: Generator, tokenizer, shard: int, banned: set[str]) -> list[tuple[str, str]]:
     """Shard `shard`'s user turns written by the target: (id, text), in order."""
     n = min(cfg.shard_size, cfg.self_prompts - shard * cfg.shard_size)
-    prefix = tokenizer.user_prefix()
+    openers = [(o, tokenizer.user_prefix(o)) for o in cfg.openers or ("",)]
+    opener = lambda i: openers[(shard * cfg.shard_size + i) % len(openers)]  # noqa: E731  (text, prompt ids)
     out, seen = [], set(banned)
     for b in range(0, n, cfg.batch):  # a seed per batch: rows of different batches draw differently
         sampling = SamplingParams(cfg.prompt_temperature, seed=batch_seed(cfg, shard, b))
         gcfg = GenerationConfig(max_new_tokens=cfg.max_prompt_tokens, sampling=sampling)
-        outs = gen.generate([prefix] * min(cfg.batch, n - b), gcfg)
-        for i, c in enumerate(outs, start=b):
-            text = tokenizer.decode(c.tokens).strip()
+        rows = range(b, min(b + cfg.batch, n))
+        outs = gen.generate([opener(i)[1] for i in rows], gcfg)
+        for i, c in zip(rows, outs):
+            text = (opener(i)[0] + tokenizer.decode(c.tokens)).strip()
             if c.finish_reason == "stop" and len(text) >= MIN_CHARS and normalize(text) not in seen:
                 seen.add(normalize(text))  # each text once
                 out.append((f"self-{shard}-{i}", text))
