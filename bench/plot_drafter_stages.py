@@ -1,0 +1,99 @@
+"""τ of the bundled SmolLM2 drafter stage by stage, against the assistant tokens trained on the way
+there, from the committed train-draft and eval-draft records (nothing is run):
+
+    .venv/bin/python bench/plot_drafter_stages.py   # writes bench/results/drafter-stages.{json,png}
+
+The bundled lineage is 1-12, 15, 16, 18-20 (each stage starts from the one before); 13, 14 and 17
+branched off it and were not kept, so they are drawn apart.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LINEAGE = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 15, 16, 18, 19, 20]
+BRANCHES = {13: 12, 14: 12, 17: 16}  # stage: the stage it started from
+SETTINGS = ("chain:5", "tree:6,8,32")
+SETS = ("mtbench", "humaneval")
+NEW_DATA = {1: "ShareGPT", 5: "unseen ShareGPT", 7: "self-written", 18: "task openings"}
+BAR = 3.5
+
+
+def train_record(stage: int) -> dict:
+    (path,) = RESULTS.glob(f"train-draft-smollm2-h200*-stage{stage}[.-]*json")
+    return json.loads(path.read_text())
+
+
+EVAL_NAMES = {4: "", 13: "stage13-wide6144-", 14: "stage14-hard-"}  # stage 4, the second drafter, predates names
+
+
+def eval_record(stage: int, prompts: str) -> dict | None:
+    path = RESULTS / f"eval-draft-smollm2-{EVAL_NAMES.get(stage, f'stage{stage}-')}{prompts}-h200.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def tokens(record: dict) -> int:
+    return (record.get("results") or record)["assistant_tokens_this_run"]
+
+
+def collect() -> list[dict]:
+    rows, cum = [], {}
+    total = 0
+    for stage in LINEAGE:
+        total += tokens(train_record(stage))
+        cum[stage] = total
+    for stage in LINEAGE + sorted(BRANCHES):
+        at = cum[stage] if stage in cum else cum[BRANCHES[stage]] + tokens(train_record(stage))
+        row = {"stage": stage, "bundled_lineage": stage in cum, "assistant_tokens_cumulative": at}
+        for prompts in SETS:
+            rec = eval_record(stage, prompts)
+            for s in SETTINGS:
+                row[f"{prompts} {s}"] = round(rec["results"][s]["accept_length"], 4) if rec and s in rec["results"] else None
+        rows.append(row)
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    line = [r for r in rows if r["bundled_lineage"]]
+    for prompts, color in zip(SETS, ("tab:blue", "tab:orange")):
+        for s, style in zip(SETTINGS, ("-o", "--s")):
+            pts = [(r["assistant_tokens_cumulative"] / 1e6, r[f"{prompts} {s}"]) for r in line if r[f"{prompts} {s}"]]
+            ax.plot(*zip(*pts), style, color=color, ms=4, label=f"{prompts} {s.replace(':', ' ')}")
+            side = [(r["assistant_tokens_cumulative"] / 1e6, r[f"{prompts} {s}"]) for r in rows
+                    if not r["bundled_lineage"] and r[f"{prompts} {s}"]]
+            if side:
+                ax.plot(*zip(*side), "x", color=color, ms=6)
+    for stage, what in NEW_DATA.items():
+        x = next(r["assistant_tokens_cumulative"] for r in rows if r["stage"] == stage) / 1e6
+        ax.axvline(x, color="0.85", lw=0.8, zorder=0)
+        ax.text(x, 4.6, f"{stage}: {what} ", rotation=90, va="top", ha="right", fontsize=7, color="0.4")
+    ax.axhline(BAR, color="red", lw=0.8, ls=":")
+    ax.text(2, BAR + 0.03, "bar: chain 5 >= 3.5", color="red", fontsize=8)
+    ax.set_xlabel("assistant tokens trained, cumulative (M); x: stages not kept")
+    ax.set_ylabel("τ (tokens per verify step)")
+    ax.set_title("Bundled SmolLM2-135M-Instruct EAGLE-3 drafter, greedy, 256 new tokens")
+    ax.set_ylim(1.5, 4.65)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    rows = collect()
+    out = RESULTS / "drafter-stages.json"
+    sources = sorted(p.name for p in RESULTS.glob("*-draft-smollm2-*h200*.json"))
+    out.write_text(json.dumps({"kind": "drafter-stages", "command": "python bench/plot_drafter_stages.py",
+                               "derived_from": sources, "rows": rows}, indent=1) + "\n")
+    plot(rows, RESULTS / "drafter-stages.png")
+    for r in rows:
+        print(r)
+
+
+if __name__ == "__main__":
+    main()
