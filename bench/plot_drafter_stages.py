@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from eaglet.perf.record import environment, to_json, write_atomic
+
 RESULTS = Path(__file__).resolve().parent / "results"
 LINEAGE = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 15, 16, 18, 19, 20]
 BRANCHES = {13: 12, 14: 12, 17: 16}  # stage: the stage it started from
@@ -34,12 +36,11 @@ def eval_record(stage: int, prompts: str) -> dict | None:
 
 
 def tokens(record: dict) -> int:
-    return (record.get("results") or record)["assistant_tokens_this_run"]
+    return record["results"]["assistant_tokens_this_run"]
 
 
 def collect() -> list[dict]:
-    rows, cum = [], {}
-    total = 0
+    rows, cum, total = [], {}, 0
     for stage in LINEAGE:
         total += tokens(train_record(stage))
         cum[stage] = total
@@ -60,14 +61,14 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.8))
-    line = [r for r in rows if r["bundled_lineage"]]
+    def points(key: str, kept: bool) -> list[tuple[float, float]]:
+        return [(r["assistant_tokens_cumulative"] / 1e6, r[key]) for r in rows if r["bundled_lineage"] == kept and r[key]]
+
     for prompts, color in zip(SETS, ("tab:blue", "tab:orange")):
         for s, style in zip(SETTINGS, ("-o", "--s")):
-            pts = [(r["assistant_tokens_cumulative"] / 1e6, r[f"{prompts} {s}"]) for r in line if r[f"{prompts} {s}"]]
-            ax.plot(*zip(*pts), style, color=color, ms=4, label=f"{prompts} {s.replace(':', ' ')}")
-            side = [(r["assistant_tokens_cumulative"] / 1e6, r[f"{prompts} {s}"]) for r in rows
-                    if not r["bundled_lineage"] and r[f"{prompts} {s}"]]
-            if side:
+            key = f"{prompts} {s}"
+            ax.plot(*zip(*points(key, True)), style, color=color, ms=4, label=key.replace(":", " "))
+            if side := points(key, False):
                 ax.plot(*zip(*side), "x", color=color, ms=6)
     for stage, what in NEW_DATA.items():
         x = next(r["assistant_tokens_cumulative"] for r in rows if r["stage"] == stage) / 1e6
@@ -88,8 +89,8 @@ def main() -> None:
     rows = collect()
     out = RESULTS / "drafter-stages.json"
     sources = sorted(p.name for p in RESULTS.glob("*-draft-smollm2-*h200*.json"))
-    out.write_text(json.dumps({"kind": "drafter-stages", "command": "python bench/plot_drafter_stages.py",
-                               "derived_from": sources, "rows": rows}, indent=1) + "\n")
+    write_atomic(out, to_json({"kind": "drafter-stages", "command": "python bench/plot_drafter_stages.py",
+                               "environment": environment(), "derived_from": sources, "rows": rows}))
     plot(rows, RESULTS / "drafter-stages.png")
     for r in rows:
         print(r)

@@ -48,7 +48,7 @@
 #   CUDA_VISIBLE_DEVICES=1 K=15 EPOCHS=1 bash ... alltrain & wait    # the target's distribution
 #   K=16 INIT=/tmp/train15/drafter EPOCHS=2 NPROC=2 bash bench/gpu/train_default_drafter.sh alltrain
 # each followed by eval-draft of /tmp/trainK/drafter on mtbench and humaneval (as `eval` runs it).
-# Stage 17 (2026-11-30, fourteenth session; not bundled: +0.01 / +0.02 τ), after `unpack` of shards 60-89:
+# Stage 17 (2026-11-30, fourteenth session; not bundled: +0.016 / +0.020 τ), after `unpack` of shards 60-89:
 #   CUDA_VISIBLE_DEVICES=1 FIRST_SHARD=90 SELF_PROMPTS=215040 BATCH=2048 bash ... self  # kept as data-self90-104
 #   K=17 EPOCHS=1 NPROC=2 bash bench/gpu/train_default_drafter.sh alltrain   # from stage 16, shards 60-104
 # Stages 18-20 (2026-12-01, twenty-second session, one H200; the bundled drafter is stage 20's export):
