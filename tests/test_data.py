@@ -362,6 +362,9 @@ def test_self_written_prompts_start_with_the_openers(target, tok, tmp_path):
     assert all(plain.get(r["id"]) != r["prompt"] for r in rows)  # the openers changed what was written
     builtin = read_openers("tasks")
     assert len(builtin) >= 40 and len(set(builtin)) == len(builtin) and all(o == o.strip() for o in builtin)
+    (tmp_path / "more.txt").write_text(f"Translate\n{builtin[0]}\nWrite a haiku\n")  # several sets join in order
+    assert read_openers(["tasks", str(tmp_path / "more.txt")]) == builtin + ("Write a haiku",)
+    assert read_openers([str(tmp_path / "more.txt"), "tasks"])[:3] == ("Translate", builtin[0], "Write a haiku")
     (tmp_path / "empty.txt").write_text("\n  \n")
     for bad, words in (("empty.txt", "has no openings"), ("absent.txt", "no file")):
         with pytest.raises(InvalidInput, match=words):

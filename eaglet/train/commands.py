@@ -30,10 +30,10 @@ def add_train_parsers(sub) -> None:
                    help="first user turn of each conversation, or every user turn as its own prompt")
     d.add_argument("--self-prompts", type=int, default=0, metavar="N",
                    help="instead of ShareGPT: N user turns written by the target itself (Magpie), then its replies")
-    d.add_argument("--prompt-openers", metavar="FILE|tasks",
-                   help="with --self-prompts: each turn starts with one of these openings, in turn (a text file, "
-                        "one per line; 'tasks': the built-in set of writing, role-play, math, code, extraction "
-                        "and explanation openings)")
+    d.add_argument("--prompt-openers", nargs="+", metavar="FILE|tasks",
+                   help="with --self-prompts: each turn starts with one of these openings, in turn (text files, "
+                        "one per line, joined in order; 'tasks': the built-in set of writing, role-play, math, "
+                        "code, extraction and explanation openings)")
     d.add_argument("--prompt-temperature", type=float, default=1.0,
                    help="sampling temperature of the self-written user turns")
     d.add_argument("--seed", type=int, default=0,

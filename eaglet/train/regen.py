@@ -56,16 +56,19 @@ class RegenConfig:
 BUILTIN_OPENERS = Path(__file__).with_name("openers.txt")
 
 
-def read_openers(spec: str) -> tuple[str, ...]:
-    """`--prompt-openers`: "tasks" (the built-in set) or a text file, one opening per line."""
-    path = BUILTIN_OPENERS if spec == "tasks" else Path(spec)
-    if not path.is_file():
-        raise InvalidInput(f"--prompt-openers: no file {spec} (give 'tasks' or a text file, one opening per line)")
-    lines = tuple(line.strip() for line in path.read_text().splitlines())
-    openers = tuple(line for line in lines if line)
-    if not openers:
-        raise InvalidInput(f"--prompt-openers: {spec} has no openings")
-    return openers
+def read_openers(specs: str | list[str]) -> tuple[str, ...]:
+    """`--prompt-openers`: "tasks" (the built-in set) or text files, one opening per line, joined in
+    order with repeats dropped."""
+    openers: dict[str, None] = {}
+    for spec in [specs] if isinstance(specs, str) else specs:
+        path = BUILTIN_OPENERS if spec == "tasks" else Path(spec)
+        if not path.is_file():
+            raise InvalidInput(f"--prompt-openers: no file {spec} (give 'tasks' or a text file, one opening per line)")
+        lines = [line.strip() for line in path.read_text().splitlines()]
+        if not any(lines):
+            raise InvalidInput(f"--prompt-openers: {spec} has no openings")
+        openers.update((line, None) for line in lines if line)
+    return tuple(openers)
 
 
 def is_heldout(conv_id: str, permille: int) -> bool:
