@@ -95,12 +95,13 @@ class SeqState:
         of the window."""
         if self.finish_reason or not tokens:
             return "", 0
-        if self.stream is None or self.stream.stop or len(tokens) == 1:  # a stop string ends at its token
+        if self.stream and (self.stream.stop or len(tokens) == 1):  # a stop string ends at its token
             return self.push_each(tokens)
         n = next((i + 1 for i, tok in enumerate(tokens) if tok in self.eos), len(tokens))
         n = min(n, self.budget - self.count)
         self.count += n
-        return self.stream.extend(tokens[:n]) + self._settle(tokens[n - 1]), n
+        text = self.stream.extend(tokens[:n]) if self.stream else ""
+        return text + self._settle(tokens[n - 1]), n
 
 
 class PlainDecoder(SlotDecoder):
@@ -170,18 +171,25 @@ class Generator:
                 raise InvalidInput(f"prompt is {len(p)} tokens but the model's context is {self.context} "
                                    "(at least one token must remain to generate)")
 
-    @torch.inference_mode()
     def stream(self, prompts: list[list[int]], gen: GenerationConfig) -> Iterator[TokenEvent]:
         """Yield one TokenEvent per generated token, in the order produced."""
+        for seqs, new in self._steps(prompts, gen, self.tokenizer):
+            yield from self._push(seqs, new)
+
+    @torch.inference_mode()
+    def _steps(self, prompts: list[list[int]], gen: GenerationConfig,
+               tokenizer: Tokenizer | None) -> Iterator[tuple[list[SeqState], list[list[int]]]]:
+        """The decode loop: every sequence's state and each row's new tokens, after the prefill and
+        after every step; the caller pushes them before the next step (it decides who stopped)."""
         self.check_prompts(prompts)
         budget = [min(gen.max_new_tokens, self.context - len(p)) for p in prompts]
         max_len = max(len(p) + b for p, b in zip(prompts, budget))  # a finished row stops moving
         dec = self.decoder(len(prompts), max_len, gen.sampling)
         self._last = dec  # its per-row draft counters are this call's (last_metrics)
         eos = frozenset() if gen.ignore_eos else self.eos_ids()
-        seqs = [SeqState(self.tokenizer, gen.stop, eos, b) for b in budget]
+        seqs = [SeqState(tokenizer, gen.stop, eos, b) for b in budget]
         rows = list(range(len(prompts)))
-        yield from self._push(seqs, dec.admit(rows, prompts))
+        yield seqs, dec.admit(rows, prompts)
         dec.set_rows(rows, [s.remaining for s in seqs])
         while True:
             stopped = [i for i, s in enumerate(seqs) if s.finish_reason and dec.live[i]]
@@ -189,7 +197,7 @@ class Generator:
             new = dec.advance([s.remaining for s in seqs])
             if new is None:
                 return
-            yield from self._push(seqs, new)
+            yield seqs, new
 
     @staticmethod
     def _push(seqs: list[SeqState], new: list[list[int]]) -> Iterator[TokenEvent]:
@@ -209,7 +217,14 @@ class Generator:
         return frozenset(self.model.config.eos_token_ids) | (self.tokenizer.eos_ids if self.tokenizer else frozenset())
 
     def generate(self, prompts: list[list[int]], gen: GenerationConfig,
-                 on_event: Callable[[TokenEvent], None] | None = None) -> list[Completion]:
+                 on_event: Callable[[TokenEvent], None] | None = None, text: bool = True) -> list[Completion]:
+        """text=False: the tokens alone (Completion.text stays empty), without detokenizing token by
+        token; for large batches whose text nobody reads (data regeneration, eval-draft), where that
+        host work would cost more than a decode step."""
+        if not text:
+            if on_event or gen.stop:
+                raise InvalidInput("generate(text=False) streams no events and cannot stop on stop strings")
+            return self._tokens_only(prompts, gen)
         tokens: list[list[int]] = [[] for _ in prompts]
         texts = [""] * len(prompts)
         reasons = [""] * len(prompts)
@@ -222,3 +237,13 @@ class Generator:
                 on_event(ev)
         metrics = self.last_metrics or [None] * len(prompts)
         return [Completion(len(p), t, x, r, m) for p, t, x, r, m in zip(prompts, tokens, texts, reasons, metrics)]
+
+    def _tokens_only(self, prompts: list[list[int]], gen: GenerationConfig) -> list[Completion]:
+        tokens: list[list[int]] = [[] for _ in prompts]
+        seqs: list[SeqState] = []
+        for seqs, new in self._steps(prompts, gen, None):
+            for seq, out, toks in zip(seqs, tokens, new):
+                if toks and not seq.finish_reason:
+                    out += toks[:seq.push_many(toks)[1]]
+        metrics = self.last_metrics or [None] * len(prompts)
+        return [Completion(len(p), t, "", s.finish_reason or "", m) for p, t, s, m in zip(prompts, tokens, seqs, metrics)]

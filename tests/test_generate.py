@@ -87,6 +87,33 @@ def test_eos_stops_only_its_own_row(tiny_dirs):
     assert b.finish_reason == "length" and b.tokens == free[1]
 
 
+@pytest.mark.parametrize("spec", [None, "ngram"])
+def test_tokens_only_equals_generation_with_text(tiny_dirs, tiny_tokenizer, spec):
+    """generate(text=False), the path of data regeneration and eval-draft: the same tokens, finish
+    reasons and speculation counters as with text, rows stopping at EOS at different steps, or at the
+    budget; no text, and no events or stop strings asked of it."""
+    from eaglet.config import SpecConfig
+    from eaglet.spec.speculator import Speculator
+
+    model = load(tiny_dirs)
+    prompts = [rand_prompt(n, seed) for seed, n in enumerate([6, 4, 9, 3, 5])]
+    free = [c.tokens for c in Generator(model, None).generate(prompts, GREEDY)]
+    eos = next(t for t in free[0][2:] if sum(t in f for f in free) in (2, 3))  # ends some rows, not all
+    model.config = model.config.replace(eos_token_ids=(eos,))
+    make = lambda: Generator(model, Tokenizer(tiny_tokenizer, eos_ids={2}),  # noqa: E731
+                             Speculator(SpecConfig("ngram", steps=3)) if spec else None)
+    cfg = GenerationConfig(max_new_tokens=16)
+    want, got = make().generate(prompts, cfg), make().generate(prompts, cfg, text=False)
+    assert [c.tokens for c in got] == [c.tokens for c in want]
+    assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
+    assert {"stop", "length"} <= {c.finish_reason for c in got}
+    assert all(c.text == "" for c in got) and any(c.text for c in want)
+    if spec:
+        assert [c.spec.to_dict() for c in got] == [c.spec.to_dict() for c in want]
+    with pytest.raises(InvalidInput, match="stop strings"):
+        make().generate(prompts, GenerationConfig(max_new_tokens=4, stop=("x",)), text=False)
+
+
 def sampled(gen, seed: int) -> list[int]:
     cfg = GenerationConfig(max_new_tokens=16, ignore_eos=True, sampling=SamplingParams(temperature=1.0, seed=seed))
     return gen.generate([rand_prompt(4, 3)], cfg)[0].tokens
@@ -232,6 +259,9 @@ def test_push_many_is_push_of_each(tok):
                     assert (many.count, many.finish_reason) == (one.count, one.finish_reason)
                 assert many.stream.text == one.stream.text
                 assert many.finish_reason == ("length" if budget == 4 else "stop" if eos_at else None)
+                bare = SeqState(None, (), frozenset({2}), budget)  # tokens only: the same counts, no text
+                assert [bare.push_many(toks[i:i + size]) for i in range(0, len(toks), size)][-1][0] == ""
+                assert (bare.count, bare.finish_reason) == (many.count, many.finish_reason)
 
 
 def test_push_many_ends_at_a_stop_string_inside_the_step(tok):

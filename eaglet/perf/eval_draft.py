@@ -36,7 +36,7 @@ def evaluate(model, tokenizer, speculator: Speculator, prompts: list[str], max_n
     tokens = 0
     t0 = time.perf_counter()
     for b in range(0, len(ids), batch):
-        for c in gen.generate(ids[b:b + batch], cfg):
+        for c in gen.generate(ids[b:b + batch], cfg, text=False):
             total.merge(c.spec)
             tokens += len(c.tokens)
     return {**total.to_dict(), "new_tokens": tokens, "seconds": time.perf_counter() - t0}

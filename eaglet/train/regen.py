@@ -116,7 +116,7 @@ def self_written(cfg: RegenConfig, gen: Generator, tokenizer, shard: int, banned
         sampling = SamplingParams(cfg.prompt_temperature, seed=batch_seed(cfg, shard, b))
         gcfg = GenerationConfig(max_new_tokens=cfg.max_prompt_tokens, sampling=sampling)
         rows = range(b, min(b + cfg.batch, n))
-        outs = gen.generate([opener(i)[1] for i in rows], gcfg)
+        outs = gen.generate([opener(i)[1] for i in rows], gcfg, text=False)
         for i, c in zip(rows, outs):
             text = (opener(i)[0] + tokenizer.decode(c.tokens)).strip()
             if c.finish_reason == "stop" and len(text) >= MIN_CHARS and normalize(text) not in seen:
@@ -167,7 +167,7 @@ def regenerate(cfg: RegenConfig, model, tokenizer, progress: bool = True, log=pr
             # so the Generator may keep its decoder and CUDA graphs for the next batch of this size
             seed = batch_seed(cfg, k, b) if cfg.temperature > 0 else None
             gcfg = GenerationConfig(max_new_tokens=cfg.max_new_tokens, sampling=SamplingParams(cfg.temperature, seed=seed))
-            outs = gen.generate([ids for _, ids in chunk], gcfg)
+            outs = gen.generate([ids for _, ids in chunk], gcfg, text=False)
             for (cid, ids), c in zip(chunk, outs):
                 rows.append({"id": cid, "input_ids": ids + c.tokens, "prompt_len": len(ids), "finish": c.finish_reason,
                              **({"prompt": texts[cid]} if cfg.self_prompts else {})})  # the target's own words
