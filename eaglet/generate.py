@@ -221,10 +221,16 @@ class Generator:
         """text=False: the tokens alone (Completion.text stays empty), without detokenizing token by
         token; for large batches whose text nobody reads (data regeneration, eval-draft), where that
         host work would cost more than a decode step."""
-        if not text:
-            if on_event or gen.stop:
-                raise InvalidInput("generate(text=False) streams no events and cannot stop on stop strings")
-            return self._tokens_only(prompts, gen)
+        if text:
+            tokens, texts, reasons = self._with_text(prompts, gen, on_event)
+        elif on_event or gen.stop:
+            raise InvalidInput("generate(text=False) streams no events and cannot stop on stop strings")
+        else:
+            tokens, texts, reasons = self._tokens_only(prompts, gen)
+        metrics = self.last_metrics or [None] * len(prompts)
+        return [Completion(len(p), t, x, r, m) for p, t, x, r, m in zip(prompts, tokens, texts, reasons, metrics)]
+
+    def _with_text(self, prompts, gen, on_event):
         tokens: list[list[int]] = [[] for _ in prompts]
         texts = [""] * len(prompts)
         reasons = [""] * len(prompts)
@@ -235,15 +241,13 @@ class Generator:
                 reasons[ev.seq] = ev.finish_reason
             if on_event:
                 on_event(ev)
-        metrics = self.last_metrics or [None] * len(prompts)
-        return [Completion(len(p), t, x, r, m) for p, t, x, r, m in zip(prompts, tokens, texts, reasons, metrics)]
+        return tokens, texts, reasons
 
-    def _tokens_only(self, prompts: list[list[int]], gen: GenerationConfig) -> list[Completion]:
+    def _tokens_only(self, prompts, gen):
         tokens: list[list[int]] = [[] for _ in prompts]
         seqs: list[SeqState] = []
         for seqs, new in self._steps(prompts, gen, None):
             for seq, out, toks in zip(seqs, tokens, new):
                 if toks and not seq.finish_reason:
                     out += toks[:seq.push_many(toks)[1]]
-        metrics = self.last_metrics or [None] * len(prompts)
-        return [Completion(len(p), t, "", s.finish_reason or "", m) for p, t, s, m in zip(prompts, tokens, seqs, metrics)]
+        return tokens, [""] * len(prompts), [s.finish_reason or "" for s in seqs]

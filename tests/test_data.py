@@ -398,8 +398,8 @@ def test_eval_draft_ignore_eos_reaches_generation(monkeypatch):
         def __init__(self, *args):
             pass
 
-        def generate(self, ids, cfg):
-            seen.append((len(ids), cfg.max_new_tokens, cfg.ignore_eos))
+        def generate(self, ids, cfg, text=True):
+            seen.append((len(ids), cfg.max_new_tokens, cfg.ignore_eos, text))
             return []
 
     class Chat:
@@ -409,4 +409,4 @@ def test_eval_draft_ignore_eos_reaches_generation(monkeypatch):
     monkeypatch.setattr(eval_draft, "Generator", Recorder)
     eval_draft.evaluate(None, Chat(), None, ["a", "b", "c"], 5, 2, ignore_eos=True)
     eval_draft.evaluate(None, Chat(), None, ["a"], 5, 2)
-    assert seen == [(2, 5, True), (1, 5, True), (1, 5, False)]
+    assert seen == [(2, 5, True, False), (1, 5, True, False), (1, 5, False, False)]  # tokens only: no text needed

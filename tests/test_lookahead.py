@@ -94,9 +94,10 @@ def test_sampled_lookahead_is_reproducible(target, prompts):
 class Logged(batcher_mod.Sequence):
     """A server Sequence that keeps the token ids it took."""
 
-    def push(self, tok):
-        self.__dict__.setdefault("log", []).append(tok)
-        return super().push(tok)
+    def push_many(self, tokens):
+        text, n = super().push_many(tokens)
+        self.__dict__.setdefault("log", []).extend(tokens[:n])
+        return text, n
 
 
 @pytest.mark.parametrize("name", ["plain", "chain4"])

@@ -60,6 +60,12 @@
 #   cp -r /tmp/train18/drafter /tmp/drafter18
 #   K=19 INIT=/tmp/drafter18 EPOCHS=1 DATA="/tmp/all-topenself105 /tmp/all-topenself120" bash ... alltrain; bash ... eval
 #   K=20 INIT=/tmp/train19/drafter EPOCHS=1 DATA="/tmp/all-topenself105 /tmp/all-topenself120" bash ... alltrain; bash ... eval
+# Stages 21-22 (2026-12-01, twenty-third session, one H200; the bundled drafter is stage 22's export): 61,440 new
+# turns that start with the built-in openings and 66 more (bench/gpu/openers-more.txt), shards 135-164 (kept as
+# .gpudata/data-open135-164.tar.xz), from stage 20:
+#   FIRST_SHARD=135 SELF_PROMPTS=337920 BATCH=2048 OPENERS="tasks bench/gpu/openers-more.txt" DATA_SECONDS=520 bash ... self  # 8 min 40 s
+#   K=21 EPOCHS=2 DATA=/tmp/all-topenself135 bash ... alltrain; bash ... eval
+#   K=22 INIT=/tmp/train21/drafter EPOCHS=1 DATA=/tmp/all-topenself135 bash ... alltrain; bash ... eval
 # The self-written turns need the MT-bench and HumanEval wheels in .whl (their prompts are kept out).
 phase=$1
 if [ "$phase" = prepare ]; then
@@ -108,7 +114,8 @@ case $phase in
     done ;;
   self)
     # FIRST_SHARD=15 SELF_PROMPTS=61440 writes shards 15..29 (their own seeds, so other turns) into all-tself15
-    # OPENERS=tasks: each turn starts with one of the built-in openings (`--prompt-openers`), into all-topen*
+    # OPENERS=tasks: each turn starts with one of the built-in openings (`--prompt-openers`), into all-topen*;
+    # OPENERS="tasks FILE": the built-in ones, then a file's
     first=${FIRST_SHARD:-0}; dir=/tmp/all-t${OPENERS:+open}self; [ "$first" -gt 0 ] && dir=$dir$first
     time timeout ${DATA_SECONDS:-570} python3 -m eaglet data --model $GGUF --dtype bfloat16 --out $dir \
       --self-prompts ${SELF_PROMPTS:-30720} --first-shard $first --temperature 0 --batch ${BATCH:-1024} \
