@@ -360,7 +360,7 @@ def test_self_written_prompts_start_with_the_openers(target, tok, tmp_path):
     regenerate(self_cfg(tmp_path / "p"), target, tok, **QUIET)
     plain = {r["id"]: r["prompt"] for r in read_shards(tmp_path / "p")}
     assert all(plain.get(r["id"]) != r["prompt"] for r in rows)  # the openers changed what was written
-    builtin = read_openers("tasks")
+    builtin = read_openers(["tasks"])
     assert len(builtin) >= 40 and len(set(builtin)) == len(builtin) and all(o == o.strip() for o in builtin)
     (tmp_path / "more.txt").write_text(f"Translate\n{builtin[0]}\nWrite a haiku\n")  # several sets join in order
     assert read_openers(["tasks", str(tmp_path / "more.txt")]) == builtin + ("Write a haiku",)
@@ -368,7 +368,7 @@ def test_self_written_prompts_start_with_the_openers(target, tok, tmp_path):
     (tmp_path / "empty.txt").write_text("\n  \n")
     for bad, words in (("empty.txt", "has no openings"), ("absent.txt", "no file")):
         with pytest.raises(InvalidInput, match=words):
-            read_openers(str(tmp_path / bad))
+            read_openers([str(tmp_path / bad)])
 
 
 def test_sampled_replies_repeat_and_differ_from_greedy(regenerated, target, tok, source, tmp_path):

@@ -56,11 +56,11 @@ class RegenConfig:
 BUILTIN_OPENERS = Path(__file__).with_name("openers.txt")
 
 
-def read_openers(specs: str | list[str]) -> tuple[str, ...]:
+def read_openers(specs: list[str]) -> tuple[str, ...]:
     """`--prompt-openers`: "tasks" (the built-in set) or text files, one opening per line, joined in
     order with repeats dropped."""
     openers: dict[str, None] = {}
-    for spec in [specs] if isinstance(specs, str) else specs:
+    for spec in specs:
         path = BUILTIN_OPENERS if spec == "tasks" else Path(spec)
         if not path.is_file():
             raise InvalidInput(f"--prompt-openers: no file {spec} (give 'tasks' or a text file, one opening per line)")
