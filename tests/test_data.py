@@ -160,6 +160,9 @@ def test_regenerate_splits_and_templates(regenerated, source, tok):
         assert 0 < len(r["input_ids"]) - len(prompt) <= 6 and r["finish"] in ("stop", "length")
     assert (meta["train_prompts"], meta["heldout_prompts"], meta["shards"]) == (21, len(held), 4)
     assert json.loads((out / "meta.json").read_text())["shards"] == 4
+    run = meta["this_run"]  # what this run wrote, counted from its rows
+    assert (run["shards"], run["conversations"]) == (4, len(rows))
+    assert run["new_tokens"] == sum(len(r["input_ids"]) - r["prompt_len"] for r in rows) and run["seconds"] > 0
 
 
 def test_every_user_turn_split_by_conversation(tmp_path):
@@ -202,8 +205,9 @@ def test_killed_regeneration_resumes(regenerated, target, tok, source, tmp_path,
         before[name] = (tmp_path / name).read_bytes()
 
     logs = []
-    regenerate(rcfg(tmp_path, source), target, tok, progress=False, log=logs.append)
+    meta = regenerate(rcfg(tmp_path, source), target, tok, progress=False, log=logs.append)
     assert any("resuming: 2 of 4 shards" in m for m in logs)
+    assert meta["this_run"]["shards"] == 2  # the resumed run counts only what it wrote
     for name in visible:
         assert (tmp_path / name).stat().st_mtime_ns == old and (tmp_path / name).read_bytes() == before[name]
     rows = read_shards(tmp_path)
@@ -251,8 +255,11 @@ def test_data_train_eval_commands(capsys, model_dir, source, tmp_path):
         rc, out, err = run_cli(capsys, "data", *common, "--out", str(tmp_path / "data"), "--source", str(source[0]),
                                "--max-new-tokens", "8", "--shard-size", "8", "--max-prompt-tokens", "100")
         assert rc == 0, err
-        meta = json.loads(out.strip().splitlines()[-1])
+        meta = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
         assert meta["shards"] >= 2 and meta["train_prompts"] + meta["heldout_prompts"] == 25
+        rec = json.loads(open(out.strip().splitlines()[-1].removeprefix("record: ")).read())
+        assert rec["kind"] == "data" and rec["results"]["this_run"] == meta["this_run"]
+        assert rec["environment"]["python"] and rec["models"]["target"]["path"] == str(model_dir)
         assert len(read_shards(tmp_path / "data")) > 10
 
         rc, out, err = run_cli(capsys, "train-draft", *common, "--data", str(tmp_path / "data"),

