@@ -3,7 +3,7 @@ there, from the committed train-draft and eval-draft records (nothing is run):
 
     .venv/bin/python bench/plot_drafter_stages.py   # writes bench/results/drafter-stages.{json,png}
 
-The bundled lineage is 1-12, 15, 16, 18-22 (each stage starts from the one before); 13, 14 and 17
+The bundled lineage is 1-12, 15, 16, 18-23 (each stage starts from the one before); 13, 14 and 17
 branched off it and were not kept, so they are drawn apart.
 """
 from __future__ import annotations
@@ -14,17 +14,19 @@ from pathlib import Path
 from eaglet.perf.record import environment, to_json, write_atomic
 
 RESULTS = Path(__file__).resolve().parent / "results"
-LINEAGE = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 15, 16, 18, 19, 20, 21, 22]
+LINEAGE = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 15, 16, 18, 19, 20, 21, 22, 23]
 BRANCHES = {13: 12, 14: 12, 17: 16}  # stage: the stage it started from
 SETTINGS = ("chain:5", "tree:6,8,32")
 SETS = ("mtbench", "humaneval")
-NEW_DATA = {1: "ShareGPT", 5: "unseen ShareGPT", 7: "self-written", 18: "task openings", 21: "more openings"}
+NEW_DATA = {1: "ShareGPT", 5: "unseen ShareGPT", 7: "self-written", 18: "task openings", 21: "more openings", 23: "122,880 new turns"}
 BAR = 3.5
 
 
-def train_record(stage: int) -> dict:
-    (path,) = RESULTS.glob(f"train-draft-smollm2-h200*-stage{stage}[.-]*json")
-    return json.loads(path.read_text())
+def train_records(stage: int) -> list[dict]:
+    """A stage's train-draft records: one, or one per device call when it resumed (stage23-call1, -call2)."""
+    paths = sorted(RESULTS.glob(f"train-draft-smollm2-h200*-stage{stage}[.-]*json"))
+    assert paths, f"no train-draft record of stage {stage}"
+    return [json.loads(p.read_text()) for p in paths]
 
 
 EVAL_NAMES = {4: "", 13: "stage13-wide6144-", 14: "stage14-hard-"}  # stage 4, the second drafter, predates names
@@ -35,17 +37,17 @@ def eval_record(stage: int, prompts: str) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def tokens(record: dict) -> int:
-    return record["results"]["assistant_tokens_this_run"]
+def tokens(stage: int) -> int:
+    return sum(r["results"]["assistant_tokens_this_run"] for r in train_records(stage))
 
 
 def collect() -> list[dict]:
     rows, cum, total = [], {}, 0
     for stage in LINEAGE:
-        total += tokens(train_record(stage))
+        total += tokens(stage)
         cum[stage] = total
     for stage in LINEAGE + sorted(BRANCHES):
-        at = cum[stage] if stage in cum else cum[BRANCHES[stage]] + tokens(train_record(stage))
+        at = cum[stage] if stage in cum else cum[BRANCHES[stage]] + tokens(stage)
         row = {"stage": stage, "bundled_lineage": stage in cum, "assistant_tokens_cumulative": at}
         for prompts in SETS:
             rec = eval_record(stage, prompts)
