@@ -170,9 +170,9 @@ case $phase in
     mkdir -p ${OUT:-/tmp}/records
     python3 bench/gpu/train_profile.py $GGUF /tmp/all-t* --out ${OUT:-/tmp}/records \
       --init-from eaglet/drafters/smollm2-135m-instruct-eagle3 --batch-tokens 32768 --max-len 1024 ;;
-  eval)
+  eval)  # DRAFT=DIR: another export than the last trained one (/tmp/train/drafter)
     for set in ${SETS:-mtbench humaneval}; do
-      python3 -m eaglet eval-draft --model $GGUF --dtype float32 --draft /tmp/train/drafter --prompts $set \
+      python3 -m eaglet eval-draft --model $GGUF --dtype float32 --draft ${DRAFT:-/tmp/train/drafter} --prompts $set \
         --max-new-tokens 256 --batch 200 --settings chain:5 chain:7 tree:5,4,16 tree:6,8,32 --out ${OUT:-/tmp}/records
     done ;;
   pack)  # data shards back through $OUT: one xz tar, split into 15 MB parts
