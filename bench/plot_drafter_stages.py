@@ -3,7 +3,7 @@ there, from the committed train-draft and eval-draft records (nothing is run):
 
     .venv/bin/python bench/plot_drafter_stages.py   # writes bench/results/drafter-stages.{json,png}
 
-The bundled lineage is 1-12, 15, 16, 18-23 (each stage starts from the one before); 13, 14 and 17
+The bundled lineage is 1-12, 15, 16, 18-25 (each stage starts from the one before); 13, 14, 17 and 26
 branched off it and were not kept, so they are drawn apart.
 """
 from __future__ import annotations
@@ -14,11 +14,11 @@ from pathlib import Path
 from eaglet.perf.record import environment, to_json, write_atomic
 
 RESULTS = Path(__file__).resolve().parent / "results"
-LINEAGE = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 15, 16, 18, 19, 20, 21, 22, 23]
-BRANCHES = {13: 12, 14: 12, 17: 16}  # stage: the stage it started from
+LINEAGE = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 15, 16, 18, 19, 20, 21, 22, 23, 24, 25]
+BRANCHES = {13: 12, 14: 12, 17: 16, 26: 25}  # stage: the stage it started from
 SETTINGS = ("chain:5", "tree:6,8,32")
 SETS = ("mtbench", "humaneval")
-NEW_DATA = {1: "ShareGPT", 5: "unseen ShareGPT", 7: "self-written", 18: "task openings", 21: "more openings", 23: "122,880 new turns"}
+NEW_DATA = {1: "ShareGPT", 5: "unseen ShareGPT", 7: "self-written", 18: "task openings", 21: "more openings", 23: "122,880 new turns", 25: "61,440 new turns"}
 BAR = 3.5
 
 
@@ -75,13 +75,13 @@ def plot(rows: list[dict], path: Path) -> None:
     for stage, what in NEW_DATA.items():
         x = next(r["assistant_tokens_cumulative"] for r in rows if r["stage"] == stage) / 1e6
         ax.axvline(x, color="0.85", lw=0.8, zorder=0)
-        ax.text(x, 4.8, f"{stage}: {what} ", rotation=90, va="top", ha="right", fontsize=7, color="0.4")
+        ax.text(x, 5.3, f"{stage}: {what} ", rotation=90, va="top", ha="right", fontsize=7, color="0.4")
     ax.axhline(BAR, color="red", lw=0.8, ls=":")
     ax.text(2, BAR + 0.03, "bar: chain 5 >= 3.5", color="red", fontsize=8)
     ax.set_xlabel("assistant tokens trained, cumulative (M); x: stages not kept")
     ax.set_ylabel("τ (tokens per verify step)")
     ax.set_title("Bundled SmolLM2-135M-Instruct EAGLE-3 drafter, greedy, 256 new tokens")
-    ax.set_ylim(1.5, 4.85)
+    ax.set_ylim(1.5, 5.35)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -112,6 +112,21 @@ def test_a_drafter_fingerprint_tells_stages_of_one_run_apart(tmp_path):
     assert a != b and a == c
 
 
+def test_a_gpu_record_carries_the_process_peak_memory(tmp_path, monkeypatch):
+    """Whether two jobs fit one GPU at once is read from their records: a process that used the
+    GPU records its peak allocated and reserved memory; one that never did records none."""
+    import torch
+
+    from eaglet.perf import record as rec
+
+    path = rec.write_record("data", {}, {"n": 1}, tmp_path)
+    assert "gpu_memory" not in json.loads(path.read_text())["results"]  # this CPU process never touched a GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 100.5 * 2**30)
+    assert rec.gpu_peak_memory() == {"peak_allocated_gib": 3.0, "peak_reserved_gib": 100.5}
+
 def record(flags: dict, env_extra: dict, tok_s: float) -> dict:
     env = environment()
     env["env"] = {**env["env"], **env_extra}

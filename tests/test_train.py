@@ -6,6 +6,7 @@ losslessly, --init-from fine-tunes (or widens) an existing drafter, and two rank
 train exactly what one process accumulating their batches does. The TTT loss itself: test_ttt.py."""
 import json
 import math
+import random
 import os
 import subprocess
 import sys
@@ -126,6 +127,21 @@ def test_batch_plan_covers_each_row_once_per_epoch():
     assert len(one) * 2 < len(plan) < len(one) * 3  # two epochs and half of a third
 
 
+def test_a_wider_length_window_pads_less_and_still_covers_each_row_once():
+    lengths = [random.Random(i).randint(20, 600) for i in range(3000)]
+
+    def plan(window):
+        p = batch_plan(lengths, TrainConfig(data="-", out="-", batch_tokens=8192, length_window=window, seed=3))
+        assert sorted(i for bt in p for i in bt) == list(range(3000))
+        assert all(len(bt) * max(lengths[i] for i in bt) <= 8192 for bt in p)
+        return len(p), sum(lengths) / sum(len(bt) * max(lengths[i] for i in bt) for bt in p)
+
+    (steps_narrow, fill_narrow), (steps_wide, fill_wide) = plan(256), plan(3000)
+    assert fill_wide > 0.95 > fill_narrow and steps_wide < steps_narrow
+    with pytest.raises(InvalidInput, match="length-window"):
+        TrainConfig(data="-", out="-", length_window=0)
+
+
 def test_training_lowers_the_loss(trained, data):
     tr, out, result = trained
     losses = [h["loss"] for h in tr.history]
@@ -139,6 +155,9 @@ def test_training_lowers_the_loss(trained, data):
     assert torch.equal(tr.head.draft_to_target(), draft_vocab(data[1], 128, 64))  # vocabulary from the data
     assert json.loads((out / "history.json").read_text()) == tr.history
     assert torch.load(out / "checkpoints" / "latest.pt", weights_only=False)["step"] == 30
+    rows = [i for bt in tr.plan[:30] for i in bt]  # the record says how much of each batch was padding
+    assert result["tokens_this_run"] == sum(len(tr.rows[i]["input_ids"]) for i in rows)
+    assert result["assistant_tokens_this_run"] < result["tokens_this_run"] <= result["padded_tokens_this_run"]
 
 
 def test_resume_repeats_the_uninterrupted_run(data, target, tmp_path, monkeypatch):

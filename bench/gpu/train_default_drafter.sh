@@ -71,6 +71,14 @@
 #   FIRST_SHARD=165 SELF_PROMPTS=460800 BATCH=2048 OPENERS="tasks bench/gpu/openers-more.txt" DATA_SECONDS=555 bash ... self  # 6 min 31 s
 #   K=23 EPOCHS=2 DATA=/tmp/all-topenself165 TRAIN_SECONDS=525 bash ... alltrain  # twice: 525 s, then the last 188 s
 #   bash ... fetch; bash ... eval
+# Stages 24-26 (2026-12-01, twenty-fifth session, one H200; the bundled drafter is stage 25's export), from stage 23:
+#   bash ... unpack   # shards 165-224, staged from .gpudata/data-open165-224.tar.xz
+#   FIRST_SHARD=225 SELF_PROMPTS=583680 ... DATA_SECONDS=540 bash ... self &      # beside training: ran out of
+#   K=24 EPOCHS=1 DATA=/tmp/all-topenself165 TRAIN_SECONDS=500 bash ... alltrain   # GPU memory after 2 shards
+#   FIRST_SHARD=225 SELF_PROMPTS=522240 BATCH=2048 OPENERS="tasks bench/gpu/openers-more.txt" DATA_SECONDS=400 bash ... self
+#   (DRAFT=/tmp/train24/drafter bash ... eval, beside it); kept as .gpudata/data-open225-254.tar.xz
+#   K=25 INIT=/tmp/train24/drafter EPOCHS=2 DATA=/tmp/all-topenself225 TRAIN_SECONDS=420 bash ... alltrain; fetch; eval
+#   K=26 INIT=/tmp/train25/drafter EPOCHS=1 DATA=/tmp/all-topenself225 bash ... alltrain; SETS=mtbench ... eval  # not kept
 # Data phases write their JSON record (counts, wall time, environment) into $OUT/records.
 # The self-written turns need the MT-bench and HumanEval wheels in .whl (their prompts are kept out).
 phase=$1
@@ -141,13 +149,14 @@ case $phase in
     # NPROC=2: data parallel over two GPUs (torchrun, NCCL), --batch-tokens per GPU.
     # WIDTH=N: widen the drafter's MLP to N first (its function kept; the added width starts at zero).
     # TEMP=T: train toward the target's distribution sharpened to temperature T (0: its argmax).
+    # WINDOW=ROWS, BATCH_TOKENS=N: --length-window (default 256) and --batch-tokens (default 32768).
     read -r data k lr <<< "$([ $phase = finetune ] && echo "more 5 2e-4" || echo "all ${K:-7} 1.5e-4")"
     mkdir -p ${OUT:-/tmp}/records
     launch="python3"; [ "${NPROC:-1}" -gt 1 ] && launch="python3 -m torch.distributed.run --nproc-per-node $NPROC"
     $launch -m eaglet train-draft --model $GGUF --dtype bfloat16 --data ${DATA:-/tmp/$data-t*} \
       --out /tmp/train$k --init-from ${INIT:-eaglet/drafters/smollm2-135m-instruct-eagle3} --epochs ${EPOCHS:-1} \
-      --lr $lr --seed $((k - 1)) --batch-tokens 32768 --max-len 1024 --draft-vocab 16384 --save-every 200 \
-      --time-limit ${TRAIN_SECONDS:-540} ${WIDTH:+--intermediate-size $WIDTH} \
+      --lr $lr --seed $((k - 1)) --batch-tokens ${BATCH_TOKENS:-32768} --max-len 1024 --draft-vocab 16384 --save-every 200 \
+      --time-limit ${TRAIN_SECONDS:-540} ${WIDTH:+--intermediate-size $WIDTH} ${WINDOW:+--length-window $WINDOW} \
       ${TEMP:+--target-temperature $TEMP} || exit 1
     cp /tmp/train$k/train-draft-*.json ${OUT:-/tmp}/records/
     ln -sfn /tmp/train$k /tmp/train ;;

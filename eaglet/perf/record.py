@@ -101,6 +101,18 @@ def environment() -> dict:
     return env
 
 
+def gpu_peak_memory() -> dict | None:
+    """This process's peak GPU memory so far, in GiB: what its tensors held at most (allocated) and
+    what the caching allocator kept from the driver (reserved, what another process cannot use).
+    None when the process never touched a GPU."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    return {"peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2)}
+
+
 def write_record(kind: str, flags: dict, results: dict, out_dir: str | Path, models: dict | None = None,
                  raw: dict | None = None) -> Path:
     """Write {kind, flags, environment, models, results} as JSON; returns the file path. Each `raw`
@@ -108,6 +120,8 @@ def write_record(kind: str, flags: dict, results: dict, out_dir: str | Path, mod
     <record>.<name>.json.gz, and results[name] names that file (read it back with load_raw)."""
     rec = {"kind": kind, "flags": flags, "environment": environment(),
            "models": {k: path_fingerprint(v) for k, v in (models or {}).items()}, "results": dict(results)}
+    if (mem := gpu_peak_memory()) is not None:
+        rec["results"].setdefault("gpu_memory", mem)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dev = "gpu" if rec["environment"]["gpu"] else "cpu"

@@ -41,6 +41,7 @@ class TrainConfig:
     warmup: float = 0.015  # fraction of steps
     grad_clip: float = 0.5
     batch_tokens: int = 8192  # padded tokens per batch (per rank)
+    length_window: int = 256  # rows shuffled, then sorted by length this many at a time: larger pads less
     grad_accum: int = 1  # batches per rank per optimizer step
     max_len: int = 1024
     ttt_steps: int = 7
@@ -55,15 +56,17 @@ class TrainConfig:
     time_limit: float | None = None  # seconds: then checkpoint, export and stop; a rerun resumes the schedule
 
     def __post_init__(self):
-        if self.lr <= 0 or self.epochs <= 0 or self.batch_tokens < 1 or self.ttt_steps < 1 or self.grad_accum < 1:
-            raise InvalidInput("lr, epochs, batch-tokens, ttt-steps and grad-accum must be positive")
+        if (self.lr <= 0 or self.epochs <= 0 or self.batch_tokens < 1 or self.ttt_steps < 1 or self.grad_accum < 1
+                or self.length_window < 1):
+            raise InvalidInput("lr, epochs, batch-tokens, ttt-steps, grad-accum and length-window must be positive")
         if not 0 <= self.target_temperature <= 10:
             raise InvalidInput(f"target-temperature must be in [0, 10], got {self.target_temperature}")
 
 
 def batch_plan(lengths: list[int], cfg: TrainConfig) -> list[list[int]]:
-    """Batches of row indices for all epochs: shuffled per epoch, bucketed by length, at most
-    cfg.batch_tokens padded tokens each. Deterministic in cfg.seed."""
+    """Batches of row indices for all epochs: shuffled per epoch, sorted by length within windows of
+    cfg.length_window rows (similar lengths share a batch, so less padding; batches are shuffled
+    again), at most cfg.batch_tokens padded tokens each. Deterministic in cfg.seed."""
     plan: list[list[int]] = []
     epochs = math.ceil(cfg.epochs)
     for e in range(epochs):
@@ -71,8 +74,8 @@ def batch_plan(lengths: list[int], cfg: TrainConfig) -> list[list[int]]:
         idx = list(range(len(lengths)))
         rng.shuffle(idx)
         batches = []
-        for c in range(0, len(idx), 256):  # sort within windows: similar lengths, still shuffled
-            window = sorted(idx[c:c + 256], key=lambda i: lengths[i])
+        for c in range(0, len(idx), cfg.length_window):
+            window = sorted(idx[c:c + cfg.length_window], key=lambda i: lengths[i])
             cur: list[int] = []
             for i in window:
                 if cur and (len(cur) + 1) * max(lengths[j] for j in cur + [i]) > cfg.batch_tokens:
@@ -265,17 +268,18 @@ class Trainer:
         embed = self.target.model.embed_tokens.weight.to(hdtype)
         timer = PhaseTimer(self.device)
         bar = tqdm(total=self.total, initial=self.step, desc="train-draft", disable=not self.progress or self.rank)
-        t0, tokens, padded, first = time.perf_counter(), 0, 0, self.step
+        t0, tokens, real, padded, first = time.perf_counter(), 0, 0, 0, self.step
         while self.step < self.total:
             self.opt.zero_grad(set_to_none=True)
             losses, accs = [], []
             for m in range(self.cfg.grad_accum):
-                ids, mask = collate(self.rows, self.plan[(self.step * self.world + self.rank) * self.cfg.grad_accum + m],
-                                    self.cfg.max_len, self.device)
+                batch = self.plan[(self.step * self.world + self.rank) * self.cfg.grad_accum + m]
+                ids, mask = collate(self.rows, batch, self.cfg.max_len, self.device)
                 out = self.batch_loss(ids, mask, embed, hdtype, timer, cuda)
                 with timer.phase("backward_step"):
                     out.loss.backward()  # gradients add up over the step's batches
                 tokens += int(mask.sum())  # assistant tokens
+                real += sum(min(len(self.rows[i]["input_ids"]), self.cfg.max_len) for i in batch)  # prompt + reply
                 padded += ids.numel()
                 losses.append(float(out.loss.detach()))  # sync (ttt_loss already synced once for its statistics)
                 accs.append(out.step_acc)
@@ -299,9 +303,9 @@ class Trainer:
             torch.cuda.synchronize()
         secs = time.perf_counter() - t0
         if self.world > 1:  # every rank's tokens
-            counts = torch.tensor([tokens, padded], device=self.device)
+            counts = torch.tensor([tokens, real, padded], device=self.device)
             torch.distributed.all_reduce(counts)
-            tokens, padded = counts.tolist()
+            tokens, real, padded = counts.tolist()
         export = None
         if self.rank == 0:
             export = save_eagle3(self.head, Path(self.cfg.out) / "drafter", torch.bfloat16 if cuda else torch.float32)
@@ -309,7 +313,7 @@ class Trainer:
         phases = timer.totals()
         return {"steps": self.step, "finished": self.step == self.total, "world_size": self.world,
                 "steps_this_run": self.step - first, "seconds_this_run": secs,
-                "assistant_tokens_this_run": tokens, "padded_tokens_this_run": padded,
+                "assistant_tokens_this_run": tokens, "tokens_this_run": real, "padded_tokens_this_run": padded,
                 "tokens_per_s": tokens / max(secs, 1e-9),
                 "ms_per_step": {k: v["ms"] / max(1, self.step - first) for k, v in phases.items()}, "export": str(export),
                 "final_loss": self.history[-1]["loss"] if self.history else None}
