@@ -119,13 +119,15 @@ def test_a_gpu_record_carries_the_process_peak_memory(tmp_path, monkeypatch):
 
     from eaglet.perf import record as rec
 
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # a process that never touched a GPU
     path = rec.write_record("data", {}, {"n": 1}, tmp_path)
-    assert "gpu_memory" not in json.loads(path.read_text())["results"]  # this CPU process never touched a GPU
+    assert "gpu_memory" not in json.loads(path.read_text())["results"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 3 * 2**30)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 100.5 * 2**30)
     assert rec.gpu_peak_memory() == {"peak_allocated_gib": 3.0, "peak_reserved_gib": 100.5}
+
 
 def record(flags: dict, env_extra: dict, tok_s: float) -> dict:
     env = environment()

@@ -6,8 +6,8 @@ losslessly, --init-from fine-tunes (or widens) an existing drafter, and two rank
 train exactly what one process accumulating their batches does. The TTT loss itself: test_ttt.py."""
 import json
 import math
-import random
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
