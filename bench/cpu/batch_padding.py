@@ -9,7 +9,7 @@ import argparse
 
 from eaglet.perf.record import write_record
 from eaglet.train.regen import read_shards
-from eaglet.train.trainer import TrainConfig, batch_plan
+from eaglet.train.trainer import TrainConfig, batch_plan, row_lengths
 
 
 def main() -> None:
@@ -22,8 +22,8 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     rows = [r for d in args.data for r in read_shards(d)]
-    lengths = [min(len(r["input_ids"]), args.max_len) for r in rows]
-    assistant = sum(min(len(r["input_ids"]), args.max_len) - r["prompt_len"] for r in rows)
+    lengths = row_lengths(rows, args.max_len)
+    assistant = sum(n - r["prompt_len"] for n, r in zip(lengths, rows))
     results = {"rows": len(rows), "tokens": sum(lengths), "assistant_tokens": assistant, "windows": {}}
     for w in args.windows:
         cfg = TrainConfig(data="-", out="-", batch_tokens=args.batch_tokens, max_len=args.max_len,

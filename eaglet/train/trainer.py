@@ -91,6 +91,11 @@ def batch_plan(lengths: list[int], cfg: TrainConfig) -> list[list[int]]:
     return plan
 
 
+def row_lengths(rows: list[dict], max_len: int) -> list[int]:
+    """Each row's length as trained: prompt and reply, cut at max_len (what collate keeps)."""
+    return [min(len(r["input_ids"]), max_len) for r in rows]
+
+
 def lr_lambda(total: int, warmup: float):
     w = max(1, int(total * warmup))
 
@@ -145,8 +150,8 @@ class Trainer:
             if not got:
                 raise InvalidInput(f"{d}: no shard-*.jsonl training data (run `eaglet data` first)")
             rows += got
-        self.rows = rows
-        self.plan = batch_plan([min(len(r["input_ids"]), cfg.max_len) for r in rows], cfg)
+        self.rows, self.lengths = rows, row_lengths(rows, cfg.max_len)
+        self.plan = batch_plan(self.lengths, cfg)
         self.per_step = self.world * cfg.grad_accum  # batches of the plan per optimizer step
         self.total = len(self.plan) // self.per_step
         if cfg.max_steps:
@@ -279,7 +284,7 @@ class Trainer:
                 with timer.phase("backward_step"):
                     out.loss.backward()  # gradients add up over the step's batches
                 tokens += int(mask.sum())  # assistant tokens
-                real += sum(min(len(self.rows[i]["input_ids"]), self.cfg.max_len) for i in batch)  # prompt + reply
+                real += sum(self.lengths[i] for i in batch)  # prompt + reply, no padding
                 padded += ids.numel()
                 losses.append(float(out.loss.detach()))  # sync (ttt_loss already synced once for its statistics)
                 accs.append(out.step_acc)
