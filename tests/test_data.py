@@ -303,6 +303,9 @@ def test_data_train_eval_commands(capsys, model_dir, source, tmp_path):
     (["eval-draft", "--draft", "{tmp}", "--settings", "tree:3,2"], ["bad setting"], {}),
     (["data", "--out", "{tmp}/d", "--source", "{tmp}/absent.json"], ["absent.json"], {}),
     (["data", "--out", "{tmp}/d", "--source", "{tmp}/obj.json"], ["not a JSON array"], {"obj.json": '{"id": 1}'}),
+    (["data", "--out", "{tmp}/d", "--max-gpu-memory", "20"], ["--max-gpu-memory", "CUDA device", "cpu"], {}),
+    (["train-draft", "--data", "{tmp}", "--out", "{tmp}/o", "--max-gpu-memory", "20"],
+     ["--max-gpu-memory", "CUDA device", "cpu"], {}),
 ])
 def test_bad_input_is_one_error_line(capsys, model_dir, tmp_path, argv, words, files):
     for name, text in files.items():
@@ -311,6 +314,26 @@ def test_bad_input_is_one_error_line(capsys, model_dir, tmp_path, argv, words, f
     rc, out, err = run_cli(capsys, *argv)
     assert_one_error_line(rc, err, *words)
     assert "Traceback" not in err
+
+
+def test_max_gpu_memory_sets_the_fraction_of_the_gpu(monkeypatch):
+    """--max-gpu-memory GIB becomes torch's per-process fraction of that GPU; 0 and more than the GPU
+    has are refused (the GPU faked: 80 GiB)."""
+    from eaglet.train.commands import cap_gpu_memory
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: type("P", (), {"total_memory": 80 * 2**30})())
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append((f, str(d))))
+    cap_gpu_memory(None, "cuda")
+    assert calls == []
+    cap_gpu_memory(20, "cuda:1")
+    cap_gpu_memory(80, None)
+    assert calls == [(0.25, "cuda:1"), (1.0, "cuda")]
+    for gib in (0, 80.5):
+        with pytest.raises(InvalidInput, match="at most the GPU's 80.0 GiB"):
+            cap_gpu_memory(gib, "cuda")
 
 
 def self_cfg(out, **kw) -> RegenConfig:

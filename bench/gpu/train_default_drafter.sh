@@ -133,7 +133,8 @@ case $phase in
     first=${FIRST_SHARD:-0}; dir=/tmp/all-t${OPENERS:+open}self; [ "$first" -gt 0 ] && dir=$dir$first
     time timeout ${DATA_SECONDS:-570} python3 -m eaglet data --model $GGUF --dtype bfloat16 --out $dir \
       --self-prompts ${SELF_PROMPTS:-30720} --first-shard $first --temperature 0 --batch ${BATCH:-1024} \
-      --max-new-tokens 320 --max-prompt-tokens 256 --shard-size 2048 --record-dir ${OUT:-/tmp}/records ${OPENERS:+--prompt-openers $OPENERS}
+      --max-new-tokens 320 --max-prompt-tokens 256 --shard-size 2048 --record-dir ${OUT:-/tmp}/records ${OPENERS:+--prompt-openers $OPENERS} \
+      ${MEM_CAP:+--max-gpu-memory $MEM_CAP}
     ls $dir | wc -l ;;
   self2)
     # self-written turns on two GPUs at once: shards START..START+14 on GPU 0, START+15..START+29 on
@@ -150,6 +151,7 @@ case $phase in
     # WIDTH=N: widen the drafter's MLP to N first (its function kept; the added width starts at zero).
     # TEMP=T: train toward the target's distribution sharpened to temperature T (0: its argmax).
     # WINDOW=ROWS, BATCH_TOKENS=N: --length-window (default 256) and --batch-tokens (default 32768).
+    # MEM_CAP=GIB: --max-gpu-memory (so a data phase fits beside it; `self` takes it too).
     read -r data k lr <<< "$([ $phase = finetune ] && echo "more 5 2e-4" || echo "all ${K:-7} 1.5e-4")"
     mkdir -p ${OUT:-/tmp}/records
     launch="python3"; [ "${NPROC:-1}" -gt 1 ] && launch="python3 -m torch.distributed.run --nproc-per-node $NPROC"
@@ -157,7 +159,7 @@ case $phase in
       --out /tmp/train$k --init-from ${INIT:-eaglet/drafters/smollm2-135m-instruct-eagle3} --epochs ${EPOCHS:-1} \
       --lr $lr --seed $((k - 1)) --batch-tokens ${BATCH_TOKENS:-32768} --max-len 1024 --draft-vocab 16384 --save-every 200 \
       --time-limit ${TRAIN_SECONDS:-540} ${WIDTH:+--intermediate-size $WIDTH} ${WINDOW:+--length-window $WINDOW} \
-      ${TEMP:+--target-temperature $TEMP} || exit 1
+      ${TEMP:+--target-temperature $TEMP} ${MEM_CAP:+--max-gpu-memory $MEM_CAP} || exit 1
     cp /tmp/train$k/train-draft-*.json ${OUT:-/tmp}/records/
     ln -sfn /tmp/train$k /tmp/train ;;
   train)

@@ -41,6 +41,7 @@ def add_train_parsers(sub) -> None:
                         "to the same prompts, or other self-written turns")
     d.add_argument("--record-dir", metavar="DIR",
                    help="where the run's JSON record (counts, wall time, environment) goes (default: --out)")
+    add_memory_cap_arg(d)
 
     t = sub.add_parser("train-draft", help="train or fine-tune an EAGLE-3 drafter",
                        description="EAGLE-3 training with the training-time test against the frozen target; "
@@ -74,6 +75,7 @@ def add_train_parsers(sub) -> None:
     t.add_argument("--time-limit", type=float, metavar="SECONDS",
                    help="checkpoint, export and stop after this long (a rerun resumes where it stopped)")
     t.add_argument("--seed", type=int, default=0)
+    add_memory_cap_arg(t)
 
     e = sub.add_parser("eval-draft", help="accept length of a drafter on a prompt set",
                        description="Greedy speculative generation over a prompt set; prints τ (bonus counted) "
@@ -92,6 +94,30 @@ def add_train_parsers(sub) -> None:
     e.add_argument("--out", default="bench/results", help="directory for the JSON record")
 
 
+def add_memory_cap_arg(p) -> None:
+    p.add_argument("--max-gpu-memory", type=float, metavar="GIB",
+                   help="hold at most this much GPU memory (the caching allocator frees its cache before "
+                        "going over, then fails): leaves the rest to another job on the same GPU")
+
+
+def cap_gpu_memory(gib: float | None, device: str | None) -> None:
+    """--max-gpu-memory: torch's per-process memory fraction on the run's GPU, set before any
+    allocation. Refused on a CPU run and above the GPU's size."""
+    if gib is None:
+        return
+    import torch
+
+    from ..errors import InvalidInput
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        raise InvalidInput(f"--max-gpu-memory needs a CUDA device (this run is on {dev})")
+    total = torch.cuda.get_device_properties(dev).total_memory / 2**30
+    if not 0 < gib <= total:
+        raise InvalidInput(f"--max-gpu-memory {gib:g} GiB: must be above 0 and at most the GPU's {total:.1f} GiB")
+    torch.cuda.set_per_process_memory_fraction(gib / total, dev)
+
+
 def cmd_data(args) -> int:
     from ..errors import InvalidInput
     from ..weights import load_model
@@ -102,6 +128,7 @@ def cmd_data(args) -> int:
     if args.prompt_openers and not args.self_prompts:
         raise InvalidInput("--prompt-openers needs --self-prompts (it steers the turns the target writes)")
     openers = read_openers(args.prompt_openers) if args.prompt_openers else ()
+    cap_gpu_memory(args.max_gpu_memory, args.device)
     cfg = RegenConfig(out=Path(args.out), source=args.source, limit=args.limit, batch=args.batch,
                       max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                       temperature=args.temperature, shard_size=args.shard_size, turns=args.turns,
@@ -131,6 +158,7 @@ def cmd_train_draft(args) -> int:
         if torch.cuda.is_available():
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
             torch.cuda.set_device(device)
+    cap_gpu_memory(args.max_gpu_memory, device)
     cfg = TrainConfig(data=args.data[0] if len(args.data) == 1 else tuple(args.data), out=args.out,
                       epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
                       length_window=args.length_window, grad_accum=args.grad_accum, max_len=args.max_len,
