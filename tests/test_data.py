@@ -325,12 +325,18 @@ def test_max_gpu_memory_sets_the_fraction_of_the_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda d: type("P", (), {"total_memory": 80 * 2**30})())
-    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append((f, str(d))))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+
+    def set_fraction(f, d):  # as torch's: a device without an index is refused
+        assert isinstance(d, int) or d.index is not None, d
+        calls.append((f, str(d)))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
     cap_gpu_memory(None, "cuda")
     assert calls == []
     cap_gpu_memory(20, "cuda:1")
     cap_gpu_memory(80, None)
-    assert calls == [(0.25, "cuda:1"), (1.0, "cuda")]
+    cap_gpu_memory(40, "cuda")
+    assert calls == [(0.25, "cuda:1"), (1.0, "cuda:3"), (0.5, "cuda:3")]
     for gib in (0, 80.5):
         with pytest.raises(InvalidInput, match="at most the GPU's 80.0 GiB"):
             cap_gpu_memory(gib, "cuda")

@@ -112,6 +112,8 @@ def cap_gpu_memory(gib: float | None, device: str | None) -> None:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type != "cuda" or not torch.cuda.is_available():
         raise InvalidInput(f"--max-gpu-memory needs a CUDA device (this run is on {dev})")
+    if dev.index is None:  # torch's fraction wants an index: plain "cuda" is the current device
+        dev = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(dev).total_memory / 2**30
     if not 0 < gib <= total:
         raise InvalidInput(f"--max-gpu-memory {gib:g} GiB: must be above 0 and at most the GPU's {total:.1f} GiB")
