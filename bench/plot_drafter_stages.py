@@ -3,7 +3,7 @@ there, from the committed train-draft and eval-draft records (nothing is run):
 
     .venv/bin/python bench/plot_drafter_stages.py   # writes bench/results/drafter-stages.{json,png}
 
-The bundled lineage is 1-12, 15, 16, 18-25 (each stage starts from the one before); 13, 14, 17 and 26
+The bundled lineage is 1-12, 15, 16, 18-25, 27 (each stage starts from the one before); 13, 14, 17 and 26
 branched off it and were not kept, so they are drawn apart.
 """
 from __future__ import annotations
@@ -14,11 +14,11 @@ from pathlib import Path
 from eaglet.perf.record import environment, to_json, write_atomic
 
 RESULTS = Path(__file__).resolve().parent / "results"
-LINEAGE = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 15, 16, 18, 19, 20, 21, 22, 23, 24, 25]
+LINEAGE = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 15, 16, 18, 19, 20, 21, 22, 23, 24, 25, 27]
 BRANCHES = {13: 12, 14: 12, 17: 16, 26: 25}  # stage: the stage it started from
 SETTINGS = ("chain:5", "tree:6,8,32")
 SETS = ("mtbench", "humaneval")
-NEW_DATA = {1: "ShareGPT", 5: "unseen ShareGPT", 7: "self-written", 18: "task openings", 21: "more openings", 23: "122,880 new turns", 25: "61,440 new turns"}
+NEW_DATA = {1: "ShareGPT", 5: "unseen ShareGPT", 7: "self-written", 18: "task openings", 21: "more openings", 23: "122,880 new turns", 25: "61,440 new turns", 27: "102,400 new turns"}
 BAR = 3.5
 
 

