@@ -192,6 +192,19 @@ case $phase in
     mkdir -p ${OUT:-/tmp}/records
     python3 bench/gpu/train_profile.py $GGUF /tmp/all-t* --out ${OUT:-/tmp}/records \
       --init-from eaglet/drafters/smollm2-135m-instruct-eagle3 --batch-tokens 32768 --max-len 1024 ;;
+  round)
+    # One GPU, two jobs: `alltrain` (K, INIT, EPOCHS, DATA, ... as above) while `self` writes the next
+    # round's shards beside it (FIRST_SHARD, SELF_PROMPTS, BATCH, OPENERS, DATA_SECONDS), each under a
+    # memory cap (TRAIN_CAP, default 48 GiB: the trainer peaked at 28.5 with expandable segments;
+    # DATA_CAP, default 40: regeneration held ~25 beside training); logs in $OUT.
+    : "${K:?round needs K=stage}" "${FIRST_SHARD:?round needs FIRST_SHARD=}"; mkdir -p ${OUT:-/tmp}
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True MEM_CAP=${TRAIN_CAP:-48} bash "$0" alltrain \
+      > ${OUT:-/tmp}/train$K.log 2>&1 &
+    trainer=$!
+    sleep 20  # the trainer loads first
+    MEM_CAP=${DATA_CAP:-40} bash "$0" self > ${OUT:-/tmp}/data-from$FIRST_SHARD.log 2>&1
+    wait $trainer; rc=$?; tail -c 400 ${OUT:-/tmp}/train$K.log; tail -c 300 ${OUT:-/tmp}/data-from$FIRST_SHARD.log
+    exit $rc ;;
   eval)  # DRAFT=DIR: another export than the last trained one (/tmp/train/drafter)
     for set in ${SETS:-mtbench humaneval}; do
       python3 -m eaglet eval-draft --model $GGUF --dtype float32 --draft ${DRAFT:-/tmp/train/drafter} --prompts $set \
