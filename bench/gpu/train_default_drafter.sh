@@ -202,9 +202,9 @@ case $phase in
       > ${OUT:-/tmp}/train$K.log 2>&1 &
     trainer=$!
     sleep 20  # the trainer loads first
-    MEM_CAP=${DATA_CAP:-40} bash "$0" self > ${OUT:-/tmp}/data-from$FIRST_SHARD.log 2>&1
+    MEM_CAP=${DATA_CAP:-40} bash "$0" self > ${OUT:-/tmp}/data-from$FIRST_SHARD.log 2>&1; data_rc=$?
     wait $trainer; rc=$?; tail -c 400 ${OUT:-/tmp}/train$K.log; tail -c 300 ${OUT:-/tmp}/data-from$FIRST_SHARD.log
-    exit $rc ;;
+    echo "round: training exit $rc, data exit $data_rc"; [ $rc -eq 0 ] && [ $data_rc -eq 0 ] ;;
   eval)  # DRAFT=DIR: another export than the last trained one (/tmp/train/drafter)
     for set in ${SETS:-mtbench humaneval}; do
       python3 -m eaglet eval-draft --model $GGUF --dtype float32 --draft ${DRAFT:-/tmp/train/drafter} --prompts $set \

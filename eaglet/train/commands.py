@@ -111,9 +111,10 @@ def cap_gpu_memory(gib: float | None, device: str | None) -> None:
     import torch
 
     from ..errors import InvalidInput
+    from ..weights.loader import resolve_device
 
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dev.type != "cuda" or not torch.cuda.is_available():
+    dev = resolve_device(device)  # the run's device, as the model loader picks it
+    if dev.type != "cuda":
         raise InvalidInput(f"--max-gpu-memory needs a CUDA device (this run is on {dev})")
     if dev.index is None:  # torch's fraction wants an index: plain "cuda" is the current device
         dev = torch.device("cuda", torch.cuda.current_device())
