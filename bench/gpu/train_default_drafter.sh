@@ -146,7 +146,7 @@ case $phase in
       --max-new-tokens 320 --max-prompt-tokens 256 --shard-size 2048 --record-dir ${OUT:-/tmp}/records \
       --time-limit $((${DATA_SECONDS:-570} - 45)) ${OPENERS:+--prompt-openers $OPENERS} \
       ${MEM_CAP:+--max-gpu-memory $MEM_CAP}
-    ls $dir | wc -l ;;
+    rc=$?; ls $dir | wc -l; exit $rc ;;  # the data job's status, not ls's (`round` reads it)
   self2)
     # self-written turns on two GPUs at once: shards START..START+14 on GPU 0, START+15..START+29 on
     # GPU 1 (their own seeds, so other turns than stage 7's shards 0-29), into all-tselfSTART and
@@ -196,13 +196,14 @@ case $phase in
     # One GPU, two jobs: `alltrain` (K, INIT, EPOCHS, DATA, ... as above) while `self` writes the next
     # round's shards beside it (FIRST_SHARD, SELF_PROMPTS, BATCH, OPENERS, DATA_SECONDS), each under a
     # memory cap (TRAIN_CAP, default 48 GiB: the trainer peaked at 28.5 with expandable segments;
-    # DATA_CAP, default 40: regeneration held ~25 beside training); logs in $OUT.
+    # DATA_CAP, default 88: regeneration at BATCH=2048 peaked at 41.4 allocated / 43.0 reserved, and
+    # 40 ran out at its first batch, 2026-12-02); logs in $OUT.
     : "${K:?round needs K=stage}" "${FIRST_SHARD:?round needs FIRST_SHARD=}"; mkdir -p ${OUT:-/tmp}
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True MEM_CAP=${TRAIN_CAP:-48} bash "$0" alltrain \
       > ${OUT:-/tmp}/train$K.log 2>&1 &
     trainer=$!
     sleep 20  # the trainer loads first
-    MEM_CAP=${DATA_CAP:-40} bash "$0" self > ${OUT:-/tmp}/data-from$FIRST_SHARD.log 2>&1; data_rc=$?
+    MEM_CAP=${DATA_CAP:-88} bash "$0" self > ${OUT:-/tmp}/data-from$FIRST_SHARD.log 2>&1; data_rc=$?
     wait $trainer; rc=$?; tail -c 400 ${OUT:-/tmp}/train$K.log; tail -c 300 ${OUT:-/tmp}/data-from$FIRST_SHARD.log
     echo "round: training exit $rc, data exit $data_rc"; [ $rc -eq 0 ] && [ $data_rc -eq 0 ] ;;
   eval)  # DRAFT=DIR: another export than the last trained one (/tmp/train/drafter)
