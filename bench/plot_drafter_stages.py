@@ -3,8 +3,10 @@ there, from the committed train-draft and eval-draft records (nothing is run):
 
     .venv/bin/python bench/plot_drafter_stages.py   # writes bench/results/drafter-stages.{json,png}
 
-The bundled lineage is 1-12, 15, 16, 18-25, 27 (each stage starts from the one before); 13, 14, 17 and 26
-branched off it and were not kept, so they are drawn apart.
+The bundled lineage is 1-12, 15, 16, 18-25, 27-29 (each stage starts from the one before); 13, 14, 17 and 26
+branched off it and were not kept, so they are drawn apart. A stage evaluated on the H200 is read from its
+`-h200` record; one evaluated only on the CPU (29) from its `-cpu` records, merged (the CPU accepts the
+same counts as the GPU: stage 27's records).
 """
 from __future__ import annotations
 
@@ -14,18 +16,20 @@ from pathlib import Path
 from eaglet.perf.record import environment, to_json, write_atomic
 
 RESULTS = Path(__file__).resolve().parent / "results"
-LINEAGE = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 15, 16, 18, 19, 20, 21, 22, 23, 24, 25, 27]
+LINEAGE = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 15, 16, 18, 19, 20, 21, 22, 23, 24, 25, 27, 28, 29]
 BRANCHES = {13: 12, 14: 12, 17: 16, 26: 25}  # stage: the stage it started from
 SETTINGS = ("chain:5", "tree:6,8,32")
 SETS = ("mtbench", "humaneval")
-NEW_DATA = {1: "ShareGPT", 5: "unseen ShareGPT", 7: "self-written", 18: "task openings", 21: "more openings", 23: "122,880 new turns", 25: "61,440 new turns", 27: "102,400 new turns"}
+NEW_DATA = {1: "ShareGPT", 5: "unseen ShareGPT", 7: "self-written", 18: "task openings", 21: "more openings", 23: "122,880 new turns", 25: "61,440 new turns", 27: "102,400 new turns", 28: "STEM openings", 29: "96,816 new turns"}
 BAR = 3.5
+READ: set[str] = set()  # the records the figure is drawn from, named in its JSON
 
 
 def train_records(stage: int) -> list[dict]:
     """A stage's train-draft records: one, or one per device call when it resumed (stage23-call1, -call2)."""
     paths = sorted(RESULTS.glob(f"train-draft-smollm2-h200*-stage{stage}[.-]*json"))
     assert paths, f"no train-draft record of stage {stage}"
+    READ.update(p.name for p in paths)
     return [json.loads(p.read_text()) for p in paths]
 
 
@@ -33,8 +37,19 @@ EVAL_NAMES = {4: "", 13: "stage13-wide6144-", 14: "stage14-hard-"}  # stage 4, t
 
 
 def eval_record(stage: int, prompts: str) -> dict | None:
-    path = RESULTS / f"eval-draft-smollm2-{EVAL_NAMES.get(stage, f'stage{stage}-')}{prompts}-h200.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    name = f"eval-draft-smollm2-{EVAL_NAMES.get(stage, f'stage{stage}-')}{prompts}"
+    path = RESULTS / f"{name}-h200.json"
+    if path.exists():
+        READ.add(path.name)
+        return json.loads(path.read_text())
+    cpu = sorted(RESULTS.glob(f"{name}-cpu.json")) + sorted(RESULTS.glob(f"{name}-settings-cpu.json"))
+    if not cpu:
+        return None
+    results = {}
+    for p in cpu:
+        READ.add(p.name)
+        results.update(json.loads(p.read_text())["results"])
+    return {"results": results}
 
 
 def tokens(stage: int) -> int:
@@ -90,7 +105,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     rows = collect()
     out = RESULTS / "drafter-stages.json"
-    sources = sorted(p.name for p in RESULTS.glob("*-draft-smollm2-*h200*.json"))
+    sources = sorted(READ)
     write_atomic(out, to_json({"kind": "drafter-stages", "command": "python bench/plot_drafter_stages.py",
                                "environment": environment(), "derived_from": sources, "rows": rows}))
     plot(rows, RESULTS / "drafter-stages.png")

@@ -86,6 +86,18 @@
 #   K=127 EPOCHS=2 DATA=/tmp/all-topenself255 TRAIN_SECONDS=75 bash ... alltrain   # window 256: a 75 s control, not kept
 #   K=27 EPOCHS=2 WINDOW=4096 BATCH_TOKENS=20480 DATA=/tmp/all-topenself255 TRAIN_SECONDS=75 bash ... alltrain
 #   (the same again with TRAIN_SECONDS=320, then 300: three calls); bash ... fetch; bash ... eval
+# Stages 28-29 (2026-12-02, twenty-seventh session, one H200; the bundled drafter is stage 29's export), from
+# stage 27, with 40 more openings aimed at STEM and writing:
+#   O="tasks bench/gpu/openers-more.txt bench/gpu/openers-stem.txt"
+#   FIRST_SHARD=305 SELF_PROMPTS=$((355*2048)) BATCH=2048 OPENERS="$O" DATA_SECONDS=330 bash ... self  # 305-343
+#   K=28 INIT=eaglet/drafters/smollm2-135m-instruct-eagle3 EPOCHS=2 WINDOW=4096 BATCH_TOKENS=20480 \
+#     DATA=/tmp/all-topenself305 TRAIN_SECONDS=520 FIRST_SHARD=344 SELF_PROMPTS=$((420*2048)) BATCH=2048 \
+#     OPENERS="$O" DATA_SECONDS=555 bash ... round   # the data job ran out of memory under DATA_CAP=40
+#   bash ... fetch; MEM_CAP=90 FIRST_SHARD=344 SELF_PROMPTS=$((420*2048)) BATCH=2048 OPENERS="$O" \
+#     DATA_SECONDS=420 bash ... self &  DRAFT=/tmp/train28/drafter bash ... eval; wait   # 344-399
+#   DIRS=all-topenself344 NAME=open344 bash ... pack   # kept as .gpudata/data-open344.tar.xz
+#   K=29 INIT=/tmp/train28/drafter EPOCHS=0.75 WINDOW=4096 BATCH_TOKENS=20480 DATA=/tmp/all-topenself344 \
+#     TRAIN_SECONDS=320 bash ... alltrain; bash ... fetch   # evaluated on the CPU
 # Data phases write their JSON record (counts, wall time, environment) into $OUT/records; they stop
 # starting shards DATA_SECONDS - 45 s in (`eaglet data --time-limit`), so a cut run still writes it.
 # The self-written turns need the MT-bench and HumanEval wheels in .whl (their prompts are kept out).
