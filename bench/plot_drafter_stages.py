@@ -42,7 +42,7 @@ def eval_record(stage: int, prompts: str) -> dict | None:
     if path.exists():
         READ.add(path.name)
         return json.loads(path.read_text())
-    cpu = sorted(RESULTS.glob(f"{name}-cpu.json")) + sorted(RESULTS.glob(f"{name}-settings-cpu.json"))
+    cpu = [p for p in (RESULTS / f"{name}-cpu.json", RESULTS / f"{name}-settings-cpu.json") if p.exists()]
     if not cpu:
         return None
     results = {}
