@@ -23,10 +23,10 @@ from eaglet.generate import GenerationConfig, Generator
 from eaglet.kvcache import KVCache
 from eaglet.models.attention import AttnMeta
 from eaglet.spec.drafters.eagle3_ckpt import load_eagle3
-from eaglet.spec.drafters.eagle3_head import Eagle3Head
+from eaglet.spec.drafters.eagle3_head import Eagle3Config, Eagle3Head
 from eaglet.spec.speculator import Speculator
 from eaglet.train.trainer import TrainConfig, Trainer, batch_plan
-from eaglet.train.vocab import coverage, draft_vocab
+from eaglet.train.vocab import coverage, most_frequent, token_counts
 from eaglet.weights import load_model
 
 GREEDY = GenerationConfig(max_new_tokens=16, ignore_eos=True)
@@ -104,14 +104,16 @@ ROWS = [{"input_ids": [5, 5, 5, 1, 2, 2, 3], "prompt_len": 3},  # prompt tokens 
 @pytest.mark.parametrize("size, ids", [(1, [2]), (3, [2, 3, 7]), (4, [1, 2, 3, 7]), (5, [0, 1, 2, 3, 7]),
                                        (99, list(range(10)))])
 def test_draft_vocab_most_frequent_sorted(size, ids):
-    v = draft_vocab(ROWS, 10, size)
+    v = most_frequent(token_counts(ROWS, 10), size)
     assert v.dtype == torch.long and v.tolist() == ids  # ties (2 vs 3; unseen ids) go to the lower id
 
 
 def test_coverage():
-    assert coverage(ROWS, torch.tensor([2, 3, 7]), 10) == pytest.approx(8 / 9)
-    assert coverage(ROWS, torch.tensor([5, 9]), 10) == 0.0  # prompt-only ids cover nothing
-    assert coverage(ROWS, torch.arange(10), 10) == 1.0
+    counts = token_counts(ROWS, 10)
+    assert counts.tolist() == [0, 1, 3, 3, 0, 0, 0, 2, 0, 0]
+    assert coverage(counts, torch.tensor([2, 3, 7])) == pytest.approx(8 / 9)
+    assert coverage(counts, torch.tensor([5, 9])) == 0.0  # prompt-only ids cover nothing
+    assert coverage(counts, torch.arange(10)) == 1.0
 
 
 # ---- the trainer --------------------------------------------------------------------------------
@@ -152,7 +154,7 @@ def test_training_lowers_the_loss(trained, data):
     assert first - last > 0.4, losses
     acc0 = [h["acc"][0] for h in tr.history]
     assert max(acc0[:3]) < 0.1 and min(acc0[-5:]) > 0.3  # step-0 draft accuracy: from ~0 to ~0.4
-    assert torch.equal(tr.head.draft_to_target(), draft_vocab(data[1], 128, 64))  # vocabulary from the data
+    assert torch.equal(tr.head.draft_to_target(), most_frequent(token_counts(data[1], 128), 64))  # vocabulary from the data
     assert json.loads((out / "history.json").read_text()) == tr.history
     assert torch.load(out / "checkpoints" / "latest.pt", weights_only=False)["step"] == 30
     rows = [i for bt in tr.plan[:30] for i in bt]  # the record says how much of each batch was padding
@@ -246,11 +248,11 @@ def test_export_loads_in_the_speculative_core(trained, target):
 def test_init_from_fine_tunes_an_existing_drafter(trained, data, target, tmp_path):
     tr, out, _ = trained
     logs = []
-    ft = Trainer(config(data[0], tmp_path / "ft", max_steps=1, draft_vocab=16, init_from=str(out / "drafter")),
+    ft = Trainer(config(data[0], tmp_path / "ft", max_steps=1, draft_vocab=None, init_from=str(out / "drafter")),
                  target, progress=False, log=logs.append)
-    assert ft.head.cfg.draft_vocab_size == 64  # the drafter's vocabulary is kept, not rebuilt at 16
+    assert ft.head.cfg.draft_vocab_size == 64  # the drafter's vocabulary is kept, not rebuilt
     assert torch.equal(ft.head.draft_to_target(), tr.head.draft_to_target())
-    assert any("draft vocabulary kept" in m for m in logs)
+    assert any("draft vocabulary of 64 ids covers" in m for m in logs)
     assert all(p.requires_grad for p in ft.head.parameters())
     ft.train()
     fresh = make_trainer(config(data[0], tmp_path / "fresh", max_steps=1), target)
@@ -282,6 +284,56 @@ def test_init_from_can_widen_the_drafters_mlp(trained, data, target, tmp_path):
     with pytest.raises(InvalidInput, match="narrower"):
         Trainer(config(data[0], tmp_path / "narrow", max_steps=1, init_from=str(out / "drafter"),
                        intermediate_size=width // 2), target, progress=False, log=logs.append)
+
+
+def test_with_vocab_keeps_known_rows_and_fits_new_ones_from_the_targets_rows(target):
+    """A head whose lm_head rows are the target's output rows under a linear map: over another
+    vocabulary (some ids dropped, some added) the rows of ids it had are kept, the added rows are
+    exactly that map of the target's rows (the least-squares fit is exact), and every other weight
+    is unchanged."""
+    g = torch.Generator().manual_seed(3)
+    head = Eagle3Head(Eagle3Config.for_target(target.config, draft_vocab_size=80))  # 80 rows fix a 64 x 64 map
+    old = torch.randperm(128, generator=g)[:80].sort().values
+    head.set_vocab(old)
+    t = target.lm_head.weight.detach()
+    fit = torch.randn(64, 64, generator=g) / 8
+    with torch.no_grad():
+        head.lm_head.weight.copy_(t[old] @ fit)
+        head.lm_head.weight[::7] += 0.5  # rows off the map: kept as they are, not refitted
+    missing = torch.tensor([i for i in range(128) if i not in old.tolist()])
+    ids = torch.cat([old[10:], missing[:30]]).sort().values  # 10 dropped, 30 added
+    new = head.with_vocab(ids, t)
+    assert new.cfg.draft_vocab_size == 100 and torch.equal(new.draft_to_target(), ids)
+    assert torch.equal(new.t2d.nonzero().flatten(), ids)
+    kept = torch.isin(ids, old)
+    assert torch.equal(new.lm_head.weight[kept], head.lm_head.weight[10:])
+    refit = torch.linalg.lstsq(t[old], head.lm_head.weight.detach()).solution
+    assert torch.allclose(new.lm_head.weight[~kept], t[ids[~kept]] @ refit, atol=1e-5)
+    assert not torch.allclose(refit, fit, atol=1e-3)  # the off-map rows pull the fit, as they should
+    assert torch.equal(new.fc.weight, head.fc.weight)
+    assert torch.equal(new.midlayer.mlp.down_proj.weight, head.midlayer.mlp.down_proj.weight)
+
+
+def test_init_from_can_rechoose_the_draft_vocabulary(trained, data, target, tmp_path):
+    """--init-from with --draft-vocab N: the vocabulary becomes the data's N most frequent ids, the
+    rows of ids the drafter had are kept; the head still speculates losslessly and the export says
+    the new size."""
+    tr, out, _ = trained
+    logs = []
+    ft = Trainer(config(data[0], tmp_path / "big", max_steps=2, init_from=str(out / "drafter"), draft_vocab=96),
+                 target, progress=False, log=logs.append)
+    old, ids = tr.head.draft_to_target(), ft.head.draft_to_target()
+    counts = token_counts(ft.rows, 128)
+    assert torch.equal(ids, most_frequent(counts, 96)) and torch.isin(old, ids).all()
+    assert torch.equal(ft.head.lm_head.weight[torch.isin(ids, old)], tr.head.lm_head.weight)
+    assert any("re-chosen: 96 ids, 64 of the drafter's 64 kept" in m for m in logs)
+    ft.train()
+    head, _ = load_eagle3(tmp_path / "big" / "drafter", target.config, "cpu", torch.float32)
+    assert head.cfg.draft_vocab_size == 96 and torch.equal(head.draft_to_target(), ids)
+    prompts = [r["input_ids"][:PROMPT] for r in tr.rows[:4]]
+    plain = [c.tokens for c in Generator(target, None).generate(prompts, GREEDY)]
+    spec = Generator(target, None, Speculator(SpecConfig("eagle3", steps=3), head=head, head_embed=None))
+    assert [c.tokens for c in spec.generate(prompts, GREEDY)] == plain
 
 
 def test_hard_labels_train(data, target, tmp_path):

@@ -173,6 +173,8 @@ case $phase in
     # NPROC=2: data parallel over two GPUs (torchrun, NCCL), --batch-tokens per GPU.
     # WIDTH=N: widen the drafter's MLP to N first (its function kept; the added width starts at zero).
     # TEMP=T: train toward the target's distribution sharpened to temperature T (0: its argmax).
+    # VOCAB=N: re-choose the draft vocabulary as the data's N most frequent ids (the drafter's rows of
+    # ids it keeps stay, the others are fitted from the target's output rows). SEED=N: another seed than K-1.
     # WINDOW=ROWS, BATCH_TOKENS=N: --length-window (default 256) and --batch-tokens (default 32768).
     # MEM_CAP=GIB: --max-gpu-memory (so a data phase fits beside it; `self` takes it too).
     read -r data k lr <<< "$([ $phase = finetune ] && echo "more 5 2e-4" || echo "all ${K:-7} 1.5e-4")"
@@ -180,7 +182,7 @@ case $phase in
     launch="python3"; [ "${NPROC:-1}" -gt 1 ] && launch="python3 -m torch.distributed.run --nproc-per-node $NPROC"
     $launch -m eaglet train-draft --model $GGUF --dtype bfloat16 --data ${DATA:-/tmp/$data-t*} \
       --out /tmp/train$k --init-from ${INIT:-eaglet/drafters/smollm2-135m-instruct-eagle3} --epochs ${EPOCHS:-1} \
-      --lr $lr --seed $((k - 1)) --batch-tokens ${BATCH_TOKENS:-32768} --max-len 1024 --draft-vocab 16384 --save-every 200 \
+      --lr $lr --seed ${SEED:-$((k - 1))} --batch-tokens ${BATCH_TOKENS:-32768} --max-len 1024 ${VOCAB:+--draft-vocab $VOCAB} --save-every 200 \
       --time-limit ${TRAIN_SECONDS:-540} ${WIDTH:+--intermediate-size $WIDTH} ${WINDOW:+--length-window $WINDOW} \
       ${TEMP:+--target-temperature $TEMP} ${MEM_CAP:+--max-gpu-memory $MEM_CAP} || exit 1
     cp /tmp/train$k/train-draft-*.json ${OUT:-/tmp}/records/
@@ -223,13 +225,34 @@ case $phase in
       python3 -m eaglet eval-draft --model $GGUF --dtype float32 --draft ${DRAFT:-/tmp/train/drafter} --prompts $set \
         --max-new-tokens 256 --batch 200 --settings chain:5 chain:7 tree:5,4,16 tree:6,8,32 --out ${OUT:-/tmp}/records
     done ;;
+  pick)  # DRAFTS="DIR DIR ...": chain-5 τ of each export on both sets, evaluated side by side; the one
+    # with the higher mean of the two goes to /tmp/winner (records in $OUT/records/pickN)
+    i=0; for d in ${DRAFTS:?name the exports}; do i=$((i + 1))
+      (for set in mtbench humaneval; do python3 -m eaglet eval-draft --model $GGUF --dtype float32 --draft $d \
+         --prompts $set --max-new-tokens 256 --batch 200 --settings chain:5 --out ${OUT:-/tmp}/records/pick$i; done) &
+    done; wait
+    python3 - ${OUT:-/tmp}/records $DRAFTS <<'PY'
+import glob, json, sys
+out, drafts = sys.argv[1], sys.argv[2:]
+taus = []
+for i, d in enumerate(drafts, 1):
+    recs = [json.load(open(f)) for f in sorted(glob.glob(f"{out}/pick{i}/eval-draft-*.json"))]
+    t = {r["flags"]["prompts"]: r["results"]["chain:5"]["accept_length"] for r in recs}
+    taus.append(sum(t.values()) / 2 if len(t) == 2 else 0.0)
+    print(f"pick: {d}: chain 5 τ {t}")
+best = drafts[max(range(len(drafts)), key=taus.__getitem__)]
+open("/tmp/winner", "w").write(best)
+print(f"pick: {best}")
+PY
+    ;;
   pack)  # data shards back through $OUT: one xz tar, split into 15 MB parts
     mkdir -p ${OUT:-/tmp}/data
     tar cf - -C /tmp ${DIRS:?name the /tmp data dirs} | xz -T8 -6 | split -b 15M - ${OUT:-/tmp}/data/data-${NAME:?}.tar.xz.part-
     ls -l ${OUT:-/tmp}/data ;;
   unpack)  # staged data-*.tar.xz back into /tmp
     for f in /tmp/stage/data-*.tar.xz; do xz -dc $f | tar xf - -C /tmp; done; ls -d /tmp/all-t* ;;
-  fetch)  # the export back through $OUT (files of at most 16 MiB): split, joined again here with cat
-    mkdir -p ${OUT:-/tmp}/drafter && cp /tmp/train/drafter/config.json ${OUT:-/tmp}/drafter/ &&
-      split -b 15M /tmp/train/drafter/model.safetensors ${OUT:-/tmp}/drafter/model.safetensors.part- ;;
+  fetch)  # the export (DRAFT=DIR, default the last trained one) back through $OUT (files of at most 16 MiB)
+    # as $OUT/drafter (NAME=X: $OUT/drafter-X): split, joined again here with cat
+    dst=${OUT:-/tmp}/drafter${NAME:+-$NAME}; src=${DRAFT:-/tmp/train/drafter}
+    mkdir -p $dst && cp $src/config.json $dst/ && split -b 15M $src/model.safetensors $dst/model.safetensors.part- ;;
 esac

@@ -29,7 +29,7 @@ from ..spec.drafters.eagle3_ckpt import load_eagle3, save_eagle3
 from ..spec.drafters.eagle3_head import Eagle3Config, Eagle3Head
 from .regen import read_shards
 from .ttt import Targets, ttt_loss
-from .vocab import coverage, draft_vocab
+from .vocab import coverage, most_frequent, token_counts
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class TrainConfig:
     max_len: int = 1024
     ttt_steps: int = 7
     decay: float = 0.8
-    draft_vocab: int = 16384
+    draft_vocab: int | None = None  # fresh heads: 16384; with init_from: None keeps the drafter's, N re-chooses
     target_temperature: float = 1.0  # soft labels softmax(z / T); 0: the target's argmax (ttt.sharpen)
     intermediate_size: int | None = None
     init_from: str | None = None
@@ -167,6 +167,7 @@ class Trainer:
 
     def build_head(self) -> Eagle3Head:
         tcfg = self.target.config
+        counts = token_counts(self.rows, tcfg.vocab_size)
         if self.cfg.init_from:  # fine-tune an existing drafter (e.g. one trained for an older target)
             head, _ = load_eagle3(self.cfg.init_from, tcfg, self.device, torch.float32)
             size, had = self.cfg.intermediate_size, head.cfg.layer.intermediate_size
@@ -176,16 +177,21 @@ class Trainer:
                 except ValueError as e:
                     raise InvalidInput(f"--intermediate-size: {e} ({self.cfg.init_from})") from None
                 self.log(f"MLP widened from {had} to {size}")
-            head.requires_grad_(True).train()
-            self.log(f"initialised from {self.cfg.init_from} (draft vocabulary kept)")
-            return head
+            had = head.draft_to_target()
+            ids = most_frequent(counts, self.cfg.draft_vocab).to(had.device) if self.cfg.draft_vocab else had
+            if not torch.equal(ids, had):  # re-chosen from this data (Eagle3Head.with_vocab)
+                head = head.with_vocab(ids, self.target.lm_head.weight)
+                self.log(f"draft vocabulary re-chosen: {len(ids)} ids, {int(torch.isin(ids, had).sum())} of the "
+                         f"drafter's {len(had)} kept, covering {coverage(counts, had):.2%} of assistant tokens before")
+            self.log(f"initialised from {self.cfg.init_from}; its draft vocabulary of {len(ids)} ids covers "
+                     f"{coverage(counts, ids):.2%} of assistant tokens")
+            return head.requires_grad_(True).train()
         torch.manual_seed(self.cfg.seed)
-        hcfg = Eagle3Config.for_target(tcfg, self.cfg.draft_vocab, self.cfg.intermediate_size)
+        hcfg = Eagle3Config.for_target(tcfg, self.cfg.draft_vocab or 16384, self.cfg.intermediate_size)
         head = Eagle3Head(hcfg).to(self.device)
-        ids = draft_vocab(self.rows, tcfg.vocab_size, self.cfg.draft_vocab)
+        ids = most_frequent(counts, hcfg.draft_vocab_size)
         head.set_vocab(ids.to(self.device))
-        self.log(f"draft vocabulary {len(ids)} ids covers {coverage(self.rows, ids, tcfg.vocab_size):.2%} "
-                 "of assistant tokens")
+        self.log(f"draft vocabulary {len(ids)} ids covers {coverage(counts, ids):.2%} of assistant tokens")
         return head.train()
 
     def resume(self) -> None:

@@ -5,24 +5,22 @@ from __future__ import annotations
 import torch
 
 
-def draft_vocab(rows: list[dict], vocab_size: int, size: int) -> torch.Tensor:
+def token_counts(rows: list[dict], vocab_size: int) -> torch.Tensor:
+    """(vocab_size,) how often each target id is an assistant token of the rows."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for r in rows:
         ids = torch.tensor(r["input_ids"][r["prompt_len"]:], dtype=torch.long)
         counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
-    size = min(size, vocab_size)
-    # ties (e.g. never-seen ids) break toward lower ids so the choice is deterministic
-    order = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), i))[:size]
-    return torch.tensor(sorted(order), dtype=torch.long)
+    return counts
 
 
-def coverage(rows: list[dict], ids: torch.Tensor, vocab_size: int) -> float:
-    """Fraction of assistant tokens inside the draft vocabulary."""
-    inside = torch.zeros(vocab_size, dtype=torch.bool)
-    inside[ids] = True
-    total = hit = 0
-    for r in rows:
-        toks = torch.tensor(r["input_ids"][r["prompt_len"]:], dtype=torch.long)
-        total += len(toks)
-        hit += int(inside[toks].sum())
-    return hit / max(total, 1)
+def most_frequent(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The `size` most frequent ids (all, if `size` exceeds the vocabulary), sorted ascending; ties
+    (e.g. never-seen ids) go to the lower id, so the choice is deterministic."""
+    keys = sorted((-int(c), i) for i, c in enumerate(counts.tolist()))[:size]
+    return torch.tensor(sorted(i for _, i in keys), dtype=torch.long)
+
+
+def coverage(counts: torch.Tensor, ids: torch.Tensor) -> float:
+    """Fraction of the counted (assistant) tokens inside the draft vocabulary `ids`."""
+    return float(counts[ids.cpu()].sum() / max(int(counts.sum()), 1))

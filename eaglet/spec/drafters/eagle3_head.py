@@ -107,6 +107,27 @@ class Eagle3Head(nn.Module):
         wide.load_state_dict(state)
         return wide
 
+    def with_vocab(self, ids: torch.Tensor, target_lm_head: torch.Tensor) -> "Eagle3Head":
+        """This head over another draft vocabulary `ids` (sorted target ids): the lm_head rows of ids
+        it has are kept; any other id's row is the target's output row for it, mapped into the head's
+        space by the least-squares fit of the head's rows to the target's rows on the ids it has, so a
+        new token starts with logits of the right scale, not at random. Every other weight is kept."""
+        old = self.draft_to_target()
+        ids = ids.to(old.device)
+        keep = torch.isin(ids, old)
+        w = self.lm_head.weight.detach().float()
+        t = target_lm_head.detach().float().to(w.device)
+        fit = torch.linalg.lstsq(t[old], w).solution  # (H_target, H): t[old] @ fit ≈ w
+        rows = t[ids] @ fit
+        rows[keep] = w[torch.isin(old, ids)]  # both sorted: the kept ids are in the same order in each
+        new = Eagle3Head(replace(self.cfg, draft_vocab_size=len(ids)))
+        new = new.to(device=w.device, dtype=self.fc.weight.dtype)
+        state = {k: v for k, v in self.state_dict().items() if k not in ("lm_head.weight", "d2t")}
+        state["lm_head.weight"], state["d2t"] = rows.to(self.lm_head.weight.dtype), new.d2t
+        new.load_state_dict(state)
+        new.set_vocab(ids)
+        return new
+
     def fuse_projections(self) -> None:
         """For inference: q/k/v and gate/up each as one matmul (models.llama.fuse_linears), three
         fewer GEMMs per draft forward; the trainer keeps them apart."""
