@@ -3,10 +3,11 @@ there, from the committed train-draft and eval-draft records (nothing is run):
 
     .venv/bin/python bench/plot_drafter_stages.py   # writes bench/results/drafter-stages.{json,png}
 
-The bundled lineage is 1-12, 15, 16, 18-25, 27-29 (each stage starts from the one before); 13, 14, 17 and 26
-branched off it and were not kept, so they are drawn apart. A stage evaluated on the H200 is read from its
-`-h200` record; one evaluated only on the CPU (29) from its `-cpu` records, merged (the CPU accepts the
-same counts as the GPU: stage 27's records).
+The bundled lineage is 1-12, 15, 16, 18-25, 27-30, 32 (each stage starts from the one before); 13, 14,
+17, 26 and 31 branched off it and were not kept, so they are drawn apart. A stage evaluated on the H200 is
+read from its `-h200` records (chain 5 and the other settings merged when they were run apart, as for
+stage 30); one evaluated only on the CPU (29, 32) from its `-cpu` records, merged likewise (the CPU accepts
+the same counts as the GPU: stage 27's records).
 """
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ from pathlib import Path
 from eaglet.perf.record import environment, to_json, write_atomic
 
 RESULTS = Path(__file__).resolve().parent / "results"
-LINEAGE = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 15, 16, 18, 19, 20, 21, 22, 23, 24, 25, 27, 28, 29]
-BRANCHES = {13: 12, 14: 12, 17: 16, 26: 25}  # stage: the stage it started from
+LINEAGE = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 15, 16, 18, 19, 20, 21, 22, 23, 24, 25, 27, 28, 29, 30, 32]
+BRANCHES = {13: 12, 14: 12, 17: 16, 26: 25, 31: 29}  # stage: the stage it started from
 SETTINGS = ("chain:5", "tree:6,8,32")
 SETS = ("mtbench", "humaneval")
-NEW_DATA = {1: "ShareGPT", 5: "unseen ShareGPT", 7: "self-written", 18: "task openings", 21: "more openings", 23: "122,880 new turns", 25: "61,440 new turns", 27: "102,400 new turns", 28: "STEM openings", 29: "96,816 new turns"}
+NEW_DATA = {1: "ShareGPT", 5: "unseen ShareGPT", 7: "self-written", 18: "task openings", 21: "more openings", 23: "122,880 new turns", 25: "61,440 new turns", 27: "102,400 new turns", 28: "STEM openings", 29: "96,816 new turns", 30: "18,432-id vocabulary", 32: "68,570 new turns"}
 BAR = 3.5
 READ: set[str] = set()  # the records the figure is drawn from, named in its JSON
 
@@ -37,19 +38,18 @@ EVAL_NAMES = {4: "", 13: "stage13-wide6144-", 14: "stage14-hard-"}  # stage 4, t
 
 
 def eval_record(stage: int, prompts: str) -> dict | None:
+    """The stage's results on one prompt set: its H200 records if any, else its CPU ones; a setting run
+    apart (`-settings-` records) merged in."""
     name = f"eval-draft-smollm2-{EVAL_NAMES.get(stage, f'stage{stage}-')}{prompts}"
-    path = RESULTS / f"{name}-h200.json"
-    if path.exists():
-        READ.add(path.name)
-        return json.loads(path.read_text())
-    cpu = [p for p in (RESULTS / f"{name}-cpu.json", RESULTS / f"{name}-settings-cpu.json") if p.exists()]
-    if not cpu:
-        return None
-    results = {}
-    for p in cpu:
-        READ.add(p.name)
-        results.update(json.loads(p.read_text())["results"])
-    return {"results": results}
+    for device in ("h200", "cpu"):
+        paths = [p for p in (RESULTS / f"{name}-{device}.json", RESULTS / f"{name}-settings-{device}.json") if p.exists()]
+        if paths:
+            results = {}
+            for p in paths:
+                READ.add(p.name)
+                results.update(json.loads(p.read_text())["results"])
+            return {"results": results}
+    return None
 
 
 def tokens(stage: int) -> int:

@@ -138,3 +138,34 @@ def test_tokenizer_without_core_where_truncation_is_set(tiny_tokenizer):
     text = "the quick brown fox jumps over the lazy dog"
     assert tok.encode(text) == list(hf(text).input_ids) and len(tok.encode(text)) > 4
     assert Tokenizer(tiny_tokenizer, {2})._core is not None
+
+
+def test_the_bundled_drafter_is_a_bf16_sglang_export_under_32_mb_that_speculates_losslessly(smollm2):
+    """Issue 4's format bar on the committed file: SGLang config and bf16 safetensors of at most
+    32 MB, a draft vocabulary of distinct sorted target ids whose d2t/t2d agree, loaded through the
+    speculative core; greedy speculation on SmolLM2 (fp32) gives plain greedy's tokens and accepts drafts."""
+    import json
+
+    from safetensors import safe_open
+
+    from eaglet.config import SpecConfig
+    from eaglet.spec.speculator import bundled_drafter, load_speculator
+
+    d = bundled_drafter()
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+    assert (d / "model.safetensors").stat().st_size <= 32_000_000
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    assert {v for k, v in dtypes.items() if k not in ("d2t", "t2d")} == {"BF16"}, dtypes
+    sp = load_speculator(SpecConfig("eagle3", str(d), steps=5), smollm2.model)
+    ids = sp.head.draft_to_target()
+    assert len(ids) == cfg["draft_vocab_size"] and bool((ids[1:] > ids[:-1]).all()) and int(ids[-1]) < 49152
+    assert torch.equal(sp.head.t2d.nonzero().flatten(), ids)
+    tok = smollm2.tokenizer
+    prompts = [tok.apply_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    cfg_gen = GenerationConfig(max_new_tokens=64)  # replies end at EOS: past it the text is not a reply
+    plain = [c.tokens for c in Generator(smollm2.model, tok).generate(prompts, cfg_gen)]
+    spec = Generator(smollm2.model, tok, sp).generate(prompts, cfg_gen)
+    assert [c.tokens for c in spec] == plain
+    assert sum(c.spec.accept_length for c in spec) / len(spec) > 2.0  # a trained head, not a random one

@@ -7,11 +7,8 @@ import torch
 
 def token_counts(rows: list[dict], vocab_size: int) -> torch.Tensor:
     """(vocab_size,) how often each target id is an assistant token of the rows."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for r in rows:
-        ids = torch.tensor(r["input_ids"][r["prompt_len"]:], dtype=torch.long)
-        counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
-    return counts
+    ids = torch.tensor([t for r in rows for t in r["input_ids"][r["prompt_len"]:]], dtype=torch.long)
+    return torch.bincount(ids, minlength=vocab_size)[:vocab_size]  # one pass: per-row bincounts took minutes
 
 
 def most_frequent(counts: torch.Tensor, size: int) -> torch.Tensor:
