@@ -348,6 +348,8 @@ def test_hard_labels_train(data, target, tmp_path):
     assert min(h["acc"][0] for h in tr.history[-5:]) > 0.3
     with pytest.raises(InvalidInput, match="target-temperature"):
         config(data[0], tmp_path / "bad", target_temperature=-1.0)
+    with pytest.raises(InvalidInput, match="draft-vocab must be positive"):
+        config(data[0], tmp_path / "bad", draft_vocab=0)
 
 
 def test_several_data_directories_are_read_together(data, target, tmp_path):

@@ -98,6 +98,19 @@
 #   DIRS=all-topenself344 NAME=open344 bash ... pack   # kept as .gpudata/data-open344.tar.xz
 #   K=29 INIT=/tmp/train28/drafter EPOCHS=0.75 WINDOW=4096 BATCH_TOKENS=20480 DATA=/tmp/all-topenself344 \
 #     TRAIN_SECONDS=320 bash ... alltrain; bash ... fetch   # evaluated on the CPU
+# Stages 30-32 (2026-12-02, twenty-eighth session, one H200; the bundled drafter is stage 32's export), from
+# stage 29: its draft vocabulary re-chosen from shards 344-399 (18,432 ids) against the same training without:
+#   ../shared/tools/stage-files --smollm2 .gpudata/data-open344.tar.xz; (11 calls) bash ... unpack
+#   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True OMP_NUM_THREADS=4
+#   C="INIT=eaglet/drafters/smollm2-135m-instruct-eagle3 EPOCHS=0.6 WINDOW=4096 BATCH_TOKENS=20480 \
+#      DATA=/tmp/all-topenself344 TRAIN_SECONDS=420 SEED=29 MEM_CAP=60"
+#   env $C K=30 VOCAB=18432 OUT=$OUT/a bash ... alltrain & env $C K=31 OUT=$OUT/b bash ... alltrain & wait
+#   DRAFTS="/tmp/train30/drafter /tmp/train31/drafter" bash ... pick; DRAFT=/tmp/train30/drafter NAME=win bash ... fetch
+#   FIRST_SHARD=400 SELF_PROMPTS=$((460*2048)) BATCH=2048 OPENERS="tasks bench/gpu/openers-more.txt" \
+#     DATA_SECONDS=290 MEM_CAP=88 bash ... self &  (stage 30's other settings: eaglet eval-draft ...); wait
+#   DIRS=all-topenself400 NAME=open400 bash ... pack   # kept as .gpudata/data-open400.tar.xz
+#   K=32 INIT=/tmp/train30/drafter EPOCHS=0.5 WINDOW=4096 BATCH_TOKENS=20480 DATA=/tmp/all-topenself400 \
+#     TRAIN_SECONDS=135 SEED=31 bash ... alltrain; DRAFT=/tmp/train32/drafter NAME=32 bash ... fetch   # CPU eval
 # Data phases write their JSON record (counts, wall time, environment) into $OUT/records; they stop
 # starting shards DATA_SECONDS - 45 s in (`eaglet data --time-limit`), so a cut run still writes it.
 # The self-written turns need the MT-bench and HumanEval wheels in .whl (their prompts are kept out).

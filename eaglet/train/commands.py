@@ -68,7 +68,8 @@ def add_train_parsers(sub) -> None:
     t.add_argument("--draft-vocab", type=int, metavar="N",
                    help="draft vocabulary size: the N most frequent assistant tokens of the data (default "
                         "16384); with --init-from the drafter's vocabulary is kept unless N is given, then "
-                        "re-chosen so (rows of ids it had kept, the others fitted from the target's output rows)")
+                        "re-chosen the same way (rows of ids it had are kept, the others fitted from the "
+                        "target's output rows)")
     t.add_argument("--target-temperature", type=float, default=1.0, metavar="T",
                    help="train toward softmax(target logits / T) over the draft vocabulary: 1 = the target's "
                         "distribution (EAGLE-3), below 1 sharper, 0 = its argmax only")

@@ -61,6 +61,8 @@ class TrainConfig:
             raise InvalidInput("lr, epochs, batch-tokens, ttt-steps, grad-accum and length-window must be positive")
         if not 0 <= self.target_temperature <= 10:
             raise InvalidInput(f"target-temperature must be in [0, 10], got {self.target_temperature}")
+        if self.draft_vocab is not None and self.draft_vocab < 1:
+            raise InvalidInput(f"draft-vocab must be positive, got {self.draft_vocab}")
 
 
 def batch_plan(lengths: list[int], cfg: TrainConfig) -> list[list[int]]:
