@@ -9,8 +9,8 @@ training data only; the prompt sets only measure them. A probe, CPU.
 
 --picks FILE keeps the target's greedy tokens per prompt set (made once, read on later runs).
 """
-import os
 import argparse
+import os
 
 import torch
 
@@ -20,7 +20,7 @@ from eaglet.perf.record import write_record
 from eaglet.spec.drafters.eagle3_ckpt import load_eagle3
 from eaglet.spec.speculator import bundled_drafter
 from eaglet.train.regen import read_shards
-from eaglet.train.vocab import most_frequent, token_counts
+from eaglet.train.vocab import coverage, most_frequent, token_counts
 from eaglet.weights import load_model
 
 
@@ -48,11 +48,8 @@ def main() -> None:
         f"bundled + {n - len(old)}": torch.cat([old, most_frequent(missing, n - len(old))]).sort().values
         for n in args.sizes if n > len(old)}
     cached = torch.load(args.picks) if args.picks and os.path.exists(args.picks) else {}
-    res = {"training_rows": len(rows), "training_assistant_tokens": int(counts.sum()), "sets": {}}
-    for n, ids in vocabs.items():
-        inside = torch.zeros(model.config.vocab_size, dtype=torch.bool)
-        inside[ids] = True
-        res.setdefault("training_coverage", {})[n] = float(counts[inside].sum() / counts.sum())
+    res = {"training_rows": len(rows), "training_assistant_tokens": int(counts.sum()), "sets": {},
+           "training_coverage": {n: coverage(counts, ids) for n, ids in vocabs.items()}}
     for name in args.prompts:
         prompts = [tok.apply_chat([{"role": "user", "content": p}]) for p in load_prompts(name)]
         if name not in cached:
@@ -64,11 +61,7 @@ def main() -> None:
             if args.picks:
                 torch.save(cached, args.picks)
         picks = cached[name]
-        cov = {}
-        for n, ids in vocabs.items():
-            inside = torch.zeros(model.config.vocab_size, dtype=torch.bool)
-            inside[ids] = True
-            cov[n] = float(inside[picks].float().mean())
+        cov = {n: float(torch.isin(picks, ids).float().mean()) for n, ids in vocabs.items()}
         res["sets"][name] = {"prompts": len(prompts), "tokens": len(picks), "coverage": cov}
         print(f"{name}: {len(prompts)} prompts, {len(picks)} greedy tokens; the target's pick inside the "
               "draft vocabulary: " + ", ".join(f"{n}: {c:.2%}" for n, c in cov.items()))
