@@ -110,14 +110,18 @@ class Eagle3Head(nn.Module):
     def with_vocab(self, ids: torch.Tensor, target_lm_head: torch.Tensor) -> "Eagle3Head":
         """This head over another draft vocabulary `ids` (sorted target ids): the lm_head rows of ids
         it has are kept; any other id's row is the target's output row for it, mapped into the head's
-        space by the least-squares fit of the head's rows to the target's rows on the ids it has, so a
-        new token starts with logits of the right scale, not at random. Every other weight is kept."""
+        space by a ridge fit of the head's rows to the target's rows on the ids it has, so a new token
+        starts with logits of about the right scale, not at random. The ridge term (a tenth of the
+        target rows' mean energy per dimension) keeps a head with few rows per dimension from fitting
+        huge rows that would outvote every kept token. Every other weight is kept."""
         old = self.draft_to_target()
         ids = ids.to(old.device)
         keep = torch.isin(ids, old)
         w = self.lm_head.weight.detach().float()
         t = target_lm_head.detach().float().to(w.device)
-        fit = torch.linalg.lstsq(t[old], w).solution  # (H_target, H): t[old] @ fit ≈ w
+        gram = t[old].T @ t[old]
+        ridge = 0.1 * gram.diagonal().mean() * torch.eye(len(gram), device=w.device)
+        fit = torch.linalg.solve(gram + ridge, t[old].T @ w)  # (H_target, H): t[old] @ fit ≈ w
         rows = t[ids] @ fit
         rows[keep] = w[torch.isin(old, ids)]  # both sorted: the kept ids are in the same order in each
         new = Eagle3Head(replace(self.cfg, draft_vocab_size=len(ids)))
