@@ -359,6 +359,20 @@ def test_hard_labels_train(data, target, tmp_path):
         config(data[0], tmp_path / "bad", draft_vocab=0)
 
 
+def test_step_decay_weighs_the_steps(data, target, tmp_path):
+    """--step-decay G: each step's loss is the G^k-weighted sum of its TTT steps' losses (the history
+    keeps the per-step losses); G outside (0, 1] is refused."""
+    tr = make_trainer(config(data[0], tmp_path / "decay", max_steps=3, decay=0.5), target)
+    tr.train()
+    for h in tr.history:
+        assert len(h["step_loss"]) == 3 and min(h["step_loss"]) > 0.5
+        assert h["loss"] == pytest.approx(sum(0.5 ** k * s for k, s in enumerate(h["step_loss"])), rel=1e-5)
+        assert h["loss"] != pytest.approx(sum(0.8 ** k * s for k, s in enumerate(h["step_loss"])), rel=1e-3)
+    for bad in (0.0, 1.5):
+        with pytest.raises(InvalidInput, match="step-decay"):
+            config(data[0], tmp_path / "bad", decay=bad)
+
+
 def test_several_data_directories_are_read_together(data, target, tmp_path):
     """--data A B: the rows of both directories, in that order; a directory without shards is named."""
     d, rows = data

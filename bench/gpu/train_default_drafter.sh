@@ -190,14 +190,15 @@ case $phase in
     # ids it keeps stay, the others are fitted from the target's output rows). SEED=N: another seed than K-1.
     # WINDOW=ROWS, BATCH_TOKENS=N: --length-window (default 256) and --batch-tokens (default 32768).
     # MEM_CAP=GIB: --max-gpu-memory (so a data phase fits beside it; `self` takes it too).
+    # LR=X: another peak learning rate than 1.5e-4; DECAY=G: the TTT steps' loss weights G^k (default 0.8).
     read -r data k lr <<< "$([ $phase = finetune ] && echo "more 5 2e-4" || echo "all ${K:-7} 1.5e-4")"
     mkdir -p ${OUT:-/tmp}/records
     launch="python3"; [ "${NPROC:-1}" -gt 1 ] && launch="python3 -m torch.distributed.run --nproc-per-node $NPROC"
     $launch -m eaglet train-draft --model $GGUF --dtype bfloat16 --data ${DATA:-/tmp/$data-t*} \
       --out /tmp/train$k --init-from ${INIT:-eaglet/drafters/smollm2-135m-instruct-eagle3} --epochs ${EPOCHS:-1} \
-      --lr $lr --seed ${SEED:-$((k - 1))} --batch-tokens ${BATCH_TOKENS:-32768} --max-len 1024 ${VOCAB:+--draft-vocab $VOCAB} --save-every 200 \
+      --lr ${LR:-$lr} --seed ${SEED:-$((k - 1))} --batch-tokens ${BATCH_TOKENS:-32768} --max-len 1024 ${VOCAB:+--draft-vocab $VOCAB} --save-every 200 \
       --time-limit ${TRAIN_SECONDS:-540} ${WIDTH:+--intermediate-size $WIDTH} ${WINDOW:+--length-window $WINDOW} \
-      ${TEMP:+--target-temperature $TEMP} ${MEM_CAP:+--max-gpu-memory $MEM_CAP} || exit 1
+      ${TEMP:+--target-temperature $TEMP} ${DECAY:+--step-decay $DECAY} ${MEM_CAP:+--max-gpu-memory $MEM_CAP} || exit 1
     cp /tmp/train$k/train-draft-*.json ${OUT:-/tmp}/records/
     ln -sfn /tmp/train$k /tmp/train ;;
   train)

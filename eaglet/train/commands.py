@@ -65,6 +65,8 @@ def add_train_parsers(sub) -> None:
                    help="batches per GPU per optimizer step (gradients averaged, as over GPUs)")
     t.add_argument("--max-len", type=int, default=1024)
     t.add_argument("--ttt-steps", type=int, default=7)
+    t.add_argument("--step-decay", type=float, default=0.8, metavar="G",
+                   help="the TTT loss weighs step k by G^k (EAGLE-3: 0.8; lower puts more on the first draft)")
     t.add_argument("--draft-vocab", type=int, metavar="N",
                    help="draft vocabulary size: the N most frequent assistant tokens of the data (default "
                         "16384); with --init-from the drafter's vocabulary is kept unless N is given, then "
@@ -175,7 +177,7 @@ def cmd_train_draft(args) -> int:
     cfg = TrainConfig(data=args.data[0] if len(args.data) == 1 else tuple(args.data), out=args.out,
                       epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
                       length_window=args.length_window, grad_accum=args.grad_accum, max_len=args.max_len,
-                      ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab,
+                      ttt_steps=args.ttt_steps, decay=args.step_decay, draft_vocab=args.draft_vocab,
                       target_temperature=args.target_temperature,
                       intermediate_size=args.intermediate_size, init_from=args.init_from,
                       save_every=args.save_every, max_steps=args.max_steps, time_limit=args.time_limit,

@@ -45,7 +45,7 @@ class TrainConfig:
     grad_accum: int = 1  # batches per rank per optimizer step
     max_len: int = 1024
     ttt_steps: int = 7
-    decay: float = 0.8
+    decay: float = 0.8  # step k's loss weighs decay^k (EAGLE-3: 0.8)
     draft_vocab: int | None = None  # fresh heads: 16384; with init_from: None keeps the drafter's, N re-chooses
     target_temperature: float = 1.0  # soft labels softmax(z / T); 0: the target's argmax (ttt.sharpen)
     intermediate_size: int | None = None
@@ -61,6 +61,8 @@ class TrainConfig:
             raise InvalidInput("lr, epochs, batch-tokens, ttt-steps, grad-accum and length-window must be positive")
         if not 0 <= self.target_temperature <= 10:
             raise InvalidInput(f"target-temperature must be in [0, 10], got {self.target_temperature}")
+        if not 0 < self.decay <= 1:
+            raise InvalidInput(f"step-decay must be in (0, 1], got {self.decay}")
         if self.draft_vocab is not None and self.draft_vocab < 1:
             raise InvalidInput(f"draft-vocab must be positive, got {self.draft_vocab}")
 
@@ -284,7 +286,7 @@ class Trainer:
         t0, tokens, real, padded, first = time.perf_counter(), 0, 0, 0, self.step
         while self.step < self.total:
             self.opt.zero_grad(set_to_none=True)
-            losses, accs = [], []
+            losses, accs, step_losses = [], [], []
             for m in range(self.cfg.grad_accum):
                 batch = self.plan[(self.step * self.world + self.rank) * self.cfg.grad_accum + m]
                 ids, mask = collate(self.rows, batch, self.cfg.max_len, self.device)
@@ -296,12 +298,15 @@ class Trainer:
                 padded += ids.numel()
                 losses.append(float(out.loss.detach()))  # sync (ttt_loss already synced once for its statistics)
                 accs.append(out.step_acc)
+                step_losses.append(out.step_loss)
             with timer.phase("backward_step"):
                 self.optimizer_step()
             self.step += 1
             loss = sum(losses) / len(losses)
             acc = [sum(a) / len(a) for a in zip(*accs)]
-            self.history.append({"step": self.step, "loss": loss, "acc": acc, "lr": self.sched.get_last_lr()[0]})
+            step_loss = [sum(s) / len(s) for s in zip(*step_losses)]
+            self.history.append({"step": self.step, "loss": loss, "acc": acc, "step_loss": step_loss,
+                                 "lr": self.sched.get_last_lr()[0]})
             bar.set_postfix(loss=f"{loss:.3f}", acc0=f"{acc[0]:.2f}", acc_last=f"{acc[-1]:.2f}")
             bar.update(1)
             out_of_time = self.out_of_time(t0)
