@@ -111,6 +111,19 @@
 #   DIRS=all-topenself400 NAME=open400 bash ... pack   # kept as .gpudata/data-open400.tar.xz
 #   K=32 INIT=/tmp/train30/drafter EPOCHS=0.5 WINDOW=4096 BATCH_TOKENS=20480 DATA=/tmp/all-topenself400 \
 #     TRAIN_SECONDS=135 SEED=31 bash ... alltrain; DRAFT=/tmp/train32/drafter NAME=32 bash ... fetch   # CPU eval
+# Stages 33-36 (2026-12-02, twenty-ninth session, one H200; none kept, the bundled drafter stays stage 32): four
+# fine-tunings of stage 32 side by side on 91,567 new turns (shards 440-492, kept as .gpudata/data-open440.tar.xz),
+# the TTT steps' loss weights (DECAY) against the learning rate (LR), a 2 x 2:
+#   ../shared/tools/stage-files --smollm2   # 11 calls, the last with .whl
+#   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True OMP_NUM_THREADS=4
+#   O="tasks bench/gpu/openers-more.txt bench/gpu/openers-stem.txt"
+#   FIRST_SHARD=440 SELF_PROMPTS=$((510*2048)) BATCH=2048 OPENERS="$O" DATA_SECONDS=430 MEM_CAP=88 bash ... self &
+#   (stage 32's HumanEval tree 6,8,32: eaglet eval-draft ... --prompts humaneval --settings tree:6,8,32); wait
+#   C="EPOCHS=0.3 WINDOW=4096 BATCH_TOKENS=16384 DATA=/tmp/all-topenself440 TRAIN_SECONDS=480 SEED=33 MEM_CAP=32"
+#   for a in "33" "34 DECAY=0.6" "35 LR=3e-4" "36 DECAY=0.6 LR=3e-4"; do set -- $a; k=$1; shift
+#     env $C K=$k "$@" OUT=$OUT/o$k bash ... alltrain > $OUT/train$k.log 2>&1 & done; wait
+#   DIRS=all-topenself440 NAME=open440 bash ... pack
+#   DRAFTS="/tmp/train33/drafter /tmp/train34/drafter /tmp/train35/drafter /tmp/train36/drafter" bash ... pick
 # Data phases write their JSON record (counts, wall time, environment) into $OUT/records; they stop
 # starting shards DATA_SECONDS - 45 s in (`eaglet data --time-limit`), so a cut run still writes it.
 # The self-written turns need the MT-bench and HumanEval wheels in .whl (their prompts are kept out).
@@ -241,6 +254,7 @@ case $phase in
     done ;;
   pick)  # DRAFTS="DIR DIR ...": chain-5 τ of each export on both sets, evaluated side by side; the one
     # with the higher mean of the two goes to /tmp/winner (records in $OUT/records/pickN)
+    # (leave OUT the call's own: 2026-12-02, OUT=$OUT/pk put them a folder deeper than a call returns)
     i=0; for d in ${DRAFTS:?name the exports}; do i=$((i + 1))
       (for set in mtbench humaneval; do python3 -m eaglet eval-draft --model $GGUF --dtype float32 --draft $d \
          --prompts $set --max-new-tokens 256 --batch 200 --settings chain:5 --out ${OUT:-/tmp}/records/pick$i; done) &
