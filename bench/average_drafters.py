@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from eaglet.spec.drafters.eagle3_ckpt import write_export
 
 
 def average(dirs: list[Path]) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -51,15 +50,7 @@ def main() -> int:
     except (ValueError, OSError) as e:
         print(f"average_drafters: {e}", file=sys.stderr)
         return 1
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    tmp.chmod(0o755)
-    if out.exists():
-        shutil.rmtree(out)
-    os.rename(tmp, out)
+    out = write_export(args.out, config, state)
     print(f"averaged {len(args.drafters)} exports into {out}")
     return 0
 

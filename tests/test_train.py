@@ -463,4 +463,3 @@ def test_causal_target_forward_equals_the_masked_one(tiny_dirs, family):
                        AttnMeta.build(torch.zeros(3, dtype=torch.long), pos, 21), capture=(0, 1))
     torch.testing.assert_close(h1, h2, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(t1, t2, atol=2e-5, rtol=1e-5)
-

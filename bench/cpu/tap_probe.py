@@ -57,7 +57,7 @@ def main() -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--rows", type=int, default=96)
     ap.add_argument("--max-len", type=int, default=384)
-    ap.add_argument("--ridge", type=float, default=1e-2, help="λ as a fraction of the mean feature variance")
+    ap.add_argument("--ridge", type=float, default=1e-2, help="λ as a fraction of the features' mean energy (the mean diagonal of XᵀX, standardized features)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
 

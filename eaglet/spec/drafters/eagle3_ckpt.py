@@ -105,11 +105,7 @@ def load_eagle3(path: str | Path, target: ModelConfig, device, dtype) -> tuple[E
 
 def save_eagle3(head: Eagle3Head, out: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write `head` in the SGLang format (config.json + model.safetensors), atomically."""
-    from safetensors.torch import save_file
-
     cfg, c = head.cfg, head.cfg.layer
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     hf = c.to_hf()
     for k in ("sliding_window", "bos_token_id", "eos_token_id"):
         hf.pop(k, None)
@@ -125,11 +121,21 @@ def save_eagle3(head: Eagle3Head, out: str | Path, dtype: torch.dtype = torch.bf
         state[k] = v.detach().to("cpu").contiguous()
         if v.is_floating_point():
             state[k] = state[k].to(dtype)
+    return write_export(out, hf, state)
+
+
+def write_export(out: str | Path, config: dict, state: dict[str, torch.Tensor]) -> Path:
+    """config.json + model.safetensors into directory `out`, atomically: readers see the old export
+    or the whole new one, never a half-written one."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint is for others to read
     try:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(hf, indent=1))
+        (tmp / "config.json").write_text(json.dumps(config, indent=1))
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             os.rename(out, old)
