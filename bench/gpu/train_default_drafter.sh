@@ -185,6 +185,16 @@ case $phase in
       --time-limit $((${DATA_SECONDS:-570} - 45)) ${OPENERS:+--prompt-openers $OPENERS} \
       ${MEM_CAP:+--max-gpu-memory $MEM_CAP}
     rc=$?; ls $dir | wc -l; exit $rc ;;  # the data job's status, not ls's (`round` reads it)
+  code)
+    # HumanEval-style prompts (bench/code_prompts.py: public functions' headers and docstrings from the Python
+    # sources, staged as code_prompts.json.gz): the target's greedy replies, into /tmp/all-tcode
+    src=/tmp/stage/code_prompts.json.gz; [ -f $src ] || src=.gpudata/code_prompts.json.gz
+    [ -f /tmp/code_prompts.json ] || gunzip -c $src > /tmp/code_prompts.json
+    time timeout ${DATA_SECONDS:-570} python3 -m eaglet data --model $GGUF --dtype bfloat16 --out /tmp/all-tcode \
+      --source /tmp/code_prompts.json --turns first --temperature 0 --batch ${BATCH:-2048} --max-new-tokens 320 \
+      --max-prompt-tokens 512 --shard-size 2048 --record-dir ${OUT:-/tmp}/records \
+      --time-limit $((${DATA_SECONDS:-570} - 45)) ${MEM_CAP:+--max-gpu-memory $MEM_CAP}
+    rc=$?; ls /tmp/all-tcode | wc -l; exit $rc ;;
   self2)
     # self-written turns on two GPUs at once: shards START..START+14 on GPU 0, START+15..START+29 on
     # GPU 1 (their own seeds, so other turns than stage 7's shards 0-29), into all-tselfSTART and
