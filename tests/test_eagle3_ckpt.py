@@ -189,6 +189,37 @@ def test_foreign_checkpoint_loads_and_runs(target, plain, tmp_path, kind, aux):
     assert all(c.spec.drafts > 0 and c.spec.draft_tokens == 3 * c.spec.drafts for c in out)
 
 
+@pytest.mark.parametrize("form", ["eaglet", "speculators"])
+def test_a_head_without_lm_head_drafts_through_the_targets(target, plain, tmp_path, form):
+    """A checkpoint without lm_head.weight (SGLang: no draft_vocab_size; vLLM: no lm_head) drafts over the
+    whole vocabulary through the target's output layer: eaglet writes it so, loads it sharing the
+    target's tensor, and speculates losslessly with it; without the target's layer it is refused."""
+    own = random_head(Eagle3Config.for_target(target.config))
+    head = own.with_shared_lm_head(target.lm_head.weight)
+    assert head.cfg.shared_lm_head and head.cfg.draft_vocab_size == 128 and bool(head.t2d.all())
+    for k, v in own.state_dict().items():
+        if k not in ("lm_head.weight", "d2t", "t2d"):
+            assert torch.equal(head.state_dict()[k], v), k
+    out = save_eagle3(head, tmp_path / "h", dtype=torch.float32)
+    hf = json.loads((out / "config.json").read_text())
+    saved = load_file(str(out / "model.safetensors"))
+    assert "draft_vocab_size" not in hf and hf["vocab_size"] == 128
+    assert not {"lm_head.weight", "d2t", "t2d"} & set(saved) and "fc.weight" in saved
+    if form == "speculators":  # vLLM's speculators layout of the same weights
+        (out / "config.json").write_text(json.dumps({**speculators_config(head.cfg, None), "draft_vocab_size": 128}))
+        save_file({k.replace("midlayer.", "layers.0."): v for k, v in saved.items()}, str(out / "model.safetensors"))
+
+    loaded, _ = load_eagle3(out, target.config, "cpu", torch.float32, target.lm_head.weight)
+    assert loaded.cfg.shared_lm_head and loaded.cfg.draft_vocab_size == 128
+    assert loaded.lm_head.weight.data_ptr() == target.lm_head.weight.data_ptr()  # the target's tensor, no copy
+    assert torch.equal(head_logits(loaded, target), head_logits(head, target))
+    spec = Speculator(SpecConfig("eagle3", steps=3), head=loaded)
+    outs = Generator(target, None, spec).generate(PROMPTS, GREEDY)
+    assert [c.tokens for c in outs] == plain  # lossless
+    with pytest.raises(ModelLoadError, match="drafts through the target's output layer, and none was given"):
+        load_eagle3(out, target.config, "cpu", torch.float32)
+
+
 def reference_one_position(head: Eagle3Head, emb, h, nbr: bool) -> torch.Tensor:
     """The midlayer at a single position from reference/eagle3.md alone: attention over one key is
     its value, so RoPE drops out. Residual from h, or from hidden_norm(h) when norm_before_residual."""
@@ -227,6 +258,7 @@ BAD_DRAFTERS = {  # name -> (config.json changes, tensor to drop, what the error
     "tensor": ({}, "midlayer.mlp.up_proj.weight", "missing tensor 'midlayer.mlp.up_proj.weight'"),
     "vocab map": ({}, "d2t", "missing tensor 'd2t'"),
     "no embedding": ({}, "embed_tokens.weight", "hidden size 32 differs from the target's 64"),
+    "no lm_head, a draft vocabulary": ({}, "lm_head.weight", "no lm_head.weight, yet a draft vocabulary of 40 ids"),
 }
 
 

@@ -286,6 +286,42 @@ def test_init_from_can_widen_the_drafters_mlp(trained, data, target, tmp_path):
                        intermediate_size=width // 2), target, progress=False, log=logs.append)
 
 
+def test_shared_lm_head_trains_everything_but_the_targets_output_layer(trained, data, target, tmp_path):
+    """--shared-lm-head with --init-from: the drafter's own lm_head is dropped for the target's (whole
+    vocabulary), which training leaves untouched while the rest learns; the export holds no lm_head
+    and loads back drafting through the target's layer; a draft vocabulary with it is refused; and a
+    rerun resumes from its checkpoint."""
+    tr, out, _ = trained
+    t = target.lm_head.weight.detach().clone()
+    logs = []
+    cfg = config(data[0], tmp_path / "shared", max_steps=12, draft_vocab=None, init_from=str(out / "drafter"),
+                 shared_lm_head=True)
+    ft = Trainer(cfg, target, progress=False, log=logs.append)
+    assert ft.head.cfg.shared_lm_head and ft.head.cfg.draft_vocab_size == 128
+    assert any("drafting through the target's output layer (128 ids)" in m for m in logs)
+    assert not ft.head.lm_head.weight.requires_grad and all(p.requires_grad for p in ft.params)
+    assert len(ft.params) == len(list(ft.head.parameters())) - 1
+    fc0 = ft.head.fc.weight.detach().clone()
+    ft.train()
+    assert torch.equal(ft.head.lm_head.weight, t) and torch.equal(target.lm_head.weight, t)
+    assert not torch.equal(ft.head.fc.weight, fc0)
+    losses = [h["loss"] for h in ft.history]
+    assert sum(losses[-3:]) < sum(losses[:3]), losses  # it learns to draft through the target's rows
+    saved = json.loads((tmp_path / "shared" / "drafter" / "config.json").read_text())
+    assert "draft_vocab_size" not in saved
+    head, _ = load_eagle3(tmp_path / "shared" / "drafter", target.config, "cpu", torch.float32, target.lm_head.weight)
+    assert head.cfg.shared_lm_head and torch.equal(head.fc.weight, ft.head.fc.weight)
+    again = Trainer(config(data[0], tmp_path / "shared2", max_steps=2, draft_vocab=None,
+                           init_from=str(tmp_path / "shared" / "drafter")), target, progress=False, log=logs.append)
+    assert again.head.cfg.shared_lm_head and not again.head.lm_head.weight.requires_grad  # kept from the export
+    resumed = Trainer(cfg, target, progress=False, log=logs.append)  # the checkpoint of the finished run
+    assert resumed.step == 12 and torch.equal(resumed.head.fc.weight, ft.head.fc.weight)
+    with pytest.raises(InvalidInput, match="leave out --draft-vocab"):
+        config(data[0], tmp_path / "x", init_from=str(out / "drafter"), shared_lm_head=True)
+    fresh = make_trainer(config(data[0], tmp_path / "fresh", max_steps=1, draft_vocab=None, shared_lm_head=True), target)
+    assert fresh.head.cfg.shared_lm_head and torch.equal(fresh.head.lm_head.weight, t)
+
+
 def test_with_vocab_keeps_known_rows_and_fits_new_ones_from_the_targets_rows(target):
     """A head whose lm_head rows are mostly the target's output rows under a linear map: over another
     vocabulary (some ids dropped, some added) the rows of ids it had are kept, the added rows are the

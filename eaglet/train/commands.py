@@ -79,6 +79,10 @@ def add_train_parsers(sub) -> None:
                    help="the head's MLP width (default: the target's); with --init-from, widen the drafter's "
                         "MLP to it (the same function at first: the added width starts at zero)")
     t.add_argument("--init-from", help="fine-tune this drafter instead of starting fresh")
+    t.add_argument("--shared-lm-head", action="store_true",
+                   help="draft over the whole vocabulary through the target's own output layer (frozen; the "
+                        "export holds no lm_head and no draft_vocab_size, which SGLang and vLLM load as the "
+                        "target's); with --init-from, the drafter's own lm_head is dropped")
     t.add_argument("--save-every", type=int, default=200)
     t.add_argument("--max-steps", type=int)
     t.add_argument("--time-limit", type=float, metavar="SECONDS",
@@ -180,6 +184,7 @@ def cmd_train_draft(args) -> int:
                       ttt_steps=args.ttt_steps, decay=args.step_decay, draft_vocab=args.draft_vocab,
                       target_temperature=args.target_temperature,
                       intermediate_size=args.intermediate_size, init_from=args.init_from,
+                      shared_lm_head=args.shared_lm_head,
                       save_every=args.save_every, max_steps=args.max_steps, time_limit=args.time_limit,
                       seed=args.seed)
     loaded = load_model(args.model, args.dtype, device, tokenizer=False)

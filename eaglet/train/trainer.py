@@ -50,6 +50,7 @@ class TrainConfig:
     target_temperature: float = 1.0  # soft labels softmax(z / T); 0: the target's argmax (ttt.sharpen)
     intermediate_size: int | None = None
     init_from: str | None = None
+    shared_lm_head: bool = False  # draft through the target's output layer (frozen, whole vocabulary)
     seed: int = 0
     save_every: int = 200
     max_steps: int | None = None  # stop early (after this many steps) — for tests and smoke runs
@@ -65,6 +66,8 @@ class TrainConfig:
             raise InvalidInput(f"step-decay must be in (0, 1], got {self.decay}")
         if self.draft_vocab is not None and self.draft_vocab < 1:
             raise InvalidInput(f"draft-vocab must be positive, got {self.draft_vocab}")
+        if self.shared_lm_head and self.draft_vocab is not None:
+            raise InvalidInput("--shared-lm-head drafts over the whole vocabulary: leave out --draft-vocab")
 
 
 def batch_plan(lengths: list[int], cfg: TrainConfig) -> list[list[int]]:
@@ -161,7 +164,8 @@ class Trainer:
         if cfg.max_steps:
             self.total = min(self.total, cfg.max_steps)
         self.head = self.build_head()
-        self.opt = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.params = [p for p in self.head.parameters() if p.requires_grad]  # not a shared (target's) lm_head
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.total, cfg.warmup))
         self.step = 0
         self.history: list[dict] = []
@@ -170,10 +174,21 @@ class Trainer:
             self.resume()
 
     def build_head(self) -> Eagle3Head:
+        head = self.new_head()
+        if self.cfg.shared_lm_head or head.cfg.shared_lm_head:  # the target's output layer, frozen, in float32
+            weight = self.target.lm_head.weight.detach().float()
+            if head.cfg.shared_lm_head:
+                head.share_lm_head(weight)
+            else:
+                head = head.with_shared_lm_head(weight)
+                self.log(f"drafting through the target's output layer ({head.cfg.draft_vocab_size} ids) from now on")
+        return head
+
+    def new_head(self) -> Eagle3Head:
         tcfg = self.target.config
         counts = token_counts(self.rows, tcfg.vocab_size)
         if self.cfg.init_from:  # fine-tune an existing drafter (e.g. one trained for an older target)
-            head, _ = load_eagle3(self.cfg.init_from, tcfg, self.device, torch.float32)
+            head, _ = load_eagle3(self.cfg.init_from, tcfg, self.device, torch.float32, self.target.lm_head.weight)
             size, had = self.cfg.intermediate_size, head.cfg.layer.intermediate_size
             if size and size != had:  # the same function in a wider MLP (Eagle3Head.widen_mlp)
                 try:
@@ -182,6 +197,8 @@ class Trainer:
                     raise InvalidInput(f"--intermediate-size: {e} ({self.cfg.init_from})") from None
                 self.log(f"MLP widened from {had} to {size}")
             had = head.draft_to_target()
+            if self.cfg.draft_vocab and head.cfg.shared_lm_head:
+                raise InvalidInput(f"--draft-vocab: {self.cfg.init_from} drafts through the target's output layer")
             ids = most_frequent(counts, self.cfg.draft_vocab).to(had.device) if self.cfg.draft_vocab else had
             if not torch.equal(ids, had):  # re-chosen from this data (Eagle3Head.with_vocab)
                 head = head.with_vocab(ids, self.target.lm_head.weight)
@@ -191,7 +208,8 @@ class Trainer:
                      f"{coverage(counts, ids):.2%} of assistant tokens")
             return head.requires_grad_(True).train()
         torch.manual_seed(self.cfg.seed)
-        hcfg = Eagle3Config.for_target(tcfg, self.cfg.draft_vocab or 16384, self.cfg.intermediate_size)
+        vocab = tcfg.vocab_size if self.cfg.shared_lm_head else self.cfg.draft_vocab or 16384
+        hcfg = Eagle3Config.for_target(tcfg, vocab, self.cfg.intermediate_size)
         head = Eagle3Head(hcfg).to(self.device)
         ids = most_frequent(counts, hcfg.draft_vocab_size)
         head.set_vocab(ids.to(self.device))
@@ -253,12 +271,12 @@ class Trainer:
     def optimizer_step(self) -> None:
         """The step's gradients (summed over its batches and, under torchrun, over the ranks) averaged,
         clipped, applied; then the schedule's next learning rate."""
-        for p in self.head.parameters():
+        for p in self.params:
             if self.world > 1:  # data parallel: sum over ranks
                 torch.distributed.all_reduce(p.grad)
             if self.per_step > 1:
                 p.grad /= self.per_step
-        torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         self.opt.step()
         self.sched.step()
 

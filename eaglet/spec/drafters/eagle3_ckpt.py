@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -71,8 +72,11 @@ def check_fits(cfg: Eagle3Config, target: ModelConfig, has_embed: bool, where: s
                              f"{target.hidden_size} and the checkpoint has no embed_tokens of its own")
 
 
-def load_eagle3(path: str | Path, target: ModelConfig, device, dtype) -> tuple[Eagle3Head, torch.Tensor | None]:
-    """Load a drafter directory; returns (head, its own embedding weight or None to use the target's)."""
+def load_eagle3(path: str | Path, target: ModelConfig, device, dtype,
+                lm_head: torch.Tensor | None = None) -> tuple[Eagle3Head, torch.Tensor | None]:
+    """Load a drafter directory; returns (head, its own embedding weight or None to use the target's).
+    A checkpoint without lm_head.weight drafts over the whole vocabulary through the target's output
+    layer, `lm_head` (V, H), as SGLang (no draft_vocab_size: the target's head) and vLLM load it."""
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(f"drafter path {str(path)!r} is not a directory")
@@ -84,6 +88,14 @@ def load_eagle3(path: str | Path, target: ModelConfig, device, dtype) -> tuple[E
         tensors[name] = t
     embed = tensors.pop("embed_tokens.weight", None)
     check_fits(cfg, target, embed is not None, str(path))
+    if "lm_head.weight" not in tensors:  # the target's output layer (Eagle3Config.shared_lm_head)
+        if cfg.draft_vocab_size != target.vocab_size:
+            raise ModelLoadError(f"{path}: no lm_head.weight, yet a draft vocabulary of {cfg.draft_vocab_size} "
+                                 f"ids (a head without one drafts through the target's {target.vocab_size})")
+        if lm_head is None:
+            raise ModelLoadError(f"{path}: the drafter has no lm_head.weight: it drafts through the target's "
+                                 f"output layer, and none was given")
+        cfg = replace(cfg, shared_lm_head=True)
     fc = tensors.get("fc.weight")
     if fc is not None and fc.shape[1] != len(cfg.aux_layers) * target.hidden_size:
         raise ModelLoadError(f"{path}: fc.weight takes {fc.shape[1]} features, the target gives "
@@ -98,8 +110,10 @@ def load_eagle3(path: str | Path, target: ModelConfig, device, dtype) -> tuple[E
     head.t2d.fill_(True)
     # the maps are omitted when the draft vocabulary is the target's (d2t = 0, t2d = all true)
     optional = OPTIONAL | ({"d2t", "t2d"} if cfg.draft_vocab_size == target.vocab_size else set())
-    load_state(head, tensors.items(), str(path), optional=optional)
+    load_state(head, tensors.items(), str(path), optional=optional | ({"lm_head.weight"} if cfg.shared_lm_head else set()))
     head = head.to(dtype)  # floating tensors only: d2t stays int64, t2d bool
+    if cfg.shared_lm_head:  # the target's own tensor where device and dtype agree, no copy
+        head.share_lm_head(lm_head.detach().to(head.fc.weight.device, dtype))
     return head.eval().requires_grad_(False), embed
 
 
@@ -116,8 +130,12 @@ def save_eagle3(head: Eagle3Head, out: str | Path, dtype: torch.dtype = torch.bf
                             "use_aux_hidden_state": True})
     if cfg.norm_before_residual:
         hf["norm_before_residual"] = True
+    if cfg.shared_lm_head:  # without draft_vocab_size SGLang takes the target's lm_head
+        del hf["draft_vocab_size"]
+    own = {k: v for k, v in head.state_dict().items()
+           if not (cfg.shared_lm_head and k in ("lm_head.weight", "d2t", "t2d"))}  # the target's, not written
     state = {}
-    for k, v in head.state_dict().items():
+    for k, v in own.items():
         state[k] = v.detach().to("cpu").contiguous()
         if v.is_floating_point():
             state[k] = state[k].to(dtype)

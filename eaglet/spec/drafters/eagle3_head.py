@@ -28,6 +28,7 @@ class Eagle3Config:
     target_hidden_size: int
     aux_layers: tuple[int, ...]  # target layers whose *input* residual stream is tapped
     norm_before_residual: bool = False  # vLLM speculators option: residual = hidden_norm(h)
+    shared_lm_head: bool = False  # drafts through the target's output layer (whole vocabulary; none in the checkpoint)
 
     @staticmethod
     def for_target(target: ModelConfig, draft_vocab_size: int | None = None,
@@ -105,6 +106,8 @@ class Eagle3Head(nn.Module):
         down = mlp.down_proj.weight.detach()
         state["midlayer.mlp.down_proj.weight"] = torch.cat([down, down.new_zeros(down.shape[0], extra)], 1)
         wide.load_state_dict(state)
+        if self.cfg.shared_lm_head:
+            wide.share_lm_head(self.lm_head.weight)
         return wide
 
     def with_vocab(self, ids: torch.Tensor, target_lm_head: torch.Tensor) -> "Eagle3Head":
@@ -114,6 +117,8 @@ class Eagle3Head(nn.Module):
         starts with logits of about the right scale, not at random. The ridge term (a tenth of the
         target rows' mean energy per dimension) keeps a head with few rows per dimension from fitting
         huge rows that would outvote every kept token. Every other weight is kept."""
+        if self.cfg.shared_lm_head:
+            raise ValueError("with_vocab: the head drafts through the target's output layer (the whole vocabulary)")
         old = self.draft_to_target()
         ids = ids.to(old.device)
         keep = torch.isin(ids, old)
@@ -130,6 +135,28 @@ class Eagle3Head(nn.Module):
         state["lm_head.weight"], state["d2t"] = rows.to(self.lm_head.weight.dtype), new.d2t
         new.load_state_dict(state)
         new.set_vocab(ids)
+        return new
+
+    def share_lm_head(self, weight: torch.Tensor) -> None:
+        """Draft through `weight` (V, H), the target's output layer, frozen: the head holds no output layer
+        of its own (SGLang and vLLM load a checkpoint without lm_head.weight this way)."""
+        assert self.cfg.shared_lm_head and weight.shape == self.lm_head.weight.shape
+        self.lm_head.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+
+    def with_shared_lm_head(self, weight: torch.Tensor) -> "Eagle3Head":
+        """This head drafting over the whole vocabulary through the target's output layer `weight` (V, H):
+        its own lm_head rows and vocabulary maps dropped, every other weight kept. The target's rows are
+        not the head's, so its drafts start worse and training must bring its output to them."""
+        cfg = replace(self.cfg, draft_vocab_size=len(self.t2d), shared_lm_head=True)
+        with torch.device("meta"):
+            new = Eagle3Head(cfg)
+        new = new.to_empty(device=self.fc.weight.device).to(self.fc.weight.dtype)
+        new.post_materialize()
+        state = {k: v for k, v in self.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
+        got = new.load_state_dict(state, strict=False)
+        assert set(got.missing_keys) == {"lm_head.weight", "d2t", "t2d"} and not got.unexpected_keys, got
+        new.set_vocab(torch.arange(cfg.draft_vocab_size, device=new.d2t.device))
+        new.share_lm_head(weight)
         return new
 
     def fuse_projections(self) -> None:
