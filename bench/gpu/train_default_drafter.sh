@@ -234,6 +234,8 @@ case $phase in
     # WINDOW=ROWS, BATCH_TOKENS=N: --length-window (default 256) and --batch-tokens (default 32768).
     # MEM_CAP=GIB: --max-gpu-memory (so a data phase fits beside it; `self` takes it too).
     # LR=X: another peak learning rate than 1.5e-4; DECAY=G: the TTT steps' loss weights G^k (default 0.8).
+    # SHARED=1: draft through the target's output layer (--shared-lm-head; with WIDTH=N the freed 21 MB can widen the MLP;
+    # its logits span all 49,152 ids, 2.7x the draft vocabulary's: halve BATCH_TOKENS to hold the memory; not yet run).
     read -r data k lr <<< "$([ $phase = finetune ] && echo "more 5 2e-4" || echo "all ${K:-7} 1.5e-4")"
     mkdir -p ${OUT:-/tmp}/records
     launch="python3"; [ "${NPROC:-1}" -gt 1 ] && launch="python3 -m torch.distributed.run --nproc-per-node $NPROC"
@@ -241,7 +243,8 @@ case $phase in
       --out /tmp/train$k --init-from ${INIT:-eaglet/drafters/smollm2-135m-instruct-eagle3} --epochs ${EPOCHS:-1} \
       --lr ${LR:-$lr} --seed ${SEED:-$((k - 1))} --batch-tokens ${BATCH_TOKENS:-32768} --max-len 1024 ${VOCAB:+--draft-vocab $VOCAB} --save-every 200 \
       --time-limit ${TRAIN_SECONDS:-540} ${WIDTH:+--intermediate-size $WIDTH} ${WINDOW:+--length-window $WINDOW} \
-      ${TEMP:+--target-temperature $TEMP} ${DECAY:+--step-decay $DECAY} ${MEM_CAP:+--max-gpu-memory $MEM_CAP} || exit 1
+      ${TEMP:+--target-temperature $TEMP} ${DECAY:+--step-decay $DECAY} ${MEM_CAP:+--max-gpu-memory $MEM_CAP} \
+      ${SHARED:+--shared-lm-head} || exit 1
     cp /tmp/train$k/train-draft-*.json ${OUT:-/tmp}/records/
     ln -sfn /tmp/train$k /tmp/train ;;
   train)
