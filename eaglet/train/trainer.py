@@ -175,13 +175,11 @@ class Trainer:
 
     def build_head(self) -> Eagle3Head:
         head = self.new_head()
-        if self.cfg.shared_lm_head or head.cfg.shared_lm_head:  # the target's output layer, frozen, in float32
-            weight = self.target.lm_head.weight.detach().float()
-            if head.cfg.shared_lm_head:
-                head.share_lm_head(weight)
-            else:
-                head = head.with_shared_lm_head(weight)
-                self.log(f"drafting through the target's output layer ({head.cfg.draft_vocab_size} ids) from now on")
+        if self.cfg.shared_lm_head and not head.cfg.shared_lm_head:
+            head = head.with_shared_lm_head(self.target.lm_head.weight.detach().float())
+            self.log(f"drafting through the target's output layer ({head.cfg.draft_vocab_size} ids) from now on")
+        if head.cfg.shared_lm_head:
+            head.lm_head.weight.requires_grad_(False)  # the target's, frozen (float32, as load_eagle3 gave it)
         return head
 
     def new_head(self) -> Eagle3Head:

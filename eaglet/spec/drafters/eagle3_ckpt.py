@@ -110,7 +110,9 @@ def load_eagle3(path: str | Path, target: ModelConfig, device, dtype,
     head.t2d.fill_(True)
     # the maps are omitted when the draft vocabulary is the target's (d2t = 0, t2d = all true)
     optional = OPTIONAL | ({"d2t", "t2d"} if cfg.draft_vocab_size == target.vocab_size else set())
-    load_state(head, tensors.items(), str(path), optional=optional | ({"lm_head.weight"} if cfg.shared_lm_head else set()))
+    if cfg.shared_lm_head:
+        optional |= {"lm_head.weight"}
+    load_state(head, tensors.items(), str(path), optional=optional)
     head = head.to(dtype)  # floating tensors only: d2t stays int64, t2d bool
     if cfg.shared_lm_head:  # the target's own tensor where device and dtype agree, no copy
         head.share_lm_head(lm_head.detach().to(head.fc.weight.device, dtype))
