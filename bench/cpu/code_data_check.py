@@ -17,11 +17,11 @@ import gzip
 import json
 import re
 import statistics
-from pathlib import Path
 
 from eaglet.datasets import HUMANEVAL_TEMPLATE, humaneval_problems, normalize
 from eaglet.default_model import default_model_path
 from eaglet.perf.record import write_record
+from eaglet.train.regen import read_shards
 from eaglet.weights.loader import load_model
 
 WRAPPER = HUMANEVAL_TEMPLATE.split("\n")[0]  # "Complete the following Python function."
@@ -34,12 +34,6 @@ def humaneval_sentences() -> dict[str, list[str]]:
         doc = r["prompt"].split(quote)[1] if quote in r["prompt"] else r["prompt"]
         out[r["task_id"]] = [normalize(s) for s in re.split(r"[.\n]", doc) if len(s.strip()) > 40]
     return out
-
-
-def shard_rows(d: str, shards: int) -> list[dict]:
-    """The rows of the first `shards` shards of an `eaglet data` directory, in shard order."""
-    files = sorted(Path(d).glob("shard-*.jsonl"))[:shards]
-    return [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
 
 
 def user_turn(text: str) -> str:
@@ -65,12 +59,12 @@ def main() -> int:
                "humaneval_sentences_checked": sum(map(len, sentences.values())),
                "humaneval_problems_with_a_sentence_in_the_prompts": sorted(t for t, s in found.items() if s)}
     tok = load_model(str(default_model_path()), "float32", "cpu", tokenizer=True).tokenizer.hf
-    general = shard_rows(args.general, args.shards)
+    general = read_shards(args.general, args.shards)
     turns = [user_turn(tok.decode(r["input_ids"][:r["prompt_len"]])) for r in general]
     results["general"] = {"dir": args.general, "turns": len(turns), "with_the_humaneval_wrapper": sum(WRAPPER in t for t in turns),
                           "with_a_def": sum("def " in t for t in turns)}
     if args.code:
-        rows = shard_rows(args.code, args.shards)
+        rows = read_shards(args.code, args.shards)
         repeats, lengths = 0, []
         for r in rows:
             p, a = tok.decode(r["input_ids"][:r["prompt_len"]]), tok.decode(r["input_ids"][r["prompt_len"]:])

@@ -194,9 +194,9 @@ def regenerate(cfg: RegenConfig, model, tokenizer, progress: bool = True, log=pr
     return meta
 
 
-def read_shards(data_dir: str | Path) -> list[dict]:
-    """All regenerated conversations, shard by shard, in order."""
+def read_shards(data_dir: str | Path, first: int | None = None) -> list[dict]:
+    """All regenerated conversations (or those of the `first` shards), shard by shard, in order."""
     rows = []
-    for p in sorted(Path(data_dir).glob("shard-*.jsonl")):
+    for p in sorted(Path(data_dir).glob("shard-*.jsonl"))[:first]:
         rows.extend(json.loads(line) for line in p.read_text().splitlines() if line.strip())
     return rows
