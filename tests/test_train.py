@@ -243,8 +243,8 @@ def test_init_from_can_widen_the_drafters_mlp(trained, data, target, tmp_path):
 
 
 def test_shared_lm_head_trains_everything_but_the_targets_output_layer(trained, data, target, tmp_path):
-    """--shared-lm-head with --init-from: the drafter's own lm_head is dropped for the target's (whole
-    vocabulary), which training leaves untouched while the rest learns; the export holds no lm_head
+    """--shared-lm-head with --init-from: the drafter's own lm_head gives way to the target's (whole
+    vocabulary; the head turned to land near it, eagle3_outmap), which training leaves untouched while the rest learns; the export holds no lm_head
     and loads back drafting through the target's layer; a draft vocabulary with it is refused; and a
     rerun resumes from its checkpoint."""
     tr, out, _ = trained

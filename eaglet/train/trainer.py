@@ -27,6 +27,7 @@ from ..kvcache import AppendKV, Causal
 from ..models.attention import AttnMeta
 from ..spec.drafters.eagle3_ckpt import load_eagle3, save_eagle3
 from ..spec.drafters.eagle3_head import Eagle3Config, Eagle3Head
+from ..spec.drafters.eagle3_outmap import onto_target_output
 from .regen import read_shards
 from .ttt import Targets, ttt_loss
 from .vocab import coverage, most_frequent, token_counts
@@ -175,8 +176,8 @@ class Trainer:
 
     def build_head(self) -> Eagle3Head:
         head = self.new_head()
-        if self.cfg.shared_lm_head and not head.cfg.shared_lm_head:
-            head = head.with_shared_lm_head(self.target.lm_head.weight.detach().float())
+        if self.cfg.shared_lm_head and not head.cfg.shared_lm_head:  # turned to land near the target's rows
+            head = onto_target_output(head, self.target.lm_head.weight.detach().float())
             self.log(f"drafting through the target's output layer ({head.cfg.draft_vocab_size} ids) from now on")
         if head.cfg.shared_lm_head:
             head.lm_head.weight.requires_grad_(False)  # the target's, frozen (float32, as load_eagle3 gave it)
