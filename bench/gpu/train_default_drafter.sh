@@ -144,6 +144,22 @@
 #   env $C K=40 SEED=40 EPOCHS=0.12 DATA="/tmp/all-t0 /tmp/all-tcode /tmp/all-topenself440" OUT=$OUT/o40 bash ... alltrain &
 #   env $C K=41 SEED=41 EPOCHS=0.25 DATA="/tmp/all-t0 /tmp/all-tcode" OUT=$OUT/o41 bash ... alltrain &
 #   wait; DRAFTS="/tmp/train40/drafter /tmp/train41/drafter" bash ... pick
+# Stages 42-47 (2026-12-02, thirty-first session, one H200; none kept, the bundled drafter stays stage 37): stage 37
+# drafting through the target's output layer (SHARED=1: turned onto it by bench/cpu/turn_drafter.py's fit, then
+# trained), at its own MLP width and at 7,680, against the same training without (44), on 37's data:
+#   ../shared/tools/stage-files --smollm2 .gpudata/data-code.tar.xz .gpudata/data-open440.tar.xz  # 15 calls
+#   bash ... unpack; C="WINDOW=4096 BATCH_TOKENS=8192 TRAIN_SECONDS=460 LR=1.5e-4 EPOCHS=0.25"
+#   D="/tmp/all-tcode /tmp/all-topenself440"
+#   env $C K=42 SEED=42 SHARED=1 MEM_CAP=46 DATA="$D" OUT=$OUT/a bash ... alltrain &
+#   env $C K=43 SEED=43 SHARED=1 WIDTH=7680 MEM_CAP=46 DATA="$D" OUT=$OUT/b bash ... alltrain &
+#   env $C K=44 SEED=44 MEM_CAP=40 DATA="$D" OUT=$OUT/c bash ... alltrain &
+#   wait; DRAFTS="/tmp/train42/drafter /tmp/train43/drafter /tmp/train44/drafter" bash ... pick
+#   C="WINDOW=4096 BATCH_TOKENS=8192 TRAIN_SECONDS=400 LR=1.5e-4 EPOCHS=0.35 SHARED=1 MEM_CAP=60"  # twice: the
+#   env $C K=45 SEED=45 INIT=/tmp/train42/drafter DATA="$D" bash ... alltrain &    # second call finished
+#   env $C K=46 SEED=46 INIT=/tmp/train43/drafter DATA="$D" bash ... alltrain &    # the last 55 and 202 steps
+#   wait; DRAFTS="/tmp/train45/drafter /tmp/train46/drafter" bash ... pick
+#   WINDOW=4096 BATCH_TOKENS=8192 TRAIN_SECONDS=230 EPOCHS=0.22 SHARED=1 MEM_CAP=80 K=47 SEED=47 \
+#     INIT=/tmp/train46/drafter DATA="$D" bash ... alltrain; DRAFTS="/tmp/train46/drafter /tmp/train47/drafter" bash ... pick
 # Data phases write their JSON record (counts, wall time, environment) into $OUT/records; they stop
 # starting shards DATA_SECONDS - 45 s in (`eaglet data --time-limit`), so a cut run still writes it.
 # The self-written turns need the MT-bench and HumanEval wheels in .whl (their prompts are kept out).
@@ -235,7 +251,7 @@ case $phase in
     # MEM_CAP=GIB: --max-gpu-memory (so a data phase fits beside it; `self` takes it too).
     # LR=X: another peak learning rate than 1.5e-4; DECAY=G: the TTT steps' loss weights G^k (default 0.8).
     # SHARED=1: draft through the target's output layer (--shared-lm-head; with WIDTH=N the freed 21 MB can widen the MLP;
-    # its logits span all 49,152 ids, 2.7x the draft vocabulary's: halve BATCH_TOKENS to hold the memory; not yet run).
+    # its logits span all 49,152 ids: at BATCH_TOKENS=8192 a trainer peaked at 26.4 GiB, 29.2 with WIDTH=7680, stages 42-47).
     read -r data k lr <<< "$([ $phase = finetune ] && echo "more 5 2e-4" || echo "all ${K:-7} 1.5e-4")"
     mkdir -p ${OUT:-/tmp}/records
     launch="python3"; [ "${NPROC:-1}" -gt 1 ] && launch="python3 -m torch.distributed.run --nproc-per-node $NPROC"

@@ -146,7 +146,8 @@ class Eagle3Head(nn.Module):
     def with_shared_lm_head(self, weight: torch.Tensor) -> "Eagle3Head":
         """This head drafting over the whole vocabulary through the target's output layer `weight` (V, H):
         its own lm_head rows and vocabulary maps dropped, every other weight kept. The target's rows are
-        not the head's, so its drafts start worse and training must bring its output to them."""
+        not the head's, so its drafts start worse; eagle3_outmap.onto_target_output first turns the head
+        toward them, and training does the rest."""
         cfg = replace(self.cfg, draft_vocab_size=len(self.t2d), shared_lm_head=True)
         with torch.device("meta"):
             new = Eagle3Head(cfg)
