@@ -42,13 +42,16 @@ def test_rotation_keeps_the_speculation(target, plain):
     assert drafts(head, target) == want  # the same drafts accepted at every step of every prompt
 
 
-def test_rotation_refuses_what_it_cannot_turn(target):
+def test_what_cannot_turn_is_refused_or_moved_unturned(target):
     cfg = Eagle3Config.for_target(target.config)
     with pytest.raises(ValueError, match="norm_before_residual"):
         rotate_residual(random_head(dataclasses.replace(cfg, norm_before_residual=True)), orthogonal(64, 0))
     shared = random_head(cfg).with_shared_lm_head(target.lm_head.weight)
     with pytest.raises(ValueError, match="cannot turn"):
         rotate_residual(shared, orthogonal(64, 0))
+    nbr = random_head(dataclasses.replace(cfg, norm_before_residual=True))  # moved unturned, rows dropped
+    moved, dropped = onto_target_output(nbr, target.lm_head.weight), nbr.with_shared_lm_head(target.lm_head.weight)
+    assert torch.equal(head_logits(moved, target), head_logits(dropped, target))
 
 
 def test_a_head_whose_rows_are_the_targets_turned_moves_onto_them_exactly(target):

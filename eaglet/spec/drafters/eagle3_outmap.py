@@ -64,9 +64,12 @@ def onto_target_output(head: Eagle3Head, target_lm_head: torch.Tensor,
                        output_map: tuple[torch.Tensor, torch.Tensor] | None = None) -> Eagle3Head:
     """A copy of `head` drafting through `target_lm_head` (V, H), rotated so its output lands as near
     the target's rows as one rotation and one norm weight can bring it (`fit_output_map` over the
-    head's draft ids, unless `output_map` = (Q, s) is given)."""
+    head's draft ids, unless `output_map` = (Q, s) is given). A norm_before_residual head cannot turn
+    (`rotate_residual`): its rows are dropped as they are (`Eagle3Head.with_shared_lm_head`)."""
     if head.cfg.shared_lm_head:
         raise ValueError("onto_target_output: the head already drafts through the target's output layer")
+    if head.cfg.norm_before_residual:
+        return head.with_shared_lm_head(target_lm_head)
     t = target_lm_head.detach().float()
     ids = head.draft_to_target().to(t.device)
     rows = (head.lm_head.weight.detach().float() * head.norm.weight.detach().float()).to(t.device)
