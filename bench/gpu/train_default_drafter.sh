@@ -145,7 +145,7 @@
 #   env $C K=41 SEED=41 EPOCHS=0.25 DATA="/tmp/all-t0 /tmp/all-tcode" OUT=$OUT/o41 bash ... alltrain &
 #   wait; DRAFTS="/tmp/train40/drafter /tmp/train41/drafter" bash ... pick
 # Stages 42-47 (2026-12-02, thirty-first session, one H200; none kept, the bundled drafter stays stage 37): stage 37
-# drafting through the target's output layer (SHARED=1: turned onto it by bench/cpu/turn_drafter.py's fit, then
+# drafting through the target's output layer (SHARED=1: the trainer turns it onto it, eagle3_outmap, as bench/cpu/turn_drafter.py does; then
 # trained), at its own MLP width and at 7,680, against the same training without (44), on 37's data:
 #   ../shared/tools/stage-files --smollm2 .gpudata/data-code.tar.xz .gpudata/data-open440.tar.xz  # 15 calls
 #   bash ... unpack; C="WINDOW=4096 BATCH_TOKENS=8192 TRAIN_SECONDS=460 LR=1.5e-4 EPOCHS=0.25"
