@@ -82,7 +82,8 @@ def add_train_parsers(sub) -> None:
     t.add_argument("--shared-lm-head", action="store_true",
                    help="draft over the whole vocabulary through the target's own output layer (frozen; the "
                         "export holds no lm_head and no draft_vocab_size, which SGLang and vLLM load as the "
-                        "target's); with --init-from, the drafter's own lm_head is dropped")
+                        "target's); with --init-from, the drafter is first turned so its output lands near the target's rows "
+                        "(eagle3_outmap)")
     t.add_argument("--save-every", type=int, default=200)
     t.add_argument("--max-steps", type=int)
     t.add_argument("--time-limit", type=float, metavar="SECONDS",

@@ -17,7 +17,7 @@ import math
 import os
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -209,7 +209,9 @@ class Trainer:
         torch.manual_seed(self.cfg.seed)
         vocab = tcfg.vocab_size if self.cfg.shared_lm_head else self.cfg.draft_vocab or 16384
         hcfg = Eagle3Config.for_target(tcfg, vocab, self.cfg.intermediate_size)
-        head = Eagle3Head(hcfg).to(self.device)
+        head = Eagle3Head(replace(hcfg, shared_lm_head=self.cfg.shared_lm_head)).to(self.device)
+        if self.cfg.shared_lm_head:  # nothing learned to turn: the target's layer in place of random rows
+            head.share_lm_head(self.target.lm_head.weight.detach().float())
         ids = most_frequent(counts, hcfg.draft_vocab_size)
         head.set_vocab(ids.to(self.device))
         self.log(f"draft vocabulary {len(ids)} ids covers {coverage(counts, ids):.2%} of assistant tokens")

@@ -12,9 +12,16 @@ sets of rows are related; training finishes the move.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from .eagle3_head import Eagle3Head
+
+
+def output_rows(head: Eagle3Head) -> torch.Tensor:
+    """(Vd, H) the head's output rows with its final norm's weight folded in (float32): what it drafts with."""
+    return head.lm_head.weight.detach().float() * head.norm.weight.detach().float()
 
 
 def fit_output_map(rows: torch.Tensor, target_rows: torch.Tensor, iters: int = 30) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,12 +77,11 @@ def onto_target_output(head: Eagle3Head, target_lm_head: torch.Tensor,
         raise ValueError("onto_target_output: the head already drafts through the target's output layer")
     if head.cfg.norm_before_residual:
         return head.with_shared_lm_head(target_lm_head)
-    t = target_lm_head.detach().float()
-    ids = head.draft_to_target().to(t.device)
-    rows = (head.lm_head.weight.detach().float() * head.norm.weight.detach().float()).to(t.device)
-    q, s = output_map if output_map is not None else fit_output_map(rows, t[ids])
-    turned = Eagle3Head(head.cfg).to(device=head.fc.weight.device, dtype=head.fc.weight.dtype)
-    turned.load_state_dict(head.state_dict())
+    if output_map is None:
+        t = target_lm_head.detach().float()
+        output_map = fit_output_map(output_rows(head).to(t.device), t[head.draft_to_target().to(t.device)])
+    q, s = output_map
+    turned = copy.deepcopy(head)
     rotate_residual(turned, q)
     shared = turned.with_shared_lm_head(target_lm_head)
     with torch.no_grad():
