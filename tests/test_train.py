@@ -30,6 +30,8 @@ from eaglet.train.trainer import TrainConfig, Trainer
 from eaglet.train.vocab import most_frequent, token_counts
 from eaglet.weights import load_model
 
+from .test_eagle3_outmap import drafts
+
 GREEDY = GenerationConfig(max_new_tokens=16, ignore_eos=True)
 N_ROWS, PROMPT, NEW = 48, 8, 24  # 48 rows of 32 tokens; 256 tokens a batch -> 6 batches an epoch
 
@@ -240,6 +242,37 @@ def test_init_from_can_widen_the_drafters_mlp(trained, data, target, tmp_path):
     with pytest.raises(InvalidInput, match="narrower"):
         Trainer(config(data[0], tmp_path / "narrow", max_steps=1, init_from=str(out / "drafter"),
                        intermediate_size=width // 2), target, progress=False, log=logs.append)
+
+
+def test_init_from_can_widen_the_drafters_attention(trained, data, target, tmp_path):
+    """--init-from with more query and key/value heads: the widened head computes exactly what the
+    drafter did and speculates the same, training moves the added heads, and the export's config.json
+    says the new shape (the SGLang format) and loads back; a shape that cannot hold the old heads is refused."""
+    tr, out, _ = trained
+    c = tr.head.cfg.layer
+    nh, nkv = 2 * c.num_heads, 2 * c.num_kv_heads  # 8 / 4 from 4 / 2
+    wide = tr.head.widen_attention(nh, nkv, torch.Generator().manual_seed(0))
+    assert torch.allclose(head_logits(tr.head, target), head_logits(wide, target), rtol=0, atol=1e-6)
+    assert drafts(wide, target) == drafts(tr.head, target)  # the same drafts accepted at every step
+    mha = tr.head.widen_attention(c.num_heads, c.num_heads)  # grouped heads to one key/value head each
+    assert torch.allclose(head_logits(tr.head, target), head_logits(mha, target), rtol=0, atol=1e-6)
+    logs = []
+    ft = Trainer(config(data[0], tmp_path / "wideattn", max_steps=2, init_from=str(out / "drafter"),
+                        num_heads=nh, num_kv_heads=nkv), target, progress=False, log=logs.append)
+    o = ft.head.midlayer.self_attn.o_proj.weight
+    assert o.shape == (64, nh * c.head_dim) and (o.detach().abs().sum(0) == 0).sum() == (nh - c.num_heads) * c.head_dim
+    assert any(f"attention widened from {c.num_heads} query / {c.num_kv_heads} key-value heads to {nh} / {nkv}" in m
+               for m in logs)
+    ft.train()
+    assert (o.detach().abs().sum(0) == 0).sum() == 0  # every added head writes something now
+    saved = json.loads((tmp_path / "wideattn" / "drafter" / "config.json").read_text())
+    assert (saved["num_attention_heads"], saved["num_key_value_heads"]) == (nh, nkv)
+    head, _ = load_eagle3(tmp_path / "wideattn" / "drafter", target.config, "cpu", torch.float32)
+    assert (head.cfg.layer.num_heads, head.cfg.layer.num_kv_heads) == (nh, nkv)
+    for bad in (dict(num_heads=c.num_heads, num_kv_heads=3), dict(num_heads=c.num_heads // 2)):
+        with pytest.raises(InvalidInput, match="do not hold"):
+            Trainer(config(data[0], tmp_path / "bad", max_steps=1, init_from=str(out / "drafter"), **bad),
+                    target, progress=False, log=logs.append)
 
 
 def test_shared_lm_head_trains_everything_but_the_targets_output_layer(trained, data, target, tmp_path):

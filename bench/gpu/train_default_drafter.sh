@@ -244,6 +244,8 @@ case $phase in
     # K=6 or 7), from the bundled drafter; a call stopped at TRAIN_SECONDS resumes in the next.
     # NPROC=2: data parallel over two GPUs (torchrun, NCCL), --batch-tokens per GPU.
     # WIDTH=N: widen the drafter's MLP to N first (its function kept; the added width starts at zero).
+    # HEADS=N KV_HEADS=M: widen its attention to N query / M key-value heads first (the same function: each
+    # key-value head copied, the added query heads write nothing yet; Eagle3Head.widen_attention).
     # TEMP=T: train toward the target's distribution sharpened to temperature T (0: its argmax).
     # VOCAB=N: re-choose the draft vocabulary as the data's N most frequent ids (the drafter's rows of
     # ids it keeps stay, the others are fitted from the target's output rows). SEED=N: another seed than K-1.
@@ -260,7 +262,7 @@ case $phase in
       --lr ${LR:-$lr} --seed ${SEED:-$((k - 1))} --batch-tokens ${BATCH_TOKENS:-32768} --max-len 1024 ${VOCAB:+--draft-vocab $VOCAB} --save-every 200 \
       --time-limit ${TRAIN_SECONDS:-540} ${WIDTH:+--intermediate-size $WIDTH} ${WINDOW:+--length-window $WINDOW} \
       ${TEMP:+--target-temperature $TEMP} ${DECAY:+--step-decay $DECAY} ${MEM_CAP:+--max-gpu-memory $MEM_CAP} \
-      ${SHARED:+--shared-lm-head} || exit 1
+      ${SHARED:+--shared-lm-head} ${HEADS:+--num-attention-heads $HEADS} ${KV_HEADS:+--num-key-value-heads $KV_HEADS} || exit 1
     cp /tmp/train$k/train-draft-*.json ${OUT:-/tmp}/records/
     ln -sfn /tmp/train$k /tmp/train ;;
   train)

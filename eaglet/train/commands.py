@@ -78,6 +78,12 @@ def add_train_parsers(sub) -> None:
     t.add_argument("--intermediate-size", type=int,
                    help="the head's MLP width (default: the target's); with --init-from, widen the drafter's "
                         "MLP to it (the same function at first: the added width starts at zero)")
+    t.add_argument("--num-attention-heads", type=int, metavar="N",
+                   help="the head's query heads (default: the target's); with --init-from, the drafter's attention "
+                        "widened to them (the same function at first: added heads write nothing yet)")
+    t.add_argument("--num-key-value-heads", type=int, metavar="N",
+                   help="the head's key/value heads (default: the target's); with --init-from, a multiple of the "
+                        "drafter's, each of its heads copied")
     t.add_argument("--init-from", help="fine-tune this drafter instead of starting fresh")
     t.add_argument("--shared-lm-head", action="store_true",
                    help="draft over the whole vocabulary through the target's own output layer (frozen; the "
@@ -184,7 +190,8 @@ def cmd_train_draft(args) -> int:
                       length_window=args.length_window, grad_accum=args.grad_accum, max_len=args.max_len,
                       ttt_steps=args.ttt_steps, decay=args.step_decay, draft_vocab=args.draft_vocab,
                       target_temperature=args.target_temperature,
-                      intermediate_size=args.intermediate_size, init_from=args.init_from,
+                      intermediate_size=args.intermediate_size, num_heads=args.num_attention_heads,
+                      num_kv_heads=args.num_key_value_heads, init_from=args.init_from,
                       shared_lm_head=args.shared_lm_head,
                       save_every=args.save_every, max_steps=args.max_steps, time_limit=args.time_limit,
                       seed=args.seed)

@@ -50,6 +50,8 @@ class TrainConfig:
     draft_vocab: int | None = None  # fresh heads: 16384; with init_from: None keeps the drafter's, N re-chooses
     target_temperature: float = 1.0  # soft labels softmax(z / T); 0: the target's argmax (ttt.sharpen)
     intermediate_size: int | None = None
+    num_heads: int | None = None  # the head's query heads (default: the target's); with init_from, widened to it
+    num_kv_heads: int | None = None  # its key/value heads, likewise
     init_from: str | None = None
     shared_lm_head: bool = False  # draft through the target's output layer (frozen, whole vocabulary)
     seed: int = 0
@@ -195,6 +197,7 @@ class Trainer:
                 except ValueError as e:
                     raise InvalidInput(f"--intermediate-size: {e} ({self.cfg.init_from})") from None
                 self.log(f"MLP widened from {had} to {size}")
+            head = self.widen_attention(head)
             had = head.draft_to_target()
             if self.cfg.draft_vocab and head.cfg.shared_lm_head:
                 raise InvalidInput(f"--draft-vocab: {self.cfg.init_from} drafts through the target's output layer")
@@ -209,6 +212,11 @@ class Trainer:
         torch.manual_seed(self.cfg.seed)
         vocab = tcfg.vocab_size if self.cfg.shared_lm_head else self.cfg.draft_vocab or 16384
         hcfg = Eagle3Config.for_target(tcfg, vocab, self.cfg.intermediate_size)
+        if self.cfg.num_heads or self.cfg.num_kv_heads:
+            nh, nkv = self.cfg.num_heads or hcfg.layer.num_heads, self.cfg.num_kv_heads or hcfg.layer.num_kv_heads
+            if nh % nkv:
+                raise InvalidInput(f"--num-attention-heads {nh} is not a multiple of --num-key-value-heads {nkv}")
+            hcfg = replace(hcfg, layer=hcfg.layer.replace(num_heads=nh, num_kv_heads=nkv))
         head = Eagle3Head(replace(hcfg, shared_lm_head=self.cfg.shared_lm_head)).to(self.device)
         if self.cfg.shared_lm_head:  # nothing learned to turn: the target's layer in place of random rows
             head.share_lm_head(self.target.lm_head.weight.detach().float())
@@ -216,6 +224,20 @@ class Trainer:
         head.set_vocab(ids.to(self.device))
         self.log(f"draft vocabulary {len(ids)} ids covers {coverage(counts, ids):.2%} of assistant tokens")
         return head.train()
+
+    def widen_attention(self, head: Eagle3Head) -> Eagle3Head:
+        """--num-attention-heads / --num-key-value-heads on an --init-from drafter: the same function with
+        more heads (Eagle3Head.widen_attention)."""
+        c = head.cfg.layer
+        nh, nkv = self.cfg.num_heads or c.num_heads, self.cfg.num_kv_heads or c.num_kv_heads
+        if (nh, nkv) == (c.num_heads, c.num_kv_heads):
+            return head
+        try:
+            head = head.widen_attention(nh, nkv, torch.Generator().manual_seed(self.cfg.seed))
+        except ValueError as e:
+            raise InvalidInput(f"--num-attention-heads/--num-key-value-heads: {e} ({self.cfg.init_from})") from None
+        self.log(f"attention widened from {c.num_heads} query / {c.num_kv_heads} key-value heads to {nh} / {nkv}")
+        return head
 
     def resume(self) -> None:
         st = torch.load(self.ckpt, map_location="cpu", weights_only=False)  # RNG states must stay on the CPU

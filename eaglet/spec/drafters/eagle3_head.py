@@ -110,6 +110,45 @@ class Eagle3Head(nn.Module):
             wide.share_lm_head(self.lm_head.weight)
         return wide
 
+    def widen_attention(self, num_heads: int, num_kv_heads: int,
+                        generator: torch.Generator | None = None) -> "Eagle3Head":
+        """This head with more query and key/value heads that computes exactly what this one does.
+        Each old key/value head is copied num_kv_heads / old times; each old query head keeps its
+        rows in a slot of one of its key/value head's copies, so it attends as before; the other
+        slots get new query rows (random, at the scale of the old ones) whose o_proj columns are
+        zero. Training starts from this head's function, the copies drift apart as their query heads
+        pull them. The shape is in config.json (num_attention_heads, num_key_value_heads), which
+        SGLang and vLLM read for a draft layer as for any Llama layer."""
+        att, c = self.midlayer.self_attn, self.cfg.layer
+        nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        if att.fused:
+            raise ValueError("widen_attention: the head's projections are fused (inference only)")
+        if num_kv_heads < nkv or num_kv_heads % nkv or num_heads % num_kv_heads or num_heads < nh:
+            raise ValueError(f"widen_attention: {num_heads} query / {num_kv_heads} key-value heads do not hold "
+                             f"the head's {nh} / {nkv} (key-value heads a multiple of {nkv}, query heads of those, "
+                             f"no fewer query heads)")
+        copies, g_old, g_new = num_kv_heads // nkv, nh // nkv, num_heads // num_kv_heads
+        wide = Eagle3Head(replace(self.cfg, layer=c.replace(num_heads=num_heads, num_kv_heads=num_kv_heads)))
+        wide = wide.to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+        q = att.q_proj.weight.detach().view(nh, d, -1)
+        o = att.o_proj.weight.detach().view(-1, nh, d)
+        new_q = (torch.randn(num_heads, d, q.shape[-1], generator=generator, dtype=torch.float32) * q.float().std()).to(q)
+        new_o = o.new_zeros(o.shape[0], num_heads, d)
+        for i in range(nh):  # old query head i: group c = i // g_old, u-th of it -> copy u % copies, slot u // copies
+            grp, u = divmod(i, g_old)
+            j = (grp * copies + u % copies) * g_new + u // copies
+            new_q[j], new_o[:, j] = q[i], o[:, i]
+        state = dict(self.state_dict())
+        state["midlayer.self_attn.q_proj.weight"] = new_q.reshape(num_heads * d, -1)
+        state["midlayer.self_attn.o_proj.weight"] = new_o.reshape(o.shape[0], num_heads * d)
+        for name in ("k_proj", "v_proj"):  # new key/value head j is a copy of old head j // copies
+            w = getattr(att, name).weight.detach().view(nkv, d, -1)
+            state[f"midlayer.self_attn.{name}.weight"] = w.repeat_interleave(copies, 0).reshape(num_kv_heads * d, -1)
+        wide.load_state_dict(state)
+        if self.cfg.shared_lm_head:
+            wide.share_lm_head(self.lm_head.weight)
+        return wide
+
     def with_vocab(self, ids: torch.Tensor, target_lm_head: torch.Tensor) -> "Eagle3Head":
         """This head over another draft vocabulary `ids` (sorted target ids): the lm_head rows of ids
         it has are kept; any other id's row is the target's output row for it, mapped into the head's
