@@ -132,7 +132,7 @@ class Eagle3Head(nn.Module):
         wide = wide.to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
         q = att.q_proj.weight.detach().view(nh, d, -1)
         o = att.o_proj.weight.detach().view(-1, nh, d)
-        new_q = (torch.randn(num_heads, d, q.shape[-1], generator=generator, dtype=torch.float32) * q.float().std()).to(q)
+        new_q = torch.randn(num_heads, d, q.shape[-1], generator=generator, dtype=torch.float32).to(q) * q.float().std()
         new_o = o.new_zeros(o.shape[0], num_heads, d)
         for i in range(nh):  # old query head i: group c = i // g_old, u-th of it -> copy u % copies, slot u // copies
             grp, u = divmod(i, g_old)
