@@ -273,6 +273,12 @@ def test_init_from_can_widen_the_drafters_attention(trained, data, target, tmp_p
         with pytest.raises(InvalidInput, match="do not hold"):
             Trainer(config(data[0], tmp_path / "bad", max_steps=1, init_from=str(out / "drafter"), **bad),
                     target, progress=False, log=logs.append)
+    fresh = make_trainer(config(data[0], tmp_path / "fresh", max_steps=1, num_heads=8, num_kv_heads=8), target)
+    assert (fresh.head.cfg.layer.num_heads, fresh.head.cfg.layer.num_kv_heads) == (8, 8)  # a fresh head takes the shape
+    with pytest.raises(InvalidInput, match="not a multiple"):
+        make_trainer(config(data[0], tmp_path / "fresh2", max_steps=1, num_heads=6, num_kv_heads=4), target)
+    with pytest.raises(InvalidInput, match="must be positive"):
+        config(data[0], tmp_path / "fresh3", num_kv_heads=0)
 
 
 def test_shared_lm_head_trains_everything_but_the_targets_output_layer(trained, data, target, tmp_path):

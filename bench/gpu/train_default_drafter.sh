@@ -160,6 +160,19 @@
 #   wait; DRAFTS="/tmp/train45/drafter /tmp/train46/drafter" bash ... pick
 #   WINDOW=4096 BATCH_TOKENS=8192 TRAIN_SECONDS=230 EPOCHS=0.22 SHARED=1 MEM_CAP=80 K=47 SEED=47 \
 #     INIT=/tmp/train46/drafter DATA="$D" bash ... alltrain; DRAFTS="/tmp/train46/drafter /tmp/train47/drafter" bash ... pick
+# Stages 48-52 (2026-12-02, thirty-second session, one H200; none kept): stage 37 with a wider attention (HEADS/KV_HEADS,
+# Eagle3Head.widen_attention) or attention and MLP both, and with sharper soft labels (TEMP), on 37's data as stage 44:
+#   ../shared/tools/stage-files --smollm2 .gpudata/data-code.tar.xz .gpudata/data-open440.tar.xz  # 15 calls
+#   bash ... unpack; C="WINDOW=4096 BATCH_TOKENS=8192 TRAIN_SECONDS=460 LR=1.5e-4 EPOCHS=0.25"
+#   D="/tmp/all-tcode /tmp/all-topenself440"
+#   env $C K=48 SEED=48 HEADS=18 KV_HEADS=9 MEM_CAP=40 DATA="$D" OUT=$OUT/a bash ... alltrain &
+#   env $C K=49 SEED=49 HEADS=36 KV_HEADS=18 MEM_CAP=40 DATA="$D" OUT=$OUT/b bash ... alltrain &
+#   env $C K=50 SEED=50 HEADS=18 KV_HEADS=9 WIDTH=6144 MEM_CAP=40 DATA="$D" OUT=$OUT/c bash ... alltrain &
+#   wait; DRAFTS="/tmp/train48/drafter /tmp/train49/drafter /tmp/train50/drafter" bash ... pick
+#   C="WINDOW=4096 BATCH_TOKENS=8192 TRAIN_SECONDS=330 LR=1.5e-4 EPOCHS=0.25"
+#   env $C K=51 SEED=51 TEMP=0.5 MEM_CAP=60 DATA="$D" OUT=$OUT/a bash ... alltrain &
+#   env $C K=52 SEED=52 TEMP=0.25 MEM_CAP=60 DATA="$D" OUT=$OUT/b bash ... alltrain &
+#   wait; DRAFTS="/tmp/train51/drafter /tmp/train52/drafter" bash ... pick
 # Data phases write their JSON record (counts, wall time, environment) into $OUT/records; they stop
 # starting shards DATA_SECONDS - 45 s in (`eaglet data --time-limit`), so a cut run still writes it.
 # The self-written turns need the MT-bench and HumanEval wheels in .whl (their prompts are kept out).

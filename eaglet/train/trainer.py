@@ -67,6 +67,8 @@ class TrainConfig:
             raise InvalidInput(f"target-temperature must be in [0, 10], got {self.target_temperature}")
         if not 0 < self.decay <= 1:
             raise InvalidInput(f"step-decay must be in (0, 1], got {self.decay}")
+        if any(n is not None and n < 1 for n in (self.num_heads, self.num_kv_heads, self.intermediate_size)):
+            raise InvalidInput("num-attention-heads, num-key-value-heads and intermediate-size must be positive")
         if self.draft_vocab is not None and self.draft_vocab < 1:
             raise InvalidInput(f"draft-vocab must be positive, got {self.draft_vocab}")
         if self.shared_lm_head and self.draft_vocab is not None:

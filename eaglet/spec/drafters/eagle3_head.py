@@ -134,7 +134,7 @@ class Eagle3Head(nn.Module):
         o = att.o_proj.weight.detach().view(-1, nh, d)
         new_q = torch.randn(num_heads, d, q.shape[-1], generator=generator, dtype=torch.float32).to(q) * q.float().std()
         new_o = o.new_zeros(o.shape[0], num_heads, d)
-        for i in range(nh):  # old query head i: group c = i // g_old, u-th of it -> copy u % copies, slot u // copies
+        for i in range(nh):  # old query head i, the u-th of its key/value head grp: copy u % copies of grp, slot u // copies
             grp, u = divmod(i, g_old)
             j = (grp * copies + u % copies) * g_new + u // copies
             new_q[j], new_o[:, j] = q[i], o[:, i]
