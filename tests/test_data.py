@@ -296,8 +296,10 @@ def test_data_train_eval_commands(capsys, model_dir, source, tmp_path):
                                "--ttt-steps", "2", "--batch-tokens", "256", "--lr", "1e-3", "--save-every", "2")
         assert rc == 0, err
         result = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
-        assert "record: " in out  # train-draft writes a JSON record with the environment
         assert result["steps"] == 3 and result["export"] == str(tmp_path / "train" / "drafter")
+        rec = json.loads(open(out.strip().splitlines()[-1].removeprefix("record: ")).read())  # with the environment
+        export = tmp_path / "train" / "drafter" / "model.safetensors"
+        assert rec["models"]["drafter"]["bytes"] == export.stat().st_size > 0  # the export's size (the 32 MB bar)
         assert json.loads((tmp_path / "train" / "drafter" / "config.json").read_text())["draft_vocab_size"] == 32
 
         prompts = tmp_path / "prompts.jsonl"

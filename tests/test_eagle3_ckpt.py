@@ -57,6 +57,13 @@ def run_head(head: Eagle3Head, emb: torch.Tensor, hidden: torch.Tensor) -> torch
         return head(emb, hidden, positions, cache, AttnMeta.build(cache.lens, positions, cache.kv_len(t)))
 
 
+def drafts(head, target) -> list[tuple[int, int]]:
+    """(drafts, accepted tokens) of each prompt, speculating with `head` at chain 3: equal lists mean the
+    same drafts accepted at every step."""
+    spec = Speculator(SpecConfig("eagle3", steps=3), head=head)
+    return [(c.spec.drafts, c.spec.accepted_tokens) for c in Generator(target, None, spec).generate(PROMPTS, GREEDY)]
+
+
 def head_logits(head: Eagle3Head, target, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     ids, taps = torch.randint(0, 128, (1, 7), generator=g), torch.randn(1, 7, 3 * 64, generator=g)

@@ -6,23 +6,15 @@ import dataclasses
 import pytest
 import torch
 
-from eaglet.config import SpecConfig
-from eaglet.generate import Generator
 from eaglet.spec.drafters.eagle3_head import Eagle3Config
 from eaglet.spec.drafters.eagle3_outmap import fit_output_map, onto_target_output, rotate_residual
-from eaglet.spec.speculator import Speculator
 
-from .test_eagle3_ckpt import GREEDY, PROMPTS, VD, head_logits, plain, random_head, target  # noqa: F401 (fixtures)
+from .test_eagle3_ckpt import VD, drafts, head_logits, plain, random_head, target  # noqa: F401 (fixtures)
 
 
 def orthogonal(n: int, seed: int) -> torch.Tensor:
     q, _ = torch.linalg.qr(torch.randn(n, n, generator=torch.Generator().manual_seed(seed)))
     return q
-
-
-def drafts(head, target) -> list[tuple[int, int]]:
-    spec = Speculator(SpecConfig("eagle3", steps=3), head=head)
-    return [(c.spec.drafts, c.spec.accepted_tokens) for c in Generator(target, None, spec).generate(PROMPTS, GREEDY)]
 
 
 def test_rotating_the_residual_changes_no_draft(target):

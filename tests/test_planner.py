@@ -110,6 +110,7 @@ def test_a_drafter_fingerprint_tells_stages_of_one_run_apart(tmp_path):
         (tmp_path / name / "model.safetensors").write_bytes(byte * 64)
     a, b, c = (path_fingerprint(tmp_path / n)["sha256-config-and-weights"] for n in "abc")
     assert a != b and a == c
+    assert path_fingerprint(tmp_path / "a")["bytes"] == 64  # the weights' size, as a file's fingerprint has
 
 
 def test_a_gpu_record_carries_the_process_peak_memory(tmp_path, monkeypatch):

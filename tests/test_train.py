@@ -30,7 +30,7 @@ from eaglet.train.trainer import TrainConfig, Trainer
 from eaglet.train.vocab import most_frequent, token_counts
 from eaglet.weights import load_model
 
-from .test_eagle3_outmap import drafts
+from .test_eagle3_ckpt import drafts
 
 GREEDY = GenerationConfig(max_new_tokens=16, ignore_eos=True)
 N_ROWS, PROMPT, NEW = 48, 8, 24  # 48 rows of 32 tokens; 256 tokens a batch -> 6 batches an epoch

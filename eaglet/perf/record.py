@@ -43,7 +43,7 @@ def git_state() -> dict:
 def path_fingerprint(path: str | Path | None) -> dict | None:
     """sha256 of a model file; for a directory, of its config.json and weight files: their contents when
     they total at most CONTENT_HASH_MAX bytes (a drafter: stages of one run differ only in content),
-    else their names and sizes."""
+    else their names and sizes. Either way with its size in bytes (a directory: its weight files')."""
     from ..weights.gguf_cache import file_sha256, hash_file
 
     if path is None:
@@ -61,7 +61,8 @@ def path_fingerprint(path: str | Path | None) -> dict | None:
             hash_file(h, f)  # chunk by chunk: the digest of the whole bytes, without holding them
         else:
             h.update(f"{f.name}:{f.stat().st_size}".encode())
-    return {"path": str(p), ("sha256-config-and-weights" if whole else "sha256-config-and-sizes"): h.hexdigest()}
+    return {"path": str(p), ("sha256-config-and-weights" if whole else "sha256-config-and-sizes"): h.hexdigest(),
+            "bytes": sum(f.stat().st_size for f in weights)}
 
 
 def environment() -> dict:

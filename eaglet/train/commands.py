@@ -207,7 +207,7 @@ def cmd_train_draft(args) -> int:
         print(json.dumps(result))
         from ..perf.record import write_record
 
-        print(f"record: {write_record('train-draft', vars(args), result, args.out, models={'target': loaded.path})}")
+        print(f"record: {write_record('train-draft', vars(args), result, args.out, models={'target': loaded.path, 'drafter': result.get('export')})}")
     return 0
 
 

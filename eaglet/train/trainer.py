@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import InvalidInput
+from ..errors import InvalidInput, ModelLoadError
 from ..kvcache import AppendKV, Causal
 from ..models.attention import AttnMeta
 from ..spec.drafters.eagle3_ckpt import load_eagle3, save_eagle3
@@ -213,12 +213,11 @@ class Trainer:
             return head.requires_grad_(True).train()
         torch.manual_seed(self.cfg.seed)
         vocab = tcfg.vocab_size if self.cfg.shared_lm_head else self.cfg.draft_vocab or 16384
-        hcfg = Eagle3Config.for_target(tcfg, vocab, self.cfg.intermediate_size)
-        if self.cfg.num_heads or self.cfg.num_kv_heads:
-            nh, nkv = self.cfg.num_heads or hcfg.layer.num_heads, self.cfg.num_kv_heads or hcfg.layer.num_kv_heads
-            if nh % nkv:
-                raise InvalidInput(f"--num-attention-heads {nh} is not a multiple of --num-key-value-heads {nkv}")
-            hcfg = replace(hcfg, layer=hcfg.layer.replace(num_heads=nh, num_kv_heads=nkv))
+        try:
+            hcfg = Eagle3Config.for_target(tcfg, vocab, self.cfg.intermediate_size, self.cfg.num_heads,
+                                           self.cfg.num_kv_heads)
+        except ModelLoadError as e:  # head counts that do not divide
+            raise InvalidInput(f"--num-attention-heads/--num-key-value-heads: {e}") from None
         head = Eagle3Head(replace(hcfg, shared_lm_head=self.cfg.shared_lm_head)).to(self.device)
         if self.cfg.shared_lm_head:  # nothing learned to turn: the target's layer in place of random rows
             head.share_lm_head(self.target.lm_head.weight.detach().float())

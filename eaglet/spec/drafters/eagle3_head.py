@@ -31,13 +31,15 @@ class Eagle3Config:
     shared_lm_head: bool = False  # drafts through the target's output layer (whole vocabulary; none in the checkpoint)
 
     @staticmethod
-    def for_target(target: ModelConfig, draft_vocab_size: int | None = None,
-                   intermediate_size: int | None = None) -> "Eagle3Config":
-        """A head shaped like one layer of `target`, tapping the default layers 2, N//2, N-3."""
+    def for_target(target: ModelConfig, draft_vocab_size: int | None = None, intermediate_size: int | None = None,
+                   num_heads: int | None = None, num_kv_heads: int | None = None) -> "Eagle3Config":
+        """A head shaped like one layer of `target` (its MLP width and head counts unless given), tapping the
+        default layers 2, N//2, N-3."""
         layer = target.replace(num_layers=1, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
                                sliding_window=None, tie_embeddings=False, model_type="llama",
                                bos_token_id=None, eos_token_ids=(),  # not the head's (save_eagle3 drops them)
-                               intermediate_size=intermediate_size or target.intermediate_size)
+                               intermediate_size=intermediate_size or target.intermediate_size,
+                               num_heads=num_heads or target.num_heads, num_kv_heads=num_kv_heads or target.num_kv_heads)
         return Eagle3Config(layer=layer, draft_vocab_size=draft_vocab_size or target.vocab_size,
                             target_hidden_size=target.hidden_size, aux_layers=target.default_eagle_layers)
 
@@ -72,6 +74,12 @@ def midlayer_input(emb, h, emb_weight, hidden_weight, emb_eps: float, hidden_eps
     return torch.cat([rms_norm(emb, emb_weight, emb_eps), hn], -1), hn
 
 
+def random_like_rows(w: torch.Tensor, n: int, generator: torch.Generator | None) -> torch.Tensor:
+    """n new rows for weight w (out, in): normal at w's scale, drawn on the CPU (the same draw on any
+    device), in w's dtype and device."""
+    return torch.randn(n, w.shape[1], generator=generator, dtype=torch.float32).to(w) * w.float().std()
+
+
 class Eagle3Head(nn.Module):
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
@@ -95,20 +103,23 @@ class Eagle3Head(nn.Module):
             raise ValueError("widen_mlp: the head's projections are fused (inference only)")
         if size < old:
             raise ValueError(f"widen_mlp: {size} is narrower than the head's MLP ({old})")
-        wide = Eagle3Head(replace(self.cfg, layer=self.cfg.layer.replace(intermediate_size=size)))
-        wide = wide.to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
-        state = dict(self.state_dict())
-        extra = size - old
+        extra, state = size - old, {}
         for name in ("gate_proj", "up_proj"):
             w = getattr(mlp, name).weight.detach()
-            new = torch.randn(extra, w.shape[1], generator=generator, dtype=torch.float32).to(w) * w.float().std()
-            state[f"midlayer.mlp.{name}.weight"] = torch.cat([w, new])
+            state[f"midlayer.mlp.{name}.weight"] = torch.cat([w, random_like_rows(w, extra, generator)])
         down = mlp.down_proj.weight.detach()
         state["midlayer.mlp.down_proj.weight"] = torch.cat([down, down.new_zeros(down.shape[0], extra)], 1)
-        wide.load_state_dict(state)
+        return self.reshaped(state, intermediate_size=size)
+
+    def reshaped(self, weights: dict[str, torch.Tensor], **layer: int) -> "Eagle3Head":
+        """This head with its layer's shape changed (`layer`: ModelConfig fields) and the given weights in
+        place of its own (every other weight kept): what widen_mlp and widen_attention build."""
+        new = Eagle3Head(replace(self.cfg, layer=self.cfg.layer.replace(**layer)))
+        new = new.to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+        new.load_state_dict({**self.state_dict(), **weights})
         if self.cfg.shared_lm_head:
-            wide.share_lm_head(self.lm_head.weight)
-        return wide
+            new.share_lm_head(self.lm_head.weight)
+        return new
 
     def widen_attention(self, num_heads: int, num_kv_heads: int,
                         generator: torch.Generator | None = None) -> "Eagle3Head":
@@ -128,26 +139,20 @@ class Eagle3Head(nn.Module):
                              f"the head's {nh} / {nkv} (key-value heads a multiple of {nkv}, query heads of those, "
                              f"no fewer query heads)")
         copies, g_old, g_new = num_kv_heads // nkv, nh // nkv, num_heads // num_kv_heads
-        wide = Eagle3Head(replace(self.cfg, layer=c.replace(num_heads=num_heads, num_kv_heads=num_kv_heads)))
-        wide = wide.to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
         q = att.q_proj.weight.detach().view(nh, d, -1)
         o = att.o_proj.weight.detach().view(-1, nh, d)
-        new_q = torch.randn(num_heads, d, q.shape[-1], generator=generator, dtype=torch.float32).to(q) * q.float().std()
+        new_q = random_like_rows(att.q_proj.weight.detach(), num_heads * d, generator).view(num_heads, d, -1)
         new_o = o.new_zeros(o.shape[0], num_heads, d)
         for i in range(nh):  # old query head i, the u-th of its key/value head grp: copy u % copies of grp, slot u // copies
             grp, u = divmod(i, g_old)
             j = (grp * copies + u % copies) * g_new + u // copies
             new_q[j], new_o[:, j] = q[i], o[:, i]
-        state = dict(self.state_dict())
-        state["midlayer.self_attn.q_proj.weight"] = new_q.reshape(num_heads * d, -1)
-        state["midlayer.self_attn.o_proj.weight"] = new_o.reshape(o.shape[0], num_heads * d)
+        state = {"midlayer.self_attn.q_proj.weight": new_q.reshape(num_heads * d, -1),
+                 "midlayer.self_attn.o_proj.weight": new_o.reshape(o.shape[0], num_heads * d)}
         for name in ("k_proj", "v_proj"):  # new key/value head j is a copy of old head j // copies
             w = getattr(att, name).weight.detach().view(nkv, d, -1)
             state[f"midlayer.self_attn.{name}.weight"] = w.repeat_interleave(copies, 0).reshape(num_kv_heads * d, -1)
-        wide.load_state_dict(state)
-        if self.cfg.shared_lm_head:
-            wide.share_lm_head(self.lm_head.weight)
-        return wide
+        return self.reshaped(state, num_heads=num_heads, num_kv_heads=num_kv_heads)
 
     def with_vocab(self, ids: torch.Tensor, target_lm_head: torch.Tensor) -> "Eagle3Head":
         """This head over another draft vocabulary `ids` (sorted target ids): the lm_head rows of ids
