@@ -119,8 +119,8 @@ class Causal:
     SDPA's is_causal, which needs no mask tensor and runs FlashAttention on the GPU. Right padding
     is harmless: a real token never sees a later (padding) position."""
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (B, H, T, D), k and v (B, Hkv, T, D) -> (B, H, T, D)."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        """q (B, H, T, D), k and v (B, Hkv, T, D) of any layer -> (B, H, T, D)."""
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 

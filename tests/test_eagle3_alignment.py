@@ -1,7 +1,9 @@
 """The trainer and the engine must feed the EAGLE-3 head the same thing: the head's step-0 output
 in the training-time test at index t equals the drafter's root logits after the engine committed
 x[0..t+1] (prompt x[0..t], first sampled token x[t+1]); and step k of the training-time test equals
-the engine's depth-(k+1) draft logits when the drafts are the true tokens."""
+the engine's depth-(k+1) draft logits when the drafts are the true tokens; for one-layer heads and
+for heads of two layers."""
+import pytest
 import torch
 
 from eaglet.config import SpecConfig
@@ -36,11 +38,12 @@ def ttt_logits(head, target, ids, steps):
     return [head.logits(h) for h in seen]  # steps tensors (1, T, Vd)
 
 
+@pytest.mark.parametrize("layers", [1, 2])  # 2: vLLM's later layer, its own keys in training and in the engine
 @torch.inference_mode()
-def test_training_and_engine_feed_the_head_alike(tiny_dirs):
+def test_training_and_engine_feed_the_head_alike(tiny_dirs, layers):
     target = load_model(tiny_dirs["llama3"][0], dtype="float32", device="cpu", tokenizer=False).model
     torch.manual_seed(0)
-    head = Eagle3Head(Eagle3Config.for_target(target.config, draft_vocab_size=64)).eval()
+    head = Eagle3Head(Eagle3Config.for_target(target.config, draft_vocab_size=64, num_layers=layers)).eval()
     head.set_vocab(torch.arange(0, 128, 2))
     ids = 2 * torch.randint(0, 64, (1, T), generator=torch.Generator().manual_seed(3))  # all draftable
     steps = 3

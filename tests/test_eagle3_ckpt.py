@@ -4,6 +4,7 @@ vLLM's speculators, an own embedding, pytorch_model.bin), each loaded and run in
 speculation on a tiny target; and drafters that do not fit the target, refused with a named reason."""
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -51,7 +52,7 @@ def random_head(cfg: Eagle3Config, seed: int = 0) -> Eagle3Head:
 def run_head(head: Eagle3Head, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     """The head over one sequence (1, T, H) from an empty cache, as Eagle3Drafter.catch_up runs it."""
     c, t = head.cfg.layer, emb.shape[1]
-    cache = KVCache(1, 1, c.num_kv_heads, t, c.head_dim, emb.dtype, "cpu")
+    cache = KVCache(c.num_layers, 1, c.num_kv_heads, t, c.head_dim, emb.dtype, "cpu")
     positions = torch.arange(t)[None]
     with torch.inference_mode():
         return head(emb, hidden, positions, cache, AttnMeta.build(cache.lens, positions, cache.kv_len(t)))
@@ -254,6 +255,65 @@ def test_speculators_norm_before_residual(target, tmp_path, nbr):
         assert (got - reference_one_position(head, emb, h, not nbr)).abs().max() > 0.5
 
 
+# ---- heads of several layers (vLLM's layers.1, layers.2, ...) -----------------------------------
+
+def reference_later_layer(layer, x, c) -> torch.Tensor:
+    """vLLM's later EAGLE-3 layer at a single position, from its description alone: a pre-norm Llama
+    decoder layer on the residual stream x (attention over one key is its value)."""
+    rms = lambda v, w: w * v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)  # noqa: E731
+    v = F.linear(rms(x, layer.input_layernorm.weight), layer.self_attn.v_proj.weight).view(c.num_kv_heads, c.head_dim)
+    x = x + F.linear(v.repeat_interleave(c.num_heads // c.num_kv_heads, 0).flatten(), layer.self_attn.o_proj.weight)
+    y = rms(x, layer.post_attention_layernorm.weight)
+    return x + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(y)) * layer.mlp.up_proj(y))
+
+
+@pytest.mark.parametrize("form", ["eaglet", "vllm"])
+def test_a_two_layer_head_round_trips_and_speculates_losslessly(target, plain, tmp_path, form):
+    """A head of two layers: written with num_hidden_layers 2 and its second layer as vLLM names it
+    (layers.1.*, q/k/v reading H, not 2H), loaded back from that or from vLLM's own naming (layers.0.*
+    for the midlayer), computing what vLLM's description says, and drafting losslessly."""
+    head = random_head(Eagle3Config.for_target(target.config, draft_vocab_size=VD, num_layers=2))
+    out = save_eagle3(head, tmp_path / "h", dtype=torch.float32)
+    hf = json.loads((out / "config.json").read_text())
+    saved = load_file(str(out / "model.safetensors"))
+    assert hf["num_hidden_layers"] == 2 and set(saved) == set(head.state_dict())
+    c = head.cfg.layer
+    assert saved["layers.1.self_attn.q_proj.weight"].shape == (c.num_heads * c.head_dim, c.hidden_size)
+    assert saved["midlayer.self_attn.q_proj.weight"].shape == (c.num_heads * c.head_dim, 2 * c.hidden_size)
+    if form == "vllm":
+        save_file({("model." + k.replace("midlayer.", "layers.0.") if k.startswith(("midlayer.", "layers.")) else k): v
+                   for k, v in saved.items()}, str(out / "model.safetensors"))
+    loaded, _ = load_eagle3(out, target.config, "cpu", torch.float32)
+    assert loaded.cfg == head.cfg and loaded.cfg.layer.num_layers == 2
+    for k, v in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    g = torch.Generator().manual_seed(3)
+    emb, h = torch.randn(64, generator=g), 4 * torch.randn(64, generator=g)
+    with torch.no_grad():
+        want = reference_later_layer(loaded.layers["1"], reference_one_position(loaded, emb, h, False), c)
+        assert torch.allclose(run_head(loaded, emb[None, None], h[None, None])[0, 0], want, atol=1e-5)
+    spec = Speculator(SpecConfig("eagle3", steps=3), head=loaded)
+    outs = Generator(target, None, spec).generate(PROMPTS, GREEDY)
+    assert [c.tokens for c in outs] == plain  # lossless
+    assert all(c.spec.drafts > 0 for c in outs)
+
+
+@pytest.mark.parametrize("case", ["config says 1", "gap"])
+def test_a_head_whose_layers_do_not_add_up_is_refused(target, tmp_path, case):
+    head = random_head(Eagle3Config.for_target(target.config, draft_vocab_size=VD, num_layers=2))
+    out = save_eagle3(head, tmp_path / "h", dtype=torch.float32)
+    if case == "config says 1":
+        hf = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**hf, "num_hidden_layers": 1}))
+        says = "config.json says num_hidden_layers 1, the weights hold 2 layers"
+    else:
+        saved = load_file(str(out / "model.safetensors"))
+        save_file({k.replace("layers.1.", "layers.2."): v for k, v in saved.items()}, str(out / "model.safetensors"))
+        says = "later layers are numbered [2], not 1..1"
+    with pytest.raises(ModelLoadError, match=re.escape(says)):
+        load_eagle3(out, target.config, "cpu", torch.float32)
+
+
 # ---- drafters that do not fit the target --------------------------------------------------------
 
 BAD_DRAFTERS = {  # name -> (config.json changes, tensor to drop, what the error must say)
@@ -300,13 +360,13 @@ def test_capture_keeps_order_and_repeats(target):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("nbr", [False, True])
-def test_head_step_is_logits_of_forward(target, nbr):
+@pytest.mark.parametrize("nbr, layers", [(False, 1), (True, 1), (False, 2)])
+def test_head_step_is_logits_of_forward(target, nbr, layers):
     """Eagle3Head.step (the last residual add inside the final norm) gives forward's output and
     logits(forward) exactly."""
     from eaglet.models.attention import AttnMeta
 
-    cfg = Eagle3Config.for_target(target.config, draft_vocab_size=VD)
+    cfg = Eagle3Config.for_target(target.config, draft_vocab_size=VD, num_layers=layers)
     head = random_head(dataclasses.replace(cfg, norm_before_residual=nbr))
     g = torch.Generator().manual_seed(0)
     h_size = cfg.layer.hidden_size

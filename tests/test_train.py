@@ -93,7 +93,7 @@ def head_logits(head: Eagle3Head, target) -> torch.Tensor:
 def run_head(head: Eagle3Head, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     """The head over (B, T) pairs from an empty cache, plain causal attention (as at inference)."""
     c, (b, t) = head.cfg.layer, emb.shape[:2]
-    cache = KVCache(1, b, c.num_kv_heads, t, c.head_dim, emb.dtype, "cpu")
+    cache = KVCache(c.num_layers, b, c.num_kv_heads, t, c.head_dim, emb.dtype, "cpu")
     positions = torch.arange(t).expand(b, t)
     return head(emb, hidden, positions, cache, AttnMeta.build(cache.lens, positions, cache.kv_len(t)))
 
@@ -279,6 +279,41 @@ def test_init_from_can_widen_the_drafters_attention(trained, data, target, tmp_p
         make_trainer(config(data[0], tmp_path / "fresh2", max_steps=1, num_heads=6, num_kv_heads=4), target)
     with pytest.raises(InvalidInput, match="must be positive"):
         config(data[0], tmp_path / "fresh3", num_kv_heads=0)
+
+
+def test_init_from_can_deepen_the_drafter(trained, data, target, tmp_path):
+    """--init-from with --num-layers 2: the deepened head computes exactly what the drafter did and
+    speculates the same, training grows the added layer, and the export (num_hidden_layers 2,
+    layers.1.*) loads back; fewer layers, or widening a head of two, are refused; a fresh head takes
+    the depth."""
+    tr, out, _ = trained
+    deep = tr.head.deepen(2, torch.Generator().manual_seed(0))
+    assert deep.cfg.layer.num_layers == 2 and "layers.1.self_attn.q_proj.weight" in deep.state_dict()
+    assert torch.allclose(head_logits(tr.head, target), head_logits(deep, target), rtol=0, atol=1e-6)
+    assert drafts(deep, target) == drafts(tr.head, target)  # the same drafts accepted at every step
+    logs = []
+    ft = Trainer(config(data[0], tmp_path / "deep", max_steps=2, init_from=str(out / "drafter"), num_layers=2),
+                 target, progress=False, log=logs.append)
+    added = ft.head.layers["1"]
+    assert added.self_attn.o_proj.weight.abs().sum() == 0 and added.mlp.down_proj.weight.abs().sum() == 0
+    assert any("deepened from 1 to 2 layers" in m for m in logs)
+    ft.train()
+    assert added.self_attn.o_proj.weight.abs().sum() > 0 and added.mlp.down_proj.weight.abs().sum() > 0
+    saved = json.loads((tmp_path / "deep" / "drafter" / "config.json").read_text())
+    assert saved["num_hidden_layers"] == 2
+    head, _ = load_eagle3(tmp_path / "deep" / "drafter", target.config, "cpu", torch.float32)
+    assert head.cfg.layer.num_layers == 2
+    assert torch.allclose(head_logits(ft.head, target), head_logits(head, target), rtol=0, atol=1e-6)
+    with pytest.raises(InvalidInput, match="fewer than the head's 2"):
+        Trainer(config(data[0], tmp_path / "shallow", max_steps=1, init_from=str(tmp_path / "deep" / "drafter"),
+                       num_layers=1), target, progress=False, log=logs.append)
+    with pytest.raises(InvalidInput, match="one-layer heads only"):
+        Trainer(config(data[0], tmp_path / "widedeep", max_steps=1, init_from=str(tmp_path / "deep" / "drafter"),
+                       intermediate_size=2 * head.cfg.layer.intermediate_size), target, progress=False, log=logs.append)
+    fresh = make_trainer(config(data[0], tmp_path / "fresh", max_steps=1, num_layers=3), target)
+    assert list(fresh.head.layers) == ["1", "2"]
+    with pytest.raises(InvalidInput, match="must be positive"):
+        config(data[0], tmp_path / "fresh3", num_layers=0)
 
 
 def test_shared_lm_head_trains_everything_but_the_targets_output_layer(trained, data, target, tmp_path):

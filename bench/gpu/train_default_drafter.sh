@@ -265,6 +265,7 @@ case $phase in
     # WINDOW=ROWS, BATCH_TOKENS=N: --length-window (default 256) and --batch-tokens (default 32768).
     # MEM_CAP=GIB: --max-gpu-memory (so a data phase fits beside it; `self` takes it too).
     # LR=X: another peak learning rate than 1.5e-4; DECAY=G: the TTT steps' loss weights G^k (default 0.8).
+    # LAYERS=N: deepen the drafter to N decoder layers first (vLLM's layers.1, ...: the added layers write nothing yet).
     # SHARED=1: draft through the target's output layer (--shared-lm-head; with WIDTH=N the freed 21 MB can widen the MLP;
     # its logits span all 49,152 ids: at BATCH_TOKENS=8192 a trainer peaked at 26.4 GiB, 29.2 with WIDTH=7680, stages 42-47).
     read -r data k lr <<< "$([ $phase = finetune ] && echo "more 5 2e-4" || echo "all ${K:-7} 1.5e-4")"
@@ -275,7 +276,8 @@ case $phase in
       --lr ${LR:-$lr} --seed ${SEED:-$((k - 1))} --batch-tokens ${BATCH_TOKENS:-32768} --max-len 1024 ${VOCAB:+--draft-vocab $VOCAB} --save-every 200 \
       --time-limit ${TRAIN_SECONDS:-540} ${WIDTH:+--intermediate-size $WIDTH} ${WINDOW:+--length-window $WINDOW} \
       ${TEMP:+--target-temperature $TEMP} ${DECAY:+--step-decay $DECAY} ${MEM_CAP:+--max-gpu-memory $MEM_CAP} \
-      ${SHARED:+--shared-lm-head} ${HEADS:+--num-attention-heads $HEADS} ${KV_HEADS:+--num-key-value-heads $KV_HEADS} || exit 1
+      ${SHARED:+--shared-lm-head} ${HEADS:+--num-attention-heads $HEADS} ${KV_HEADS:+--num-key-value-heads $KV_HEADS} \
+      ${LAYERS:+--num-layers $LAYERS} || exit 1
     cp /tmp/train$k/train-draft-*.json ${OUT:-/tmp}/records/
     ln -sfn /tmp/train$k /tmp/train ;;
   train)
@@ -337,6 +339,22 @@ open("/tmp/winner", "w").write(best)
 print(f"pick: {best}")
 PY
     ;;
+  deepcheck)  # the bundled drafter deepened to LAYERS (default 2) layers drafts exactly as it does, through the
+    # graphed speculation loop: chain-5 counts of both on the first N (default 8) MT-bench prompts, side by side
+    GGUF=$GGUF python3 - <<'PY'
+import os, torch
+from eaglet.spec.drafters.eagle3_ckpt import load_eagle3, save_eagle3
+from eaglet.weights import load_model
+target = load_model(os.environ["GGUF"], "float32", "cpu", tokenizer=False).model
+head, _ = load_eagle3("eaglet/drafters/smollm2-135m-instruct-eagle3", target.config, "cpu", torch.float32)
+save_eagle3(head.deepen(int(os.environ.get("LAYERS", 2)), torch.Generator().manual_seed(0)), "/tmp/deep", torch.bfloat16)
+PY
+    i=0; for d in eaglet/drafters/smollm2-135m-instruct-eagle3 /tmp/deep; do i=$((i + 1))
+      python3 -m eaglet eval-draft --model $GGUF --dtype float32 --draft $d --prompts mtbench --num-prompts ${N:-8} \
+        --max-new-tokens 128 --batch 8 --settings chain:5 --out /tmp/deepcheck/$i > /tmp/deepcheck-$i.log 2>&1 &
+    done; wait
+    python3 -c "import glob, json; [print('deepcheck:', f, json.load(open(f))['results']['chain:5']['accepted_per_pos'])
+                for f in sorted(glob.glob('/tmp/deepcheck/*/eval-draft-*.json'))]" ;;
   pack)  # data shards back through $OUT: one xz tar, split into 15 MB parts
     mkdir -p ${OUT:-/tmp}/data
     tar cf - -C /tmp ${DIRS:?name the /tmp data dirs} | xz -T8 -6 | split -b 15M - ${OUT:-/tmp}/data/data-${NAME:?}.tar.xz.part-

@@ -164,7 +164,7 @@ class Attention(nn.Module):
         q, kv = self.rope(q, k, v, cos, sin)  # (B, Hkv, G*T, D), (B, T, 2, Hkv, D)
         if hasattr(cache, "attend"):  # training (train/ttt.py): the stand-in computes the attention itself
             k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # (B, Hkv, T, D)
-            o = cache.attend(q.view(b, self.nh, t, self.d), k, v)  # (B, H, T, D)
+            o = cache.attend(q.view(b, self.nh, t, self.d), k, v, self.layer)  # (B, H, T, D)
             return self.o_proj(o.transpose(1, 2).reshape(b, t, self.nh * self.d))
         keys, vals = cache.update(self.layer, meta.slots, kv, meta.kv_len, meta.rows)  # (B, Hkv, S, D)
         # grouped-query attention as plain attention over the kv heads: each kv head's G query heads

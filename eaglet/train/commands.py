@@ -84,6 +84,11 @@ def add_train_parsers(sub) -> None:
     t.add_argument("--num-key-value-heads", type=int, metavar="N",
                    help="the head's key/value heads (default: the target's); with --init-from, a multiple of the "
                         "drafter's, each of its heads copied")
+    t.add_argument("--num-layers", type=int, metavar="N",
+                   help="the head's decoder layers (default 1, EAGLE-3's); more are vLLM's layout (layers.1.*, "
+                        "...: plain Llama layers continuing the residual stream; SGLang runs later layers its own "
+                        "way); with --init-from, layers added after the drafter's last (the same function at "
+                        "first: they write nothing yet)")
     t.add_argument("--init-from", help="fine-tune this drafter instead of starting fresh")
     t.add_argument("--shared-lm-head", action="store_true",
                    help="draft over the whole vocabulary through the target's own output layer (frozen; the "
@@ -191,7 +196,7 @@ def cmd_train_draft(args) -> int:
                       ttt_steps=args.ttt_steps, decay=args.step_decay, draft_vocab=args.draft_vocab,
                       target_temperature=args.target_temperature,
                       intermediate_size=args.intermediate_size, num_heads=args.num_attention_heads,
-                      num_kv_heads=args.num_key_value_heads, init_from=args.init_from,
+                      num_kv_heads=args.num_key_value_heads, num_layers=args.num_layers, init_from=args.init_from,
                       shared_lm_head=args.shared_lm_head,
                       save_every=args.save_every, max_steps=args.max_steps, time_limit=args.time_limit,
                       seed=args.seed)

@@ -52,6 +52,7 @@ class TrainConfig:
     intermediate_size: int | None = None
     num_heads: int | None = None  # the head's query heads (default: the target's); with init_from, widened to it
     num_kv_heads: int | None = None  # its key/value heads, likewise
+    num_layers: int | None = None  # the head's decoder layers (default 1); with init_from, deepened to it
     init_from: str | None = None
     shared_lm_head: bool = False  # draft through the target's output layer (frozen, whole vocabulary)
     seed: int = 0
@@ -67,8 +68,9 @@ class TrainConfig:
             raise InvalidInput(f"target-temperature must be in [0, 10], got {self.target_temperature}")
         if not 0 < self.decay <= 1:
             raise InvalidInput(f"step-decay must be in (0, 1], got {self.decay}")
-        if any(n is not None and n < 1 for n in (self.num_heads, self.num_kv_heads, self.intermediate_size)):
-            raise InvalidInput("num-attention-heads, num-key-value-heads and intermediate-size must be positive")
+        if any(n is not None and n < 1 for n in (self.num_heads, self.num_kv_heads, self.intermediate_size,
+                                                 self.num_layers)):
+            raise InvalidInput("num-attention-heads, num-key-value-heads, intermediate-size and num-layers must be positive")
         if self.draft_vocab is not None and self.draft_vocab < 1:
             raise InvalidInput(f"draft-vocab must be positive, got {self.draft_vocab}")
         if self.shared_lm_head and self.draft_vocab is not None:
@@ -181,7 +183,10 @@ class Trainer:
     def build_head(self) -> Eagle3Head:
         head = self.new_head()
         if self.cfg.shared_lm_head and not head.cfg.shared_lm_head:  # turned to land near the target's rows
-            head = onto_target_output(head, self.target.lm_head.weight.detach().float())
+            try:
+                head = onto_target_output(head, self.target.lm_head.weight.detach().float())
+            except ValueError as e:
+                raise InvalidInput(f"--shared-lm-head: {e} ({self.cfg.init_from})") from None
             self.log(f"drafting through the target's output layer ({head.cfg.draft_vocab_size} ids) from now on")
         if head.cfg.shared_lm_head:
             head.lm_head.weight.requires_grad_(False)  # the target's, frozen (float32, as load_eagle3 gave it)
@@ -200,6 +205,7 @@ class Trainer:
                     raise InvalidInput(f"--intermediate-size: {e} ({self.cfg.init_from})") from None
                 self.log(f"MLP widened from {had} to {size}")
             head = self.widen_attention(head)
+            head = self.deepen(head)
             had = head.draft_to_target()
             if self.cfg.draft_vocab and head.cfg.shared_lm_head:
                 raise InvalidInput(f"--draft-vocab: {self.cfg.init_from} drafts through the target's output layer")
@@ -215,7 +221,7 @@ class Trainer:
         vocab = tcfg.vocab_size if self.cfg.shared_lm_head else self.cfg.draft_vocab or 16384
         try:
             hcfg = Eagle3Config.for_target(tcfg, vocab, self.cfg.intermediate_size, self.cfg.num_heads,
-                                           self.cfg.num_kv_heads)
+                                           self.cfg.num_kv_heads, self.cfg.num_layers or 1)
         except ModelLoadError as e:  # head counts that do not divide
             raise InvalidInput(f"--num-attention-heads/--num-key-value-heads: {e}") from None
         head = Eagle3Head(replace(hcfg, shared_lm_head=self.cfg.shared_lm_head)).to(self.device)
@@ -238,6 +244,19 @@ class Trainer:
         except ValueError as e:
             raise InvalidInput(f"--num-attention-heads/--num-key-value-heads: {e} ({self.cfg.init_from})") from None
         self.log(f"attention widened from {c.num_heads} query / {c.num_kv_heads} key-value heads to {nh} / {nkv}")
+        return head
+
+    def deepen(self, head: Eagle3Head) -> Eagle3Head:
+        """--num-layers on an --init-from drafter: the same function with more layers after its last
+        (Eagle3Head.deepen); widening comes first, so the new layers take the widened shape."""
+        had, n = head.cfg.layer.num_layers, self.cfg.num_layers
+        if n is None or n == had:
+            return head
+        try:
+            head = head.deepen(n, torch.Generator().manual_seed(self.cfg.seed))
+        except ValueError as e:
+            raise InvalidInput(f"--num-layers: {e} ({self.cfg.init_from})") from None
+        self.log(f"deepened from {had} to {n} layers (the added ones write nothing yet)")
         return head
 
     def resume(self) -> None:

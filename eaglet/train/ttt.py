@@ -64,35 +64,38 @@ def sharpen(z: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 class TTTAttention:
-    """Stands in for the head's KV cache during the TTT (Attention.forward hands it q, k, v): step 0
-    is causal over its own keys; step k's query at index t also sees the keys of steps 1..k at t.
-    Scores in the query's dtype (bfloat16 under autocast), softmax accumulated in float32."""
+    """Stands in for the head's KV cache during the TTT (Attention.forward hands it q, k, v and its
+    layer): step 0 is causal over its own keys; step k's query at index t also sees the keys of
+    steps 1..k at t, in the same layer. Scores in the query's dtype (bfloat16 under autocast),
+    softmax accumulated in float32."""
 
     def __init__(self):
-        self.k0 = self.v0 = None  # step 0's keys and values (B, Hkv, T, D)
-        self.kd: list[torch.Tensor] = []  # later steps' keys and values, one diagonal each
-        self.vd: list[torch.Tensor] = []
+        self.k0: dict[int, torch.Tensor] = {}  # per layer: step 0's keys and values (B, Hkv, T, D)
+        self.v0: dict[int, torch.Tensor] = {}
+        self.kd: dict[int, list[torch.Tensor]] = {}  # per layer: later steps' keys and values, one diagonal each
+        self.vd: dict[int, list[torch.Tensor]] = {}
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int = 0) -> torch.Tensor:
         """q (B, H, T, D) and this step's k, v (B, Hkv, T, D) -> attention output (B, H, T, D)."""
-        if self.k0 is None:
-            self.k0, self.v0 = k, v
+        if layer not in self.k0:
+            self.k0[layer], self.v0[layer], self.kd[layer], self.vd[layer] = k, v, [], []
         else:
-            self.kd.append(k)
-            self.vd.append(v)
+            self.kd[layer].append(k)
+            self.vd[layer].append(v)
+        k0, v0, kds, vds = self.k0[layer], self.v0[layer], self.kd[layer], self.vd[layer]
         b, h, t, d = q.shape
         dev = q.device.type  # under autocast (bfloat16 on the GPU): scores and products in its dtype
         dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else q.dtype
         qg = q.to(dt).view(b, k.shape[1], h // k.shape[1], t, d) * d ** -0.5  # (B, Hkv, G, T, D)
-        s = qg @ self.k0.to(dt)[:, :, None].transpose(-1, -2)  # (B, Hkv, G, T, T)
+        s = qg @ k0.to(dt)[:, :, None].transpose(-1, -2)  # (B, Hkv, G, T, T)
         s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))  # causal
-        if self.kd:
-            kd = torch.stack(self.kd, -2).to(dt)[:, :, None]  # (B, Hkv, 1, T, k, D)
+        if kds:
+            kd = torch.stack(kds, -2).to(dt)[:, :, None]  # (B, Hkv, 1, T, k, D)
             s = torch.cat([s, (qg.unsqueeze(-2) * kd).sum(-1)], -1)  # (B, Hkv, G, T, T + k)
-        p0, pd = s.softmax(-1, dtype=torch.float32).to(dt).split([t, len(self.kd)], -1)
-        o = p0 @ self.v0.to(dt)[:, :, None]  # (B, Hkv, G, T, D)
-        if self.kd:
-            vd = torch.stack(self.vd, -2).to(dt)[:, :, None]  # (B, Hkv, 1, T, k, D)
+        p0, pd = s.softmax(-1, dtype=torch.float32).to(dt).split([t, len(kds)], -1)
+        o = p0 @ v0.to(dt)[:, :, None]  # (B, Hkv, G, T, D)
+        if kds:
+            vd = torch.stack(vds, -2).to(dt)[:, :, None]  # (B, Hkv, 1, T, k, D)
             o = o + (pd.unsqueeze(-1) * vd).sum(-2)
         return o.view(b, h, t, d)
 

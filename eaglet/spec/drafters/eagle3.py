@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter: the head of eagle3_head.py run over its own one-layer KV cache.
+"""The EAGLE-3 drafter: the head of eagle3_head.py run over its own KV cache (one layer per head layer).
 
 The head's sequence is pairs (target feature at position t, token at t+1), at position t. When a
 prompt is admitted it absorbs the prompt's pairs; after each verify, one pair per accepted node
@@ -26,7 +26,7 @@ class Eagle3Drafter(NeuralDrafter):
                  batch: int, max_len: int, embed: torch.Tensor | None = None, generator=None):
         p = next(head.parameters())
         c = head.cfg.layer
-        cache = KVCache(1, batch, c.num_kv_heads, max_len, c.head_dim, p.dtype, p.device)
+        cache = KVCache(c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, p.dtype, p.device)
         super().__init__(spec, sampling, target.config.vocab_size, generator, cache, c.hidden_size)
         self.head, self.taps = head, head.cfg.aux_layers
         self.embed_weight = embed.to(p) if embed is not None else target.model.embed_tokens.weight

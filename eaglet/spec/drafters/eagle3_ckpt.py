@@ -45,7 +45,7 @@ def parse_config(cfg: dict, target: ModelConfig) -> Eagle3Config:
     else:
         raise ModelLoadError(f"unknown EAGLE-3 drafter architecture {arch!r} "
                              f"(expected one of {', '.join(SGLANG_ARCHS + (SPECULATORS_ARCH,))})")
-    layer_cfg.update(model_type="llama", num_hidden_layers=1)
+    layer_cfg.update(model_type="llama", num_hidden_layers=1)  # the tensors tell how many (head_layers)
     layer_cfg.setdefault("vocab_size", target.vocab_size)
     layer = ModelConfig.from_hf(layer_cfg)
     return Eagle3Config(layer=layer, draft_vocab_size=int(draft_vocab),
@@ -72,6 +72,19 @@ def check_fits(cfg: Eagle3Config, target: ModelConfig, has_embed: bool, where: s
                              f"{target.hidden_size} and the checkpoint has no embed_tokens of its own")
 
 
+def head_layers(tensors: dict, cfg: dict, path) -> int:
+    """The head's decoder layers: the midlayer and vLLM's layers.1, layers.2, ... in the checkpoint,
+    numbered without a gap; an SGLang-style config's num_hidden_layers must agree."""
+    later = sorted({int(m.group(1)) for m in map(re.compile(r"^layers\.(\d+)\.").match, tensors) if m})
+    n = 1 + len(later)
+    if later != list(range(1, n)):
+        raise ModelLoadError(f"{path}: the drafter's later layers are numbered {later}, not 1..{n - 1}")
+    said = cfg.get("num_hidden_layers") if "transformer_layer_config" not in cfg else None
+    if said is not None and int(said) != n:
+        raise ModelLoadError(f"{path}: config.json says num_hidden_layers {said}, the weights hold {n} layers")
+    return n
+
+
 def load_eagle3(path: str | Path, target: ModelConfig, device, dtype,
                 lm_head: torch.Tensor | None = None) -> tuple[Eagle3Head, torch.Tensor | None]:
     """Load a drafter directory; returns (head, its own embedding weight or None to use the target's).
@@ -80,13 +93,15 @@ def load_eagle3(path: str | Path, target: ModelConfig, device, dtype,
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(f"drafter path {str(path)!r} is not a directory")
-    cfg = parse_config(read_config(path), target)
+    raw = read_config(path)
+    cfg = parse_config(raw, target)
     tensors = {}
     for name, t in iter_tensors(path):
         for pat, rep in RENAMES:
             name = pat.sub(rep, name)
         tensors[name] = t
     embed = tensors.pop("embed_tokens.weight", None)
+    cfg = replace(cfg, layer=cfg.layer.replace(num_layers=head_layers(tensors, raw, path)))
     check_fits(cfg, target, embed is not None, str(path))
     if "lm_head.weight" not in tensors:  # the target's output layer (Eagle3Config.shared_lm_head)
         if cfg.draft_vocab_size != target.vocab_size:
@@ -120,12 +135,13 @@ def load_eagle3(path: str | Path, target: ModelConfig, device, dtype,
 
 
 def save_eagle3(head: Eagle3Head, out: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write `head` in the SGLang format (config.json + model.safetensors), atomically."""
+    """Write `head` in the SGLang format (config.json + model.safetensors), atomically; a head of
+    several layers writes its later ones as vLLM names them (layers.1.*, ...)."""
     cfg, c = head.cfg, head.cfg.layer
     hf = c.to_hf()
     for k in ("sliding_window", "bos_token_id", "eos_token_id"):
         hf.pop(k, None)
-    hf.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1, vocab_size=c.vocab_size,
+    hf.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=c.num_layers, vocab_size=c.vocab_size,
               draft_vocab_size=cfg.draft_vocab_size, target_hidden_size=cfg.target_hidden_size,
               tie_word_embeddings=False, torch_dtype=str(dtype).split(".")[-1],
               eagle_config={"eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.aux_layers],
@@ -156,6 +172,7 @@ def write_export(out: str | Path, config: dict, state: dict[str, torch.Tensor]) 
     try:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
+        (tmp / "model.safetensors").chmod(0o644)  # safetensors writes it private; a checkpoint is for others to read
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             os.rename(out, old)

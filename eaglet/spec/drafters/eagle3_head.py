@@ -3,6 +3,10 @@ stream entering three layers (low, mid, high); one decoder layer ("midlayer") at
 [input_layernorm(embed(token)); hidden_norm(h)]; `norm` then `lm_head` over the draft vocabulary,
 mapped to target ids by the `d2t` offsets. Module names are the SGLang/SpecForge checkpoint names.
 
+A head of several layers (`cfg.layer.num_layers`) is vLLM's: layers 1, 2, ... (`layers.1.*`, ...) are
+plain pre-norm Llama decoder layers continuing the midlayer's residual stream, each with its own
+attention over its own keys; the feedback and `norm` take the last layer's output.
+
 The token embedding is the target's (frozen) unless a checkpoint brings its own; it is passed in
 as embeddings so the head's state dict never holds a copy of it.
 """
@@ -17,7 +21,7 @@ from ...config import ModelConfig, rope_inv_freq
 from ...kvcache import KVCache
 from ...models.attention import AttnMeta
 from ...models.linear import Linear
-from ...models.llama import MLP, Attention, RMSNorm, rms_norm, rope_cos_sin
+from ...models.llama import MLP, Attention, DecoderLayer, RMSNorm, rms_norm, rope_cos_sin
 from ...runtime.compile import fusable
 
 
@@ -32,10 +36,11 @@ class Eagle3Config:
 
     @staticmethod
     def for_target(target: ModelConfig, draft_vocab_size: int | None = None, intermediate_size: int | None = None,
-                   num_heads: int | None = None, num_kv_heads: int | None = None) -> "Eagle3Config":
-        """A head shaped like one layer of `target` (its MLP width and head counts unless given), tapping the
-        default layers 2, N//2, N-3."""
-        layer = target.replace(num_layers=1, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
+                   num_heads: int | None = None, num_kv_heads: int | None = None,
+                   num_layers: int = 1) -> "Eagle3Config":
+        """A head of `num_layers` layers shaped like the target's (its MLP width and head counts unless given),
+        tapping the default layers 2, N//2, N-3."""
+        layer = target.replace(num_layers=num_layers, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
                                sliding_window=None, tie_embeddings=False, model_type="llama",
                                bos_token_id=None, eos_token_ids=(),  # not the head's (save_eagle3 drops them)
                                intermediate_size=intermediate_size or target.intermediate_size,
@@ -55,15 +60,15 @@ class Eagle3Layer(nn.Module):
         self.mlp = MLP(c)
         self.norm_before_residual = cfg.norm_before_residual
 
-    def forward(self, emb, h, cos, sin, cache: KVCache, meta: AttnMeta, final_norm: RMSNorm | None = None):
-        """The layer's output (B, T, H); given the head's `final_norm`, (that norm of it, it): the
-        last residual add and the norm in one kernel."""
+    def forward(self, emb, h, cos, sin, cache: KVCache, meta: AttnMeta):
+        """(MLP output, residual stream), as models.llama.DecoderLayer returns them: their sum is the
+        layer's output, and the next norm adds them in its kernel."""
         e, n = self.input_layernorm, self.hidden_norm
         x, hn = midlayer_input(emb, h, e.weight, n.weight, e.eps, n.eps)  # (B, T, 2H): embedding first
         # the residual add and the norm in one kernel (RMSNorm with a residual returns both)
         x, h = self.post_attention_layernorm(self.self_attn(x, cos, sin, cache, meta),
                                              hn if self.norm_before_residual else h)
-        return h + self.mlp(x) if final_norm is None else final_norm(self.mlp(x), h)
+        return self.mlp(x), h
 
 
 @fusable
@@ -87,6 +92,8 @@ class Eagle3Head(nn.Module):
         self.cfg = cfg
         self.fc = Linear(len(cfg.aux_layers) * cfg.target_hidden_size, c.hidden_size, bias=False)
         self.midlayer = Eagle3Layer(cfg)
+        # vLLM's later layers, named as in its checkpoints (layers.1, layers.2, ...): the target's decoder layer
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i) for i in range(1, c.num_layers)})
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = Linear(c.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
@@ -99,6 +106,7 @@ class Eagle3Head(nn.Module):
         from this head's function and grows into the added width. The head stays in the SGLang
         format (intermediate_size is in its config.json)."""
         mlp, old = self.midlayer.mlp, self.cfg.layer.intermediate_size
+        self.one_layer("widen_mlp")
         if mlp.fused:
             raise ValueError("widen_mlp: the head's projections are fused (inference only)")
         if size < old:
@@ -110,6 +118,37 @@ class Eagle3Head(nn.Module):
         down = mlp.down_proj.weight.detach()
         state["midlayer.mlp.down_proj.weight"] = torch.cat([down, down.new_zeros(down.shape[0], extra)], 1)
         return self.reshaped(state, intermediate_size=size)
+
+    def one_layer(self, what: str) -> None:
+        if self.cfg.layer.num_layers > 1:
+            raise ValueError(f"{what}: the head has {self.cfg.layer.num_layers} layers (one-layer heads only)")
+
+    def deepen(self, num_layers: int, generator: torch.Generator | None = None) -> "Eagle3Head":
+        """This head with more decoder layers after its last (vLLM's layers.i) that computes exactly
+        what this one does: each new layer's q/k/v and gate/up are random (at the scale of the
+        midlayer's), its o_proj and down_proj zero, so it adds nothing to the residual stream until
+        training grows it. A head of several layers loads in vLLM; SGLang runs later layers its own way."""
+        c, old = self.cfg.layer, self.cfg.layer.num_layers
+        if self.midlayer.self_attn.fused:
+            raise ValueError("deepen: the head's projections are fused (inference only)")
+        if num_layers < old:
+            raise ValueError(f"deepen: {num_layers} layers are fewer than the head's {old}")
+        att, mlp = self.midlayer.self_attn, self.midlayer.mlp
+        state = {}
+        for i in range(old, num_layers):
+            p = f"layers.{i}."
+            for name, like, shape in (("self_attn.q_proj", att.q_proj, (c.num_heads * c.head_dim, c.hidden_size)),
+                                      ("self_attn.k_proj", att.k_proj, (c.num_kv_heads * c.head_dim, c.hidden_size)),
+                                      ("self_attn.v_proj", att.v_proj, (c.num_kv_heads * c.head_dim, c.hidden_size)),
+                                      ("mlp.gate_proj", mlp.gate_proj, (c.intermediate_size, c.hidden_size)),
+                                      ("mlp.up_proj", mlp.up_proj, (c.intermediate_size, c.hidden_size))):
+                w = like.weight.detach()
+                state[p + name + ".weight"] = random_like_rows(w[:, :shape[1]], shape[0], generator)
+            state[p + "self_attn.o_proj.weight"] = att.o_proj.weight.new_zeros(c.hidden_size, c.num_heads * c.head_dim)
+            state[p + "mlp.down_proj.weight"] = mlp.down_proj.weight.new_zeros(c.hidden_size, c.intermediate_size)
+            for name in ("input_layernorm", "post_attention_layernorm"):
+                state[p + name + ".weight"] = torch.ones_like(self.norm.weight)
+        return self.reshaped(state, num_layers=num_layers)
 
     def reshaped(self, weights: dict[str, torch.Tensor], **layer: int) -> "Eagle3Head":
         """This head with its layer's shape changed (`layer`: ModelConfig fields) and the given weights in
@@ -132,6 +171,7 @@ class Eagle3Head(nn.Module):
         SGLang and vLLM read for a draft layer as for any Llama layer."""
         att, c = self.midlayer.self_attn, self.cfg.layer
         nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        self.one_layer("widen_attention")
         if att.fused:
             raise ValueError("widen_attention: the head's projections are fused (inference only)")
         if num_kv_heads < nkv or num_kv_heads % nkv or num_heads % num_kv_heads or num_heads < nh:
@@ -207,8 +247,9 @@ class Eagle3Head(nn.Module):
     def fuse_projections(self) -> None:
         """For inference: q/k/v and gate/up each as one matmul (models.llama.fuse_linears), three
         fewer GEMMs per draft forward; the trainer keeps them apart."""
-        self.midlayer.self_attn.fuse()
-        self.midlayer.mlp.fuse()
+        for layer in (self.midlayer, *self.layers.values()):
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def post_materialize(self) -> None:
         self.inv_freq = rope_inv_freq(self.cfg.layer.rope, self.cfg.layer.head_dim).to(self.fc.weight.device)
@@ -216,10 +257,19 @@ class Eagle3Head(nn.Module):
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 meta: AttnMeta | None) -> torch.Tensor:
         """emb (B, T, H) token embeddings; hidden (B, T, H) already fused (`fc(taps)`) or the head's
-        own previous output. Returns the midlayer output (B, T, H) before the final norm. In training
-        `cache` is a TTTAttention (which needs no meta)."""
+        own previous output. Returns the last layer's output (B, T, H) before the final norm. In
+        training `cache` is a TTTAttention (which needs no meta)."""
+        out, residual = self.layer_stack(emb, hidden, positions, cache, meta)
+        return out + residual
+
+    def layer_stack(self, emb, hidden, positions, cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last layer's (MLP output, residual stream): every layer, the last residual add left to
+        the caller (the final norm's kernel, in `step`)."""
         cos, sin = rope_cos_sin(positions, self.inv_freq, emb.dtype)
-        return self.midlayer(emb, hidden, cos, sin, cache, meta)
+        out, residual = self.midlayer(emb, hidden, cos, sin, cache, meta)
+        for layer in self.layers.values():
+            out, residual = layer(out, residual, cos, sin, cache, meta)
+        return out, residual
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))  # (..., Vd)
@@ -227,8 +277,7 @@ class Eagle3Head(nn.Module):
     def step(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache,
              meta: AttnMeta) -> tuple[torch.Tensor, torch.Tensor]:
         """`logits(forward(...))` and the output, with the last residual add inside the final norm."""
-        cos, sin = rope_cos_sin(positions, self.inv_freq, emb.dtype)
-        normed, h = self.midlayer(emb, hidden, cos, sin, cache, meta, final_norm=self.norm)
+        normed, h = self.norm(*self.layer_stack(emb, hidden, positions, cache, meta))
         return self.lm_head(normed), h
 
     def draft_to_target(self) -> torch.Tensor:

@@ -45,6 +45,7 @@ def rotate_residual(head: Eagle3Head, q: torch.Tensor) -> None:
     of q/k/v, gate/up, lm_head), which are multiplied by q^T, and set to one. Refused for a shared
     (frozen) lm_head, and for norm_before_residual (hidden_norm's output joins the stream)."""
     layer = head.midlayer
+    head.one_layer("rotate_residual")
     if layer.self_attn.fused or layer.mlp.fused:
         raise ValueError("rotate_residual: the head's projections are fused (inference only)")
     if head.cfg.shared_lm_head:
