@@ -4,7 +4,7 @@ there, from the committed train-draft and eval-draft records (nothing is run):
     .venv/bin/python bench/plot_drafter_stages.py   # writes bench/results/drafter-stages.{json,png}
 
 The bundled lineage is 1-12, 15, 16, 18-25, 27-30, 32, 37 (each stage starts from the one before); 13, 14,
-17, 26, 31, 33-36 and 38-52 branched off it (45-47 off those branches) and were not kept, so they are drawn apart. A stage evaluated on the H200 is
+17, 26, 31, 33-36 and 38-56 branched off it (45-47 and 55-56 off those branches) and were not kept, so they are drawn apart. A stage evaluated on the H200 is
 read from its `-h200` records (chain 5 and the other settings merged when they were run apart, as for
 stage 30); one evaluated on the CPU (29, 32, 37's MT-bench settings) from its `-cpu` records, merged likewise, and with its H200 records
 where it has some (the CPU accepts the same counts as the GPU: stage 27's records).
@@ -20,7 +20,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 LINEAGE = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 15, 16, 18, 19, 20, 21, 22, 23, 24, 25, 27, 28, 29, 30, 32, 37]
 BRANCHES = {13: 12, 14: 12, 17: 16, 26: 25, 31: 29, 33: 32, 34: 32, 35: 32, 36: 32, 38: 32, 39: 32,
             40: 37, 41: 37, 42: 37, 43: 37, 44: 37, 45: 42, 46: 43, 47: 46,
-            48: 37, 49: 37, 50: 37, 51: 37, 52: 37}  # stage: the stage it started from
+            48: 37, 49: 37, 50: 37, 51: 37, 52: 37, 53: 37, 54: 37, 55: 53, 56: 54}  # stage: the stage it started from
 SETTINGS = ("chain:5", "tree:6,8,32")
 SETS = ("mtbench", "humaneval")
 NEW_DATA = {1: "ShareGPT", 5: "unseen ShareGPT", 7: "self-written", 18: "task openings", 21: "more openings", 23: "122,880 new turns", 25: "61,440 new turns", 27: "102,400 new turns", 28: "STEM openings", 29: "96,816 new turns", 30: "18,432-id vocabulary", 32: "68,570 new turns", 37: "code prompts"}

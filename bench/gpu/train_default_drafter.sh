@@ -173,6 +173,19 @@
 #   env $C K=51 SEED=51 TEMP=0.5 MEM_CAP=60 DATA="$D" OUT=$OUT/a bash ... alltrain &
 #   env $C K=52 SEED=52 TEMP=0.25 MEM_CAP=60 DATA="$D" OUT=$OUT/b bash ... alltrain &
 #   wait; DRAFTS="/tmp/train51/drafter /tmp/train52/drafter" bash ... pick
+# Stages 53-56 (2026-12-02, thirty-third session, one H200; none kept): a second decoder layer (LAYERS=2, vLLM's
+# layout; Eagle3Head.deepen) against the same head kept at one layer, the same seed and new turns, two rounds:
+#   ../shared/tools/stage-files --smollm2   # 12 calls, the last with .whl, then beside the data: bash ... deepcheck
+#   O="tasks bench/gpu/openers-more.txt bench/gpu/openers-stem.txt"
+#   FIRST_SHARD=493 SELF_PROMPTS=$((513*2048)) BATCH=2048 OPENERS="$O" DATA_SECONDS=300 MEM_CAP=100 bash ... self
+#   C="WINDOW=4096 BATCH_TOKENS=8192 TRAIN_SECONDS=480 LR=1.5e-4 EPOCHS=0.8 SEED=53 MEM_CAP=60 DATA=/tmp/all-topenself493"
+#   env $C K=53 OUT=/tmp/o53 bash ... alltrain & env $C K=54 LAYERS=2 OUT=/tmp/o54 bash ... alltrain & wait
+#   (eaglet eval-draft --draft /tmp/trainK/drafter --prompts SET --max-new-tokens 256 --batch 200 --settings chain:5,
+#    the four at once)
+#   FIRST_SHARD=513 SELF_PROMPTS=$((533*2048)) BATCH=2048 OPENERS="$O" DATA_SECONDS=200 MEM_CAP=100 bash ... self
+#   C="WINDOW=4096 BATCH_TOKENS=8192 TRAIN_SECONDS=270 LR=1.5e-4 EPOCHS=0.8 SEED=55 MEM_CAP=60 DATA=/tmp/all-topenself513"
+#   env $C K=55 INIT=/tmp/train53/drafter ... alltrain & env $C K=56 INIT=/tmp/train54/drafter ... alltrain & wait
+#   (the same evaluation of 55 and 56)
 # Data phases write their JSON record (counts, wall time, environment) into $OUT/records; they stop
 # starting shards DATA_SECONDS - 45 s in (`eaglet data --time-limit`), so a cut run still writes it.
 # The self-written turns need the MT-bench and HumanEval wheels in .whl (their prompts are kept out).
