@@ -88,6 +88,7 @@ def test_round_trip(target, tmp_path, aux, nbr):
     assert hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in head.cfg.aux_layers]
     saved = load_file(str(out / "model.safetensors"))
     assert set(saved) == set(head.state_dict()) and "embed_tokens.weight" not in saved
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o644  # readable by the server that loads it
     assert saved["d2t"].dtype == torch.int64 and saved["t2d"].dtype == torch.bool
     assert int(saved["t2d"].sum()) == VD and saved["t2d"].shape == (128,)
 

@@ -28,7 +28,8 @@ RENAMES = [(re.compile(r"^model\."), ""), (re.compile(r"^layers\.0\."), "midlaye
            (re.compile(r"^draft_id_to_target_id$"), "d2t"), (re.compile(r"^target_id_to_draft_id$"), "t2d")]
 
 
-def parse_config(cfg: dict, target: ModelConfig) -> Eagle3Config:
+def parse_config(cfg: dict, target: ModelConfig, num_layers: int = 1) -> Eagle3Config:
+    """The head's config from its config.json; `num_layers` from its weights (head_layers)."""
     arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
     if arch == SPECULATORS_ARCH:
         layer_cfg = dict(cfg.get("transformer_layer_config") or {})
@@ -45,7 +46,7 @@ def parse_config(cfg: dict, target: ModelConfig) -> Eagle3Config:
     else:
         raise ModelLoadError(f"unknown EAGLE-3 drafter architecture {arch!r} "
                              f"(expected one of {', '.join(SGLANG_ARCHS + (SPECULATORS_ARCH,))})")
-    layer_cfg.update(model_type="llama", num_hidden_layers=1)  # the tensors tell how many (head_layers)
+    layer_cfg.update(model_type="llama", num_hidden_layers=num_layers)
     layer_cfg.setdefault("vocab_size", target.vocab_size)
     layer = ModelConfig.from_hf(layer_cfg)
     return Eagle3Config(layer=layer, draft_vocab_size=int(draft_vocab),
@@ -79,6 +80,7 @@ def head_layers(tensors: dict, cfg: dict, path) -> int:
     n = 1 + len(later)
     if later != list(range(1, n)):
         raise ModelLoadError(f"{path}: the drafter's later layers are numbered {later}, not 1..{n - 1}")
+    # the speculators' transformer_layer_config describes one layer's shape, not the head's depth
     said = cfg.get("num_hidden_layers") if "transformer_layer_config" not in cfg else None
     if said is not None and int(said) != n:
         raise ModelLoadError(f"{path}: config.json says num_hidden_layers {said}, the weights hold {n} layers")
@@ -94,14 +96,13 @@ def load_eagle3(path: str | Path, target: ModelConfig, device, dtype,
     if not path.is_dir():
         raise ModelLoadError(f"drafter path {str(path)!r} is not a directory")
     raw = read_config(path)
-    cfg = parse_config(raw, target)
     tensors = {}
     for name, t in iter_tensors(path):
         for pat, rep in RENAMES:
             name = pat.sub(rep, name)
         tensors[name] = t
     embed = tensors.pop("embed_tokens.weight", None)
-    cfg = replace(cfg, layer=cfg.layer.replace(num_layers=head_layers(tensors, raw, path)))
+    cfg = parse_config(raw, target, head_layers(tensors, raw, path))
     check_fits(cfg, target, embed is not None, str(path))
     if "lm_head.weight" not in tensors:  # the target's output layer (Eagle3Config.shared_lm_head)
         if cfg.draft_vocab_size != target.vocab_size:

@@ -120,6 +120,7 @@ class Eagle3Head(nn.Module):
         return self.reshaped(state, intermediate_size=size)
 
     def one_layer(self, what: str) -> None:
+        """Refuse `what` for a head of several layers (it reshapes or turns the midlayer alone)."""
         if self.cfg.layer.num_layers > 1:
             raise ValueError(f"{what}: the head has {self.cfg.layer.num_layers} layers (one-layer heads only)")
 
