@@ -11,7 +11,9 @@ The accept length comes from the requests' `usage.spec_decode` (eaglet's extensi
 the server's /metrics counters before and after the run (vLLM's and eaglet's
 spec_decode_num_drafts / num_accepted_tokens, SGLang's spec_accept_length gauge). The record also
 keeps the server's KV cache and queue gauges and resident memory before and after, where
-/metrics has them. Prints a table and writes a JSON record.
+/metrics has them. Prints a table and writes one JSON record: per-request times are summarised
+there (counts, failures, mean and percentiles of latency, TTFT, TPOT, ITL and tokens), not kept
+request by request, so a committed record stays a few kilobytes whatever the load.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -176,17 +178,6 @@ def server_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def request_record(r: RequestResult) -> dict:
-    """One request as the record keeps it: times in seconds to the microsecond (finer digits are
-    clock noise, and a 64-way run holds tens of thousands of inter-token gaps)."""
-    d = asdict(r)
-    d["itl"] = [round(x, 6) for x in r.itl]
-    for k in ("latency", "ttft"):
-        if d.get(k) is not None:
-            d[k] = round(d[k], 6)
-    return d
-
-
 def accept_length(results: list[RequestResult], before: dict | None, after: dict | None) -> tuple[float | None, str]:
     drafts = sum(r.spec["num_drafts"] for r in results if r.ok and r.spec)
     if drafts:
@@ -205,11 +196,32 @@ def accept_length(results: list[RequestResult], before: dict | None, after: dict
     return None, "not reported"
 
 
-def stats_ms(xs: list[float]) -> dict:
+PERCENTILES = (50, 90, 99)
+
+
+def stats(xs: list[float], scale: float = 1.0) -> dict:
+    """Mean, min, max and the 50th/90th/99th percentiles of xs (times scale); `median` repeats p50."""
     if not xs:
         return {"mean": None, "median": None, "p99": None}
-    a = np.asarray(xs) * 1e3
-    return {"mean": float(a.mean()), "median": float(np.median(a)), "p99": float(np.percentile(a, 99))}
+    a = np.asarray(xs, dtype=float) * scale
+    out = {"mean": float(a.mean()), "min": float(a.min()), "max": float(a.max())}
+    out.update({f"p{q}": float(np.percentile(a, q)) for q in PERCENTILES})
+    out["median"] = out["p50"]
+    return out
+
+
+def stats_ms(xs: list[float]) -> dict:
+    return stats(xs, 1e3)
+
+
+def request_summary(results: list[RequestResult]) -> dict:
+    """What the record keeps of the individual requests: how many were sent, failed and drafted, and
+    the spread of their token counts (the times' spreads are ttft_ms, tpot_ms, itl_ms and e2e_ms)."""
+    ok = [r for r in results if r.ok]
+    return {"count": len(results), "completed": len(ok), "failed": len(results) - len(ok),
+            "drafted": sum(1 for r in ok if r.spec and r.spec.get("num_drafts")),
+            "output_tokens": stats([r.output_tokens for r in ok]),
+            "prompt_tokens": stats([r.prompt_tokens for r in ok if r.prompt_tokens is not None])}
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict:
@@ -225,6 +237,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
         "tpot_ms": stats_ms([r.tpot for r in ok if r.tpot is not None]),
         "itl_ms": stats_ms([x for r in ok for x in r.itl]),
         "e2e_ms": stats_ms([r.latency for r in ok]),
+        "requests": request_summary(results),
         "errors": sorted({r.error for r in results if not r.ok})[:10],
     }
 
@@ -366,6 +379,6 @@ def run_bench_serve(args) -> int:
         [f"concurrency={concurrency}"] if concurrency else [])
     print(render(res, f"bench-serve {root} model={model} endpoint={args.endpoint} {' '.join(mode)} "
                       f"max_tokens={args.max_tokens}"))
-    path = write_record("bench-serve", vars(args), res, args.out, raw={"requests": [request_record(r) for r in results]})
+    path = write_record("bench-serve", vars(args), res, args.out)
     print(f"record: {path}")
     return 0 if res["failed"] == 0 else 1
