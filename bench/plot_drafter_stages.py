@@ -36,7 +36,7 @@ def train_records(stage: int) -> list[dict]:
     return [json.loads(p.read_text()) for p in paths]
 
 
-EVAL_NAMES = {4: "", 13: "stage13-wide6144-", 14: "stage14-hard-"}  # stage 4, the second drafter, predates names
+EVAL_NAMES = {4: "", 13: "stage13-wide6144-", 14: "stage14-hard-"}  # stage 4's records carry no stage in their names
 
 
 def eval_record(stage: int, prompts: str) -> dict | None:

@@ -1,7 +1,7 @@
 """Model configuration: one frozen dataclass for the whole Llama family, built once from a HF
 config.json dict (transformers 4.x `rope_theta`/`rope_scaling` or 5.x `rope_parameters`).
 
-GGUF metadata is first turned into the same HF dict (weights/gguf.py), so there is one parser.
+GGUF metadata is first turned into the same HF dict (weights/gguf_file.py), so there is one parser.
 """
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ class ModelConfig:
 
     @property
     def default_eagle_layers(self) -> tuple[int, int, int]:
-        """Layers whose *input* residual stream EAGLE-3 taps: 2, N//2, N-3 (see reference/eagle3.md)."""
+        """Layers whose *input* residual stream EAGLE-3 taps: 2, N//2, N-3 (see docs/eagle3.md)."""
         n = self.num_layers
         return (2, n // 2, n - 3)
 

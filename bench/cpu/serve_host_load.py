@@ -5,7 +5,7 @@ costs only the host's work: the decoder's bookkeeping, the Batcher (stopping, de
 engine's chunks, the event loop's SSE events. Each system is served in this process (uvicorn,
 uvloop + httptools, in a thread); `eaglet bench-serve` drives it from its own process (128-token
 ShareGPT requests, EOS ignored; a warm-up run, then ROUNDS timed ones). On the H200 most of a
-loaded server's step was not the GPU's (BENCHMARKS.md, nineteenth session); this is the host's
+loaded server's step is not the GPU's (BENCHMARKS.md, Serving); this is the host's
 part alone, plain against speculation settings. A probe, CPU; its host is not the GPU machine's.
 With --pyspy, py-spy samples the server through one more run of each system (raw stacks in --out).
 

@@ -6,7 +6,7 @@ its 32 layers (random bfloat16 weights, one set per layer as in the model, so no
   prefetch   `layer`, with each projection's first bytes read into L2 on a second stream while
              the small kernels before it run (HBM is idle then): what overlap could win back
   triton     `gemms` with eaglet's Triton GEMV (eaglet/models/gemv.py) instead of cuBLAS (best of a few
-             tile shapes per projection; the first run, at d22c624, used the probe's own copy of it)
+             tile shapes per projection)
 
 Each variant is one CUDA graph of a whole step, replayed; median of 7 replays after warm-up. Also the
 read bandwidth (a Triton reduction over 4 GB) and the copy bandwidth eaglet's roofline uses.
@@ -15,7 +15,7 @@ A probe for choosing the decode step's design, not part of the package.
 `sweep` times eaglet's own GEMV kernel (eaglet/models/gemv.py) over a grid of tile shapes against
 cuBLAS for each projection of a model shape, all layers' weights in turn, and what `gemv.tiles` picks;
 for 2 to 16 rows the tensor-core kernel's tiles include slices of 1024 and 2048 columns where they fit
-(`long_slices`, also in `glu`; on the 8B at 2-16 rows they won nowhere, 2026-11-30), and two
+(`long_slices`, also in `glu`; on the 8B at 2-16 rows they win nowhere), and two
 candidates: `rows_gemv` (CUDA cores, up to 8 rows) and `dot_splitk` (the tensor-core kernel with K
 split across programs, configs of six numbers, the last the split).
 

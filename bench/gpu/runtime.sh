@@ -6,7 +6,7 @@
 #   bash bench/gpu/runtime.sh probes   # kernel choices (no model needed): cache-attention row tiles and splits,
 #                                      # few-row matmul tiles (GEMV, dot, rows_gemv) for 2-16 rows, the tree's top-k
 #   bash bench/gpu/runtime.sh eagle3   # the EAGLE-3 bar: plain, chain 5, tree on all 80 MT-bench prompts x 256 tokens
-#                                      # (MAXNEW=128: the 2026-11-30 runs; the first 128 tokens are the harder half;
+#                                      # (MAXNEW=128: 128 tokens a reply; the first 128 tokens are the harder half;
 #                                      #  EOS=1: replies end at EOS, as eval-draft's τ and served replies do)
 #                                      #  TREE=STEPS,TOPK,TOKENS: the tree measured, 6,8,32 by default)
 # The model must be staged first (../shared/tools/stage-files --smollm2, see GPU.md).
@@ -14,7 +14,7 @@ phase=$1
 source "$(dirname "$0")/setup.sh"
 set +e
 # each call writes its own folder: two phases at once (one per GPU) must not pack or remove each
-# other's records (2026-11-30: a test's log was lost that way)
+# other's records (a shared folder lost a test's log that way)
 out=${OUT:-/tmp}/records-$phase-$$
 mkdir -p "$out"
 case $phase in

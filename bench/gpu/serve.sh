@@ -12,14 +12,14 @@
 #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
 #     fastapi uvicorn uvloop httptools pydantic httpx aiohttp py-spy)
 # SPEC_POLICY=RECORD: an `eaglet profile` record whose per-batch-size policy the speculating server
-# follows (default since 2026-12-01: bench/results/profile-gpu-20261130-225722.json, the H200 profile on
+# follows (default: bench/results/profile-gpu-20261130-225722.json, the H200 profile on
 # the served ShareGPT prompts, batch sizes 1-64: tree 4,4,16 for one request, the fastest of six trees
-# served side by side at concurrency 1 (serve_sweep.sh; 5,4,16 within 0.3%); before it 202027, a profile of
-# MT-bench prompts); SPEC_POLICY= for none; PROFILE=1: a profile of this machine on the served prompts,
+# served side by side at concurrency 1 (serve_sweep.sh; 5,4,16 within 0.3%));
+# SPEC_POLICY= for none; PROFILE=1: a profile of this machine on the served prompts,
 # taken first, ~2.5 min, which with the ~6.5 min of serving nears one call's 10;
 # SPEC_MAX_BATCH=N caps speculation at N requests;
-# SPEC_ARGS: the speculating server's setting (EAGLE-3 on the GPU defaults to tree 5,4,16 since 79c5415;
-# the 2026-11-30 runs passed "--spec-steps 5 --spec-topk 4 --spec-draft-tokens 16"; "--spec-steps 5": chain 5).
+# SPEC_ARGS: the speculating server's setting (EAGLE-3 on the GPU defaults to tree 5,4,16,
+# i.e. "--spec-steps 5 --spec-topk 4 --spec-draft-tokens 16"; "--spec-steps 5": chain 5).
 # ALT=DIR: a third server, speculating like the first but run from another eaglet package in DIR (e.g. a
 # branch's eaglet/*.py, git-ignored and carried), beside it in every round: an A/B of two versions.
 # With $OUT set (the GPU machine) the records come back as one tar, $OUT/serve-records.tar.
@@ -66,7 +66,7 @@ done
 bs() { python3 -m eaglet bench-serve --url http://127.0.0.1:${PORT[$1]} --prompts /tmp/sharegpt.json --max-tokens 128 \
          --ignore-eos --max-prompt-chars 600 --seed 0 --no-progress "${@:2}"; }
 for c in ${CONC:-1 4 16 64}; do
-  n=$(( c * ${PER_STREAM:-16} > 32 ? c * ${PER_STREAM:-16} : 32 ))  # requests a run: 16 a stream (8 before 2026-12-01)
+  n=$(( c * ${PER_STREAM:-16} > 32 ? c * ${PER_STREAM:-16} : 32 ))  # requests a run: 16 a stream, at least 32
   for spec in $servers; do bs $spec --num-requests $n --concurrency $c > /dev/null; done
   for round in $(seq ${ROUNDS:-3}); do
     for spec in $servers; do

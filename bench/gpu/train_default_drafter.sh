@@ -12,9 +12,9 @@
 #   bash bench/gpu/train_default_drafter.sh finetune  # --init-from the bundled drafter, then eval, fetch
 # A sixth, over every turn (55.7k prompts), each phase resumable across back-to-back calls:
 #   TEMPS="0 0.8" bash bench/gpu/train_default_drafter.sh all  # greedy replies, then sampled at T 0.8:
-#       one 10-minute call (2026-11-30) wrote all 28 greedy shards and 15 of the 28 sampled ones
+#       one 10-minute call writes all 28 greedy shards and about 15 of the 28 sampled ones
 #   bash bench/gpu/train_default_drafter.sh alltrain  # one epoch over every /tmp/all-t* (~6 min), then eval, fetch
-# Stages 7-9 (2026-11-30, on the 2-GPU machine; the bundled drafter is stage 9's export) train on
+# Stages 7-9 (on the 2-GPU machine; in the bundled lineage) train on
 # data stage 6 never saw: user turns the target writes itself (`eaglet data --self-prompts`, Magpie)
 # and the 13 sampled shards stage 6 lacked, written on both GPUs at once:
 #   CUDA_VISIBLE_DEVICES=0 bash bench/gpu/train_default_drafter.sh self &  # 30720 turns + greedy replies
@@ -26,21 +26,21 @@
 # each followed by `SETS=mtbench ... eval` and `SETS=humaneval ... eval` (one per GPU), `fetch`.
 #   bash bench/gpu/train_default_drafter.sh profile  # a training step's kernels, phase by phase
 #   START=30 bash bench/gpu/train_default_drafter.sh self2  # 30 more self-written shards, both GPUs
-# Data outlives the machine (2026-11-30, ninth session): `pack` returns the /tmp/all-t* shards
+# Data outlives the machine: `pack` returns the /tmp/all-t* shards
 # through $OUT as xz parts; here they are joined into .gpudata/, staged with the model next time
 # (../shared/tools/stage-files --smollm2 .gpudata/sharegpt_user_turns.json.gz .gpudata/data-*.tar.xz)
-# and `unpack` puts them back in /tmp, so a session trains instead of writing the same data again:
+# and `unpack` puts them back in /tmp, so a call trains instead of writing the same data again:
 #   DIRS="all-tself30 all-tself45" NAME=self30-59 bash bench/gpu/train_default_drafter.sh pack
 #   cat /work/.device/.../data/*.part-* > .gpudata/data-self30-59.tar.xz  # here
 #   bash bench/gpu/train_default_drafter.sh unpack   # there, after staging
-# Stages 10-12 (2026-11-30, ninth session; the bundled drafter is stage 12's export), on 61,440 new
+# Stages 10-12 (in the bundled lineage), on 61,440 new
 # self-written turns (shards 30-59, kept as .gpudata/data-self30-59.tar.xz), from stage 9:
 #   (CUDA_VISIBLE_DEVICES=1 FIRST_SHARD=45 SELF_PROMPTS=122880 BATCH=2048 bash ... self) &
 #   (CUDA_VISIBLE_DEVICES=0 FIRST_SHARD=30 SELF_PROMPTS=92160 BATCH=2048 bash ... self) & wait  # ~5 min
 #   K=10 EPOCHS=2 NPROC=2 bash bench/gpu/train_default_drafter.sh alltrain
 #   K=11 INIT=/tmp/train10/drafter EPOCHS=2 NPROC=2 bash bench/gpu/train_default_drafter.sh alltrain
 #   CUDA_VISIBLE_DEVICES=1 K=12 INIT=/tmp/train11/drafter EPOCHS=1 bash bench/gpu/train_default_drafter.sh alltrain
-# Stages 14-16 (2026-11-30, thirteenth session; the bundled drafter is stage 16's export), on 61,440
+# Stages 14-16 (in the bundled lineage), on 61,440
 # new self-written turns (shards 60-89, kept as .gpudata/data-self60-89.tar.xz), from stage 12:
 #   (CUDA_VISIBLE_DEVICES=0 FIRST_SHARD=60 SELF_PROMPTS=153600 BATCH=2048 bash ... self) &
 #   (CUDA_VISIBLE_DEVICES=1 FIRST_SHARD=75 SELF_PROMPTS=184320 BATCH=2048 bash ... self) & wait  # ~5 min
@@ -48,10 +48,10 @@
 #   CUDA_VISIBLE_DEVICES=1 K=15 EPOCHS=1 bash ... alltrain & wait    # the target's distribution
 #   K=16 INIT=/tmp/train15/drafter EPOCHS=2 NPROC=2 bash bench/gpu/train_default_drafter.sh alltrain
 # each followed by eval-draft of /tmp/trainK/drafter on mtbench and humaneval (as `eval` runs it).
-# Stage 17 (2026-11-30, fourteenth session; not bundled: +0.016 / +0.020 τ), after `unpack` of shards 60-89:
+# Stage 17 (not bundled: +0.016 / +0.020 τ), after `unpack` of shards 60-89:
 #   CUDA_VISIBLE_DEVICES=1 FIRST_SHARD=90 SELF_PROMPTS=215040 BATCH=2048 bash ... self  # kept as data-self90-104
 #   K=17 EPOCHS=1 NPROC=2 bash bench/gpu/train_default_drafter.sh alltrain   # from stage 16, shards 60-104
-# Stages 18-20 (2026-12-01, twenty-second session, one H200; the bundled drafter is stage 20's export):
+# Stages 18-20 (one H200; in the bundled lineage):
 # self-written turns that start with the built-in task openings (`eaglet data --prompt-openers tasks`),
 # shards 105-134 (kept as .gpudata/data-open105-119.tar.xz and data-open120-134.tar.xz), from stage 16:
 #   FIRST_SHARD=105 SELF_PROMPTS=245760 BATCH=2048 OPENERS=tasks bash ... self      # 3 min 45 s
@@ -60,18 +60,18 @@
 #   cp -r /tmp/train18/drafter /tmp/drafter18
 #   K=19 INIT=/tmp/drafter18 EPOCHS=1 DATA="/tmp/all-topenself105 /tmp/all-topenself120" bash ... alltrain; bash ... eval
 #   K=20 INIT=/tmp/train19/drafter EPOCHS=1 DATA="/tmp/all-topenself105 /tmp/all-topenself120" bash ... alltrain; bash ... eval
-# Stages 21-22 (2026-12-01, twenty-third session, one H200; the bundled drafter is stage 22's export): 61,440 new
+# Stages 21-22 (one H200; in the bundled lineage): 61,440 new
 # turns that start with the built-in openings and 66 more (bench/gpu/openers-more.txt), shards 135-164 (kept as
 # .gpudata/data-open135-164.tar.xz), from stage 20:
 #   FIRST_SHARD=135 SELF_PROMPTS=337920 BATCH=2048 OPENERS="tasks bench/gpu/openers-more.txt" DATA_SECONDS=520 bash ... self  # 8 min 40 s
 #   K=21 EPOCHS=2 DATA=/tmp/all-topenself135 bash ... alltrain; bash ... eval
 #   K=22 INIT=/tmp/train21/drafter EPOCHS=1 DATA=/tmp/all-topenself135 bash ... alltrain; bash ... eval
-# Stage 23 (2026-12-01, twenty-fourth session, one H200; the bundled drafter is stage 23's export): 122,880 new
+# Stage 23 (one H200; in the bundled lineage): 122,880 new
 # turns with the same openings, shards 165-224 (kept as .gpudata/data-open165-224.tar.xz), from stage 22:
 #   FIRST_SHARD=165 SELF_PROMPTS=460800 BATCH=2048 OPENERS="tasks bench/gpu/openers-more.txt" DATA_SECONDS=555 bash ... self  # 6 min 31 s
 #   K=23 EPOCHS=2 DATA=/tmp/all-topenself165 TRAIN_SECONDS=525 bash ... alltrain  # twice: 525 s, then the last 188 s
 #   bash ... fetch; bash ... eval
-# Stages 24-26 (2026-12-01, twenty-fifth session, one H200; the bundled drafter is stage 25's export), from stage 23:
+# Stages 24-26 (one H200; in the bundled lineage), from stage 23:
 #   bash ... unpack   # shards 165-224, staged from .gpudata/data-open165-224.tar.xz
 #   FIRST_SHARD=225 SELF_PROMPTS=583680 ... DATA_SECONDS=540 bash ... self &      # beside training: ran out of
 #   K=24 EPOCHS=1 DATA=/tmp/all-topenself165 TRAIN_SECONDS=500 bash ... alltrain   # GPU memory after 2 shards
@@ -79,14 +79,14 @@
 #   (DRAFT=/tmp/train24/drafter bash ... eval, beside it); kept as .gpudata/data-open225-254.tar.xz
 #   K=25 INIT=/tmp/train24/drafter EPOCHS=2 DATA=/tmp/all-topenself225 TRAIN_SECONDS=420 bash ... alltrain; fetch; eval
 #   K=26 INIT=/tmp/train25/drafter EPOCHS=1 DATA=/tmp/all-topenself225 bash ... alltrain; SETS=mtbench ... eval  # not kept
-# Stage 27 (2026-12-01, twenty-sixth session, one H200; the bundled drafter is stage 27's export), from stage 25,
+# Stage 27 (one H200; in the bundled lineage), from stage 25,
 # 102,400 new turns, shards 255-304 (kept as .gpudata/data-open255-304.tar.xz), batches from 4096-row length windows:
 #   FIRST_SHARD=255 SELF_PROMPTS=675840 BATCH=2048 OPENERS="tasks bench/gpu/openers-more.txt" DATA_SECONDS=330 bash ... self
 #   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True   # the trainer holds ~29 GiB instead of 100-124
 #   K=127 EPOCHS=2 DATA=/tmp/all-topenself255 TRAIN_SECONDS=75 bash ... alltrain   # window 256: a 75 s control, not kept
 #   K=27 EPOCHS=2 WINDOW=4096 BATCH_TOKENS=20480 DATA=/tmp/all-topenself255 TRAIN_SECONDS=75 bash ... alltrain
 #   (the same again with TRAIN_SECONDS=320, then 300: three calls); bash ... fetch; bash ... eval
-# Stages 28-29 (2026-12-02, twenty-seventh session, one H200; the bundled drafter is stage 29's export), from
+# Stages 28-29 (one H200; in the bundled lineage), from
 # stage 27, with 40 more openings aimed at STEM and writing:
 #   O="tasks bench/gpu/openers-more.txt bench/gpu/openers-stem.txt"
 #   FIRST_SHARD=305 SELF_PROMPTS=$((355*2048)) BATCH=2048 OPENERS="$O" DATA_SECONDS=330 bash ... self  # 305-343
@@ -98,7 +98,7 @@
 #   DIRS=all-topenself344 NAME=open344 bash ... pack   # kept as .gpudata/data-open344.tar.xz
 #   K=29 INIT=/tmp/train28/drafter EPOCHS=0.75 WINDOW=4096 BATCH_TOKENS=20480 DATA=/tmp/all-topenself344 \
 #     TRAIN_SECONDS=320 bash ... alltrain; bash ... fetch   # evaluated on the CPU
-# Stages 30-32 (2026-12-02, twenty-eighth session, one H200; the bundled drafter is stage 32's export), from
+# Stages 30-32 (one H200; in the bundled lineage), from
 # stage 29: its draft vocabulary re-chosen from shards 344-399 (18,432 ids) against the same training without:
 #   ../shared/tools/stage-files --smollm2 .gpudata/data-open344.tar.xz; (11 calls) bash ... unpack
 #   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True OMP_NUM_THREADS=4
@@ -111,7 +111,7 @@
 #   DIRS=all-topenself400 NAME=open400 bash ... pack   # kept as .gpudata/data-open400.tar.xz
 #   K=32 INIT=/tmp/train30/drafter EPOCHS=0.5 WINDOW=4096 BATCH_TOKENS=20480 DATA=/tmp/all-topenself400 \
 #     TRAIN_SECONDS=135 SEED=31 bash ... alltrain; DRAFT=/tmp/train32/drafter NAME=32 bash ... fetch   # CPU eval
-# Stages 33-36 (2026-12-02, twenty-ninth session, one H200; none kept, the bundled drafter stays stage 32): four
+# Stages 33-36 (one H200; none kept): four
 # fine-tunings of stage 32 side by side on 91,567 new turns (shards 440-492, kept as .gpudata/data-open440.tar.xz),
 # the TTT steps' loss weights (DECAY) against the learning rate (LR), a 2 x 2:
 #   ../shared/tools/stage-files --smollm2   # 11 calls, the last with .whl
@@ -124,7 +124,7 @@
 #     env $C K=$k "$@" OUT=$OUT/o$k bash ... alltrain > $OUT/train$k.log 2>&1 & done; wait
 #   DIRS=all-topenself440 NAME=open440 bash ... pack
 #   DRAFTS="/tmp/train33/drafter /tmp/train34/drafter /tmp/train35/drafter /tmp/train36/drafter" bash ... pick
-# Stages 37-41 (2026-12-02, thirtieth session, one H200; the bundled drafter is stage 37's export): HumanEval-style
+# Stages 37-41 (one H200; in the bundled lineage): HumanEval-style
 # code prompts (here: .venv/bin/python bench/code_prompts.py .gpudata/code_prompts.json.gz, 39,592 public functions'
 # headers and docstrings from the standard library and site-packages), their greedy replies, three mixes from stage 32:
 #   ../shared/tools/stage-files --smollm2 .gpudata/code_prompts.json.gz .gpudata/data-open440.tar.xz  # 14 calls
@@ -144,7 +144,7 @@
 #   env $C K=40 SEED=40 EPOCHS=0.12 DATA="/tmp/all-t0 /tmp/all-tcode /tmp/all-topenself440" OUT=$OUT/o40 bash ... alltrain &
 #   env $C K=41 SEED=41 EPOCHS=0.25 DATA="/tmp/all-t0 /tmp/all-tcode" OUT=$OUT/o41 bash ... alltrain &
 #   wait; DRAFTS="/tmp/train40/drafter /tmp/train41/drafter" bash ... pick
-# Stages 42-47 (2026-12-02, thirty-first session, one H200; none kept, the bundled drafter stays stage 37): stage 37
+# Stages 42-47 (one H200; none kept): stage 37
 # drafting through the target's output layer (SHARED=1: the trainer turns it onto it, eagle3_outmap, as bench/cpu/turn_drafter.py does; then
 # trained), at its own MLP width and at 7,680, against the same training without (44), on 37's data:
 #   ../shared/tools/stage-files --smollm2 .gpudata/data-code.tar.xz .gpudata/data-open440.tar.xz  # 15 calls
@@ -160,7 +160,7 @@
 #   wait; DRAFTS="/tmp/train45/drafter /tmp/train46/drafter" bash ... pick
 #   WINDOW=4096 BATCH_TOKENS=8192 TRAIN_SECONDS=230 EPOCHS=0.22 SHARED=1 MEM_CAP=80 K=47 SEED=47 \
 #     INIT=/tmp/train46/drafter DATA="$D" bash ... alltrain; DRAFTS="/tmp/train46/drafter /tmp/train47/drafter" bash ... pick
-# Stages 48-52 (2026-12-02, thirty-second session, one H200; none kept): stage 37 with a wider attention (HEADS/KV_HEADS,
+# Stages 48-52 (one H200; none kept): stage 37 with a wider attention (HEADS/KV_HEADS,
 # Eagle3Head.widen_attention) or attention and MLP both, and with sharper soft labels (TEMP), on 37's data as stage 44:
 #   ../shared/tools/stage-files --smollm2 .gpudata/data-code.tar.xz .gpudata/data-open440.tar.xz  # 15 calls
 #   bash ... unpack; C="WINDOW=4096 BATCH_TOKENS=8192 TRAIN_SECONDS=460 LR=1.5e-4 EPOCHS=0.25"
@@ -173,7 +173,7 @@
 #   env $C K=51 SEED=51 TEMP=0.5 MEM_CAP=60 DATA="$D" OUT=$OUT/a bash ... alltrain &
 #   env $C K=52 SEED=52 TEMP=0.25 MEM_CAP=60 DATA="$D" OUT=$OUT/b bash ... alltrain &
 #   wait; DRAFTS="/tmp/train51/drafter /tmp/train52/drafter" bash ... pick
-# Stages 53-56 (2026-12-02, thirty-third session, one H200; none kept): a second decoder layer (LAYERS=2, vLLM's
+# Stages 53-56 (one H200; none kept): a second decoder layer (LAYERS=2, vLLM's
 # layout; Eagle3Head.deepen) against the same head kept at one layer, the same seed and new turns, two rounds:
 #   ../shared/tools/stage-files --smollm2   # 12 calls, the last with .whl, then beside the data: bash ... deepcheck
 #   O="tasks bench/gpu/openers-more.txt bench/gpu/openers-stem.txt"
@@ -204,7 +204,7 @@ PY
 fi
 source "$(dirname "$0")/setup.sh"
 set +e
-# The four training stages of the bundled drafter (2026-11-29): each a fresh warmup + cosine schedule
+# The four training stages of the bundled drafter: each a fresh warmup + cosine schedule
 # starting from the previous stage's export (warm restarts), over the same data, ~2.5 min each at
 # ~58k assistant tokens/s: epochs lr seed
 STAGES=("1.5 5e-4 0" "1.5 3e-4 1" "1 2e-4 2" "1 1.5e-4 3")
@@ -213,7 +213,6 @@ case $phase in
     # The GPU machine cannot receive the 125 MB ShareGPT package: `prepare` keeps its conversations'
     # user turns (what `eaglet data` uses), ids kept, so the held-out split is the same; they travel
     # staged with the model: ../shared/tools/stage-files --smollm2 .gpudata/sharegpt_user_turns.json.gz
-    # (The first drafter, committed 2026-11-29 morning, used TURNS=first, float32, --batch 384.)
     turns=/tmp/stage/sharegpt_user_turns.json.gz; [ -f $turns ] || turns=.gpudata/sharegpt_user_turns.json.gz
     [ -f /tmp/sharegpt.json ] || gunzip -c $turns > /tmp/sharegpt.json
     # The bundled drafter's data: the first 19 shards (38,912 prompts) of 28, what its 7-minute call made.
@@ -317,7 +316,7 @@ case $phase in
     # round's shards beside it (FIRST_SHARD, SELF_PROMPTS, BATCH, OPENERS, DATA_SECONDS), each under a
     # memory cap (TRAIN_CAP, default 48 GiB: the trainer peaked at 28.5 with expandable segments;
     # DATA_CAP, default 88: regeneration at BATCH=2048 peaked at 41.4 allocated / 43.0 reserved, and
-    # 40 ran out at its first batch, 2026-12-02); logs in $OUT.
+    # 40 runs out at its first batch); logs in $OUT.
     : "${K:?round needs K=stage}" "${FIRST_SHARD:?round needs FIRST_SHARD=}"; mkdir -p ${OUT:-/tmp}
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True MEM_CAP=${TRAIN_CAP:-48} bash "$0" alltrain \
       > ${OUT:-/tmp}/train$K.log 2>&1 &
@@ -333,7 +332,7 @@ case $phase in
     done ;;
   pick)  # DRAFTS="DIR DIR ...": chain-5 τ of each export on both sets, evaluated side by side; the one
     # with the higher mean of the two goes to /tmp/winner (records in $OUT/records/pickN)
-    # (leave OUT the call's own: 2026-12-02, OUT=$OUT/pk put them a folder deeper than a call returns)
+    # (leave OUT the call's own: OUT=$OUT/pk puts them a folder deeper than a call returns)
     i=0; for d in ${DRAFTS:?name the exports}; do i=$((i + 1))
       (for set in mtbench humaneval; do python3 -m eaglet eval-draft --model $GGUF --dtype float32 --draft $d \
          --prompts $set --max-new-tokens 256 --batch 200 --settings chain:5 --out ${OUT:-/tmp}/records/pick$i; done) &

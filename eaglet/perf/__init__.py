@@ -1,1 +1,1 @@
-"""Measurement: environment records, benchmarks (and later the cost model and planner)."""
+"""Measurement: environment records, benchmarks, the cost model and the planner."""

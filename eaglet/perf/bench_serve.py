@@ -251,8 +251,8 @@ async def run_load(base: str, payloads: list[dict], chat: bool, concurrency: int
     sem = asyncio.Semaphore(concurrency) if concurrency else None
     rng = random.Random(seed)
     bar = tqdm(total=len(payloads), disable=not progress, desc="requests", unit="req")
-    # aiohttp, not httpx: with httpx's per-chunk pool and h11 work the client, not the server, was what
-    # a 64-stream run measured on the H200 (BENCHMARKS.md)
+    # aiohttp, not httpx: with httpx's per-chunk pool and h11 work the client, not the server, is what
+    # a 64-stream run measures on the H200 (docs/notebook.md)
     connector = aiohttp.TCPConnector(limit=concurrency or 0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
         async def one(p):

@@ -189,7 +189,7 @@ def build_app(generator: Generator, model_name: str, max_batch: int = 8, max_que
                                   choices=[TextChoice(text=text or "", finish_reason=finish)])
 
         # a text chunk's JSON is rendered once with a marker and each event splices its text in:
-        # pydantic per chunk was a visible share of the event loop's time at 64 streams
+        # pydantic per chunk is a visible share of the event loop's time at 64 streams
         head, tail = sse(chunk("\0")).split('"\\u0000"')
         if chat:
             yield sse(chunk("", role=True))

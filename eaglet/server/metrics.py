@@ -22,9 +22,9 @@ its device reads from these (`eaglet bench-serve` prints them).
 
 Garbage collection: `gc_pause_seconds{generation}` is the time the process spent in Python's cyclic
 garbage collector, which stops every thread (the engine's and the event loop's). The server freezes
-what it holds after warm-up (app.py), so a full collection no longer walks the model's, the
-tokenizer's and the libraries' objects: on a CPU serving probe that took 225-301 ms a collection,
-one in every other 64-stream round (BENCHMARKS.md, twentieth session).
+what it holds after warm-up (app.py), so a full collection does not walk the model's, the
+tokenizer's and the libraries' objects: unfrozen, on a CPU serving probe, that took 225-301 ms a
+collection, one in every other 64-stream round (record gc-pauses-cpu-20261201-075220.json).
 """
 from __future__ import annotations
 

@@ -86,8 +86,8 @@ class SpecPolicy:
     def reach(self, setting: str, slots: int) -> int:
         """The largest batch (of at most `slots` requests) the policy chooses `setting` for: how far a
         batch that speculates with it may grow (the engine warms its graphs that far; past it, the
-        batch turns plain: running a setting at a size the policy chose another for was measured to
-        lose, BENCHMARKS.md, nineteenth session)."""
+        batch turns plain: running a setting at a size the policy chose another for loses to
+        `--spec none`, docs/notebook.md, "a growing batch's setting")."""
         key = (setting, slots)
         if key not in self._reach:
             self._reach[key] = max((n for n in range(1, slots + 1) if self.choose(n) == setting), default=0)

@@ -1,5 +1,5 @@
 """Speculation metrics, named like vLLM's: drafts (verify steps), draft tokens, accepted tokens,
-accepted tokens per draft position; accept length τ counts the bonus token (reference/eagle3.md)."""
+accepted tokens per draft position; accept length τ counts the bonus token (docs/eagle3.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

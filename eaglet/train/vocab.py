@@ -8,7 +8,7 @@ import torch
 def token_counts(rows: list[dict], vocab_size: int) -> torch.Tensor:
     """(vocab_size,) how often each target id is an assistant token of the rows."""
     ids = torch.tensor([t for r in rows for t in r["input_ids"][r["prompt_len"]:]], dtype=torch.long)
-    return torch.bincount(ids, minlength=vocab_size)[:vocab_size]  # one bincount, not one per row (BENCHMARKS, stages 30-32)
+    return torch.bincount(ids, minlength=vocab_size)[:vocab_size]  # one bincount, not one per row (per-row counts were slow)
 
 
 def most_frequent(counts: torch.Tensor, size: int) -> torch.Tensor:
