@@ -10,6 +10,10 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not torch.cuda.is_available():  # Triton kernels run in its interpreter (before triton is imported)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Under pytest-xdist (`make test` runs `-n 2`) the workers share the cores: each takes its share of
+# threads, as more than one thread per core only makes them wait on each other.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -58,6 +62,22 @@ def tiny_dirs(tmp_path_factory):
         m.save_pretrained(d, safe_serialization=True)
         out[fam] = (d, m)
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real default model (SmolLM2-135M-Instruct, float32 on the CPU), loaded once per worker.
+    Its GGUF is converted once into the user's cache (eaglet.weights.gguf_cache, atomic by rename);
+    a file lock there makes a second xdist worker wait for the first's conversion and reuse it
+    instead of converting the same file again beside it."""
+    from filelock import FileLock
+
+    from eaglet import load_model
+    from eaglet.weights.gguf_cache import cache_root
+
+    cache_root().mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cache_root() / "smollm2-tests.lock")):
+        return load_model(None, dtype="float32", device="cpu")
 
 
 # A tiny BPE tokenizer trained in-process (offline, ~10 ms): exactly 128 tokens, matching the tiny

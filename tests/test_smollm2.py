@@ -3,18 +3,13 @@ generation must equal transformers' own GGUF loading of the same file, token for
 import pytest
 import torch
 
-from eaglet import GenerationConfig, Generator, load_model
+from eaglet import GenerationConfig, Generator
 from eaglet.default_model import default_model_path
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["What is the capital of France?", "Write a short poem about autumn leaves.",
            "Explain in two sentences why the sky is blue."]
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_model(None, dtype="float32", device="cpu")
 
 
 def hf_greedy(ref, ids: list[int], n: int) -> list[int]:

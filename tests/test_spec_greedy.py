@@ -246,9 +246,9 @@ SMOL_SPECS = {"ngram-chain": SpecConfig("ngram", steps=4),
 
 
 @pytest.fixture(scope="module")
-def smol():
+def smol(smollm2):
     """(model, chat prompts, plain greedy of them in one batch of 20, a random EAGLE-3 head)."""
-    lm = load_model(None, dtype="float32", device="cpu")
+    lm = smollm2
     prompts = [lm.tokenizer.apply_chat([{"role": "user", "content": c}]) for c in CHAT]
     ref = [c.tokens for c in Generator(lm.model, None).generate(prompts, GREEDY)]
     vocab = torch.randperm(lm.config.vocab_size, generator=torch.Generator().manual_seed(0))[:8192].sort().values
