@@ -9,8 +9,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 PROMPT ?= Explain in three sentences why the sky is blue.
-# extra pytest arguments (pytest-xdist is installed: `make test PYTEST_ARGS="-n 2"`)
-PYTEST_ARGS ?=
+# two pytest-xdist workers (the suite's wall time on 2 cores; tests/conftest.py says what they
+# share); worksteal: a worker that runs out takes tests queued for the other
+PYTEST_ARGS ?= -n 2 --dist worksteal
 
 .PHONY: demo test install clean
 
