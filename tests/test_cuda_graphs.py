@@ -53,7 +53,7 @@ def test_graphed_equals_eager(smollm2, name):
         batch = [c.tokens for c in gen.generate(prompts, GEN)]
         out[mode] = (single, batch)
         if graphs:  # the graphed run really replayed graphs
-            assert gen._dec[3].graphs.captured > 0
+            assert gen.decoder_in_use().graphs.captured > 0
     equal = [sum(a == b for a, b in zip(out["graphed"][i], out["eager"][i])) for i in (0, 1)]
     RESULTS[name] = {"new_tokens": GEN.max_new_tokens, "batch1_equal": f"{equal[0]}/5",
                      "batch20_equal": f"{equal[1]}/{len(prompts)}"}
@@ -79,5 +79,5 @@ def test_seeded_sampling_graphed_equals_eager(tiny_dirs, spec):
         gen = Generator(target, None, sp, graphs=graphs)
         out[graphs] = [c.tokens for c in gen.generate(prompts, cfg)]
         if graphs:
-            assert gen._dec[3].graphs.captured > 0
+            assert gen.decoder_in_use().graphs.captured > 0
     assert out[True] == out[False]

@@ -1,5 +1,6 @@
-"""The functions runtime/compile.py compiles on the GPU (`@fusable`) trace whole (fullgraph, dynamic
-shapes) and compute what they compute as written: checked here with the CPU backend."""
+"""The functions a model's kernels compile on the GPU (`@fusable`, eaglet/kernels.py) trace whole
+(fullgraph, dynamic shapes) and compute what they compute as written: checked here with the CPU
+backend. A configuration runs them compiled exactly when it compiles."""
 import pytest
 import torch
 
@@ -8,9 +9,19 @@ from eaglet.spec.loop import settle
 from eaglet.spec.verify import greedy_accept
 
 
+def test_kernels_fuse_only_where_they_compile():
+    from eaglet.kernels import EAGER, Kernels, compiled as shared
+
+    assert EAGER.fuse(attention_mask) is attention_mask
+    assert Kernels(compile=True).fuse(attention_mask) is shared(attention_mask)  # one compile, shared
+    assert Kernels.choose("cpu") == EAGER and Kernels.choose("cpu", disable=("gemv",)) == EAGER
+    with pytest.raises(ValueError, match="unknown kernel 'gemm'"):
+        Kernels.choose("cpu", disable=("gemm",))
+
+
 def compiled(fn):
     torch._dynamo.reset()
-    return torch.compile(fn.__wrapped__, dynamic=True, fullgraph=True)
+    return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
 def test_attention_mask_compiled_equals_eager():
@@ -21,13 +32,13 @@ def test_attention_mask_compiled_equals_eager():
         positions = lens[:, None] + pending + torch.arange(t)
         trees = [None] if window else [None, torch.rand(bsz, t, pending + t, generator=g) < 0.5]
         for tree in trees:
-            want = attention_mask.__wrapped__(lens, positions, kv_len, tree, pending, window)
+            want = attention_mask(lens, positions, kv_len, tree, pending, window)
             got = fn(lens, positions, kv_len, tree, pending, window)
             assert all(torch.equal(a, b) for a, b in zip(got, want))
     mask = torch.rand(2, 1, 3, 16, generator=g) < 0.5
     for groups in (1, 3):
         assert torch.equal(compiled(additive_bias)(mask, groups, torch.float32),
-                           additive_bias.__wrapped__(mask, groups, torch.float32))
+                           additive_bias(mask, groups, torch.float32))
 
 
 @pytest.mark.parametrize("n,depth", [(6, 5), (8, 3)])
@@ -46,7 +57,7 @@ def test_greedy_accept_compiled_equals_eager(n, depth):
             for i in range(1, n):
                 if torch.rand(1, generator=g) < 0.7:
                     target[b, parents[b, i]] = tokens[b, i]
-        want = greedy_accept.__wrapped__(tokens, parents, valid, target, depth)
+        want = greedy_accept(tokens, parents, valid, target, depth)
         got = fn(tokens, parents, valid, target, depth)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
         assert want[1].max() > 1  # some row accepted a draft
@@ -67,7 +78,7 @@ def test_settle_compiled_equals_eager_in_place_updates_included():
     valid[:, 0] = True
     depth = torch.randint(0, d1, (bsz, n), generator=g)
     state = {}
-    for name, f in (("eager", settle.__wrapped__), ("compiled", fn)):
+    for name, f in (("eager", settle), ("compiled", fn)):
         limit, lens, roots = torch.tensor([9, 1, 0, 5]), torch.tensor([10, 20, 30, 40]), torch.zeros(4, dtype=torch.long)
         out = f(path, count, tokens, limit[:bsz], lens[:bsz], roots[:bsz], valid, depth)
         state[name] = (out, limit, lens, roots)
@@ -81,7 +92,7 @@ def test_settle_compiled_equals_eager_in_place_updates_included():
 
 
 def test_rope_module_compiled_equals_eager():
-    """RoPE as compile_kernels compiles it on the GPU (dynamic shapes, one graph): at one token its
+    """RoPE as compile_elementwise compiles it on the GPU (dynamic shapes, one graph): at one token its
     q and kv are views of one buffer; at several, the grouped relayout. Both as written."""
     from eaglet.models.llama import RoPE
 
@@ -123,7 +134,7 @@ def test_ancestor_mask_compiled_equals_eager():
     for bsz, n, max_depth in [(2, 8, None), (3, 12, 6), (1, 5, 4)]:
         parents = torch.cat([torch.full((bsz, 1), -1), torch.stack([torch.randint(0, i, (bsz,), generator=g)
                                                                     for i in range(1, n)], 1)], 1)
-        want = ancestor_mask.__wrapped__(parents, max_depth)
+        want = ancestor_mask(parents, max_depth)
         got = fn(parents, max_depth)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
         assert want[1].max() > 1  # some node deeper than the root's children
@@ -146,7 +157,7 @@ def test_tree_level_bookkeeping_compiled_equals_eager():
         for d in range(1, 5):
             p = (d - 1) * k
             if d > 1:
-                want = level_mask.__wrapped__(anc, par_fed)
+                want = level_mask(anc, par_fed)
                 got = fns[level_mask](anc, par_fed)
                 assert all(torch.equal(x, y) for x, y in zip(got, want))
                 assert want[0].shape == (b, k, p + k) and want[1].shape == (b, p + k, p + k)
@@ -155,7 +166,7 @@ def test_tree_level_bookkeeping_compiled_equals_eager():
             best = torch.stack([torch.randperm(k * k, generator=g)[:k] for _ in range(b)])
             for state in (None, torch.randn(b, k, 4, generator=g)):
                 args = (best, child_ids, state, k + (d - 1) * k * k, p)
-                want, got = next_frontier.__wrapped__(*args), fns[next_frontier](*args)
+                want, got = next_frontier(*args), fns[next_frontier](*args)
                 assert all(x is None and y is None or torch.equal(x, y) for x, y in zip(got, want))
             toks.append(child_ids.flatten(1))
             scores.append(-torch.rand(b, k * k, generator=g) * d)
@@ -163,7 +174,7 @@ def test_tree_level_bookkeeping_compiled_equals_eager():
             _, front, par_fed, _ = want
     c_tok = [torch.randint(0, 50, (b, k), generator=g)] + toks
     c_score = [-torch.rand(b, k, generator=g)] + scores
-    want = candidates.__wrapped__(c_tok, c_score, fronts)
+    want = candidates(c_tok, c_score, fronts)
     got = compiled(candidates)(c_tok, c_score, fronts)
     assert all(torch.equal(x, y) for x, y in zip(got, want))
     assert want[0].shape == want[1].shape == want[2].shape == (b, k + 4 * k * k)
@@ -184,7 +195,7 @@ def test_eagle3_midlayer_input_compiled_equals_eager_and_the_norms():
     with torch.no_grad():
         a.weight.uniform_(0.5, 1.5, generator=g)
         b.weight.uniform_(0.5, 1.5, generator=g)
-    want = midlayer_input.__wrapped__(emb, h, a.weight, b.weight, a.eps, b.eps)
+    want = midlayer_input(emb, h, a.weight, b.weight, a.eps, b.eps)
     got = compiled(midlayer_input)(emb, h, a.weight, b.weight, a.eps, b.eps)
     assert torch.equal(want[0], torch.cat([a(emb), b(h)], -1)) and torch.equal(want[1], b(h))
     torch.testing.assert_close(got[0], want[0])
@@ -201,7 +212,7 @@ def test_ngram_lookup_and_trie_compiled_equal_eager():
         hist = torch.randint(0, 4, (3, 40), generator=g)
         lens = torch.tensor([40, 17, 2])
         got = look(hist, lens, ngram_min, ngram_max, steps, want)
-        want_ = continuations.__wrapped__(hist, lens, ngram_min, ngram_max, steps, want)
+        want_ = continuations(hist, lens, ngram_min, ngram_max, steps, want)
         assert all(torch.equal(a, b) for a, b in zip(got, want_))
         got = merge(*want_, steps + want)
-        assert all(torch.equal(a, b) for a, b in zip(got, trie.__wrapped__(*want_, steps + want)))
+        assert all(torch.equal(a, b) for a, b in zip(got, trie(*want_, steps + want)))

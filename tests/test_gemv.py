@@ -13,16 +13,17 @@ from eaglet.kvcache import KVCache
 from eaglet.models import gemv
 from eaglet.models.linear import linear
 
-from .triton_kernels import greedy_logits, switched_on, triton_device
+from eaglet.kernels import EAGER
+
+from .triton_kernels import GEMV, greedy_logits, triton_device
 
 DEV = triton_device()
-gemv_on = switched_on(gemv)
 
 
 @pytest.mark.parametrize("rows,n,k,bias", [(1, 96, 576, False), (1, 37, 100, True), (1, 33, 9000, True),
                                            (1, 64, 1024, False), (2, 40, 576, True), (6, 64, 256, False),
                                            (16, 33, 100, True), (6, 70, 9000, False), (3, 2100, 40, True)])
-def test_matches_linear(rows, n, k, bias, gemv_on):
+def test_matches_linear(rows, n, k, bias):
     g = torch.Generator().manual_seed(n + k)
     w = (torch.randn(n, k, generator=g) * 0.05).half().to(DEV)
     b = torch.randn(n, generator=g).half().to(DEV) if bias else None
@@ -36,7 +37,7 @@ def test_matches_linear(rows, n, k, bias, gemv_on):
 
 @pytest.mark.parametrize("rows,i,k,bias", [(1, 48, 576, False), (1, 37, 100, True), (2, 48, 576, True),
                                            (6, 70, 9000, False), (16, 33, 100, True)])
-def test_glu_matches_silu_of_gate_times_up(rows, i, k, bias, gemv_on):
+def test_glu_matches_silu_of_gate_times_up(rows, i, k, bias):
     """gate-up and SiLU·mul in one kernel equal F.linear, chunk, silu(gate) * up on the rounded
     products; the up rows are the second half of the weight (and of the bias)."""
     g = torch.Generator().manual_seed(i + k)
@@ -50,7 +51,7 @@ def test_glu_matches_silu_of_gate_times_up(rows, i, k, bias, gemv_on):
     torch.testing.assert_close(y.float(), F.silu(gate) * up, atol=2e-3, rtol=2e-3)
 
 
-def test_tiles(gemv_on):
+def test_tiles():
     assert gemv.tiles(4096, 14336) == (1, 1024, 8)  # Llama-3.1-8B's down projection
     assert gemv.tiles(960, 576) == (2, 1024, 2)  # SmolLM2's q/k/v
     assert gemv.tiles(49152, 576) == (4, 1024, 2)  # its head
@@ -64,33 +65,22 @@ def test_tiles(gemv_on):
     assert gemv.glu_tiles(16, 4096) == (16, 32, 128, 4, 3) and gemv.glu_tiles(6, 576) == (16, 32, 128, 4, 4)
 
 
-def test_linear_routes_single_half_rows_without_grad(gemv_on, monkeypatch):
+def test_linear_routes_single_half_rows_without_grad(monkeypatch):
     calls = []
     monkeypatch.setattr(gemv, "gemv", lambda x, w, b=None: calls.append(x.shape) or F.linear(x, w, b))
     w = torch.randn(8, 16).half().to(DEV)
     with torch.no_grad():
-        linear(torch.randn(1, 1, 16).half().to(DEV), w)
-        linear(torch.randn(1, 16).half().to(DEV), w)
-        linear(torch.randn(1, 3, 16).half().to(DEV), w)  # three rows: a verify step
-        linear(torch.randn(2, 10, 16).half().to(DEV), w)  # 20 rows: more than MAX_ROWS
-        linear(torch.randn(1, 16).to(DEV), w.float())  # float32
-    linear(torch.randn(1, 16).half().to(DEV), w)  # autograd on: training
-    gemv.enable(False)
-    with torch.no_grad():
-        linear(torch.randn(1, 16).half().to(DEV), w)
+        linear(torch.randn(1, 1, 16).half().to(DEV), w, kernels=GEMV)
+        linear(torch.randn(1, 16).half().to(DEV), w, kernels=GEMV)
+        linear(torch.randn(1, 3, 16).half().to(DEV), w, kernels=GEMV)  # three rows: a verify step
+        linear(torch.randn(2, 10, 16).half().to(DEV), w, kernels=GEMV)  # 20 rows: more than MAX_ROWS
+        linear(torch.randn(1, 16).to(DEV), w.float(), kernels=GEMV)  # float32
+        linear(torch.randn(1, 16).half().to(DEV), w)  # a model whose kernels leave it out
+    linear(torch.randn(1, 16).half().to(DEV), w, kernels=GEMV)  # autograd on: training
     assert calls == [(1, 1, 16), (1, 16), (1, 3, 16)]
 
 
-def test_env_turns_it_off(monkeypatch):
-    monkeypatch.setenv("EAGLET_GEMV", "0")
-    gemv.enable()
-    try:
-        assert not gemv.usable(torch.randn(1, 8).half(), torch.randn(4, 8).half(), 1)
-    finally:
-        gemv.enable(False)
-
-
-def test_custom_op_traces(gemv_on):
+def test_custom_op_traces():
     """The op's fake implementation gives the shape torch.compile plans with (the GPU compiles the MLP
     around it)."""
     w = torch.randn(24, 40).half().to(DEV)
@@ -100,21 +90,25 @@ def test_custom_op_traces(gemv_on):
 
 
 @torch.inference_mode()
-def test_model_decoding_matches(tiny_dirs, gemv_on, monkeypatch):
-    """The tiny SmolLM2-shaped model in float16: a 6-token prompt, then 8 one-token steps, through the
-    kernel (every projection and the head of each step; gate-up with SiLU·mul as one) and through
-    F.linear: the same logits."""
+def test_two_models_with_their_own_kernels_in_one_process(tiny_dirs, monkeypatch):
+    """The tiny SmolLM2-shaped model in float16, loaded twice in one process: one running the kernel,
+    one F.linear, used in turn (on, off, on). A 6-token prompt, then 8 one-token steps: each model's
+    choice holds whatever the other did before it (every projection and the head of each step
+    through the kernel, gate-up with SiLU·mul as one, or none), and the logits agree."""
     calls = []
     for name in ("gemv", "glu"):
         monkeypatch.setattr(gemv, name, lambda *a, f=getattr(gemv, name), n=name: calls.append(n) or f(*a))
-    model = load_model(tiny_dirs["smollm2"][0], dtype="float16", device=DEV, tokenizer=False).model
-    c = model.config
+    models = {k: load_model(tiny_dirs["smollm2"][0], dtype="float16", device=DEV, tokenizer=False, kernels=k).model
+              for k in (GEMV, EAGER)}
+    c = models[GEMV].config
     prompt = torch.randint(3, c.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0)).to(DEV)
     runs = []
-    for on in (True, False):
-        gemv.enable(on)
+    for kernels in (GEMV, EAGER, GEMV):
+        model = models[kernels]
+        assert model.kernels == kernels
         runs.append(greedy_logits(model, KVCache.for_model(c, 1, 32, torch.float16, DEV), prompt, 9))
-        assert calls.count("gemv") == (9 * (3 * c.num_layers + 1) if on else 0)
-        assert calls.count("glu") == (9 * c.num_layers if on else 0)
+        assert calls.count("gemv") == (9 * (3 * c.num_layers + 1) if kernels.gemv else 0)
+        assert calls.count("glu") == (9 * c.num_layers if kernels.gemv else 0)
         calls.clear()
     torch.testing.assert_close(runs[0], runs[1], atol=2e-2, rtol=2e-2)
+    assert torch.equal(runs[0], runs[2])

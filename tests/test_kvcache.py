@@ -18,7 +18,7 @@ PATH = [0, 2, 5]  # root -> 2 -> 5
 def keep(cache: KVCache, index: torch.Tensor, count: torch.Tensor) -> None:
     """Commit the tokens at block offsets index[b, :count[b]], as the speculation step does
     (spec/loop.py's settle: the moves from keep_slots, then the new lengths)."""
-    cache.move(*keep_slots(cache.lens, index, count))
+    cache.keep(*keep_slots(cache.lens, index, count))
     cache.lens += count
 
 

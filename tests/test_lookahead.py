@@ -69,7 +69,7 @@ def test_same_tokens_and_stops_as_sync(target, prompts, name, perfect):
     assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
     assert {c.finish_reason for c in want} == {"stop", "length"}  # both ways of stopping are exercised
     assert max(seen) == 2  # steps really were launched ahead of collection
-    dec = ahead._dec[3]
+    dec = ahead.decoder_in_use()
     host = dec.cache.host_lens.copy()
     dec.cache.sync_host()
     assert host.tolist() == dec.cache.host_lens.tolist()  # the host mirror kept up with the device
@@ -156,7 +156,8 @@ def test_steps_cover_only_rows_in_use(target, prompts, name, monkeypatch):
     while not seq.finish_reason:
         b.step()
     assert set(sizes) == {1}
-    assert b.dec.prefix(1).batch == 1 and b.dec.prefix(1).cache.k.data_ptr() == b.dec.cache.k.data_ptr()
+    view = b.dec.prefix(1).slots
+    assert view.batch == 1 and view.cache.k.data_ptr() == b.dec.cache.k.data_ptr()
     assert seq.log == want
 
 
@@ -164,7 +165,8 @@ def test_steps_cover_only_rows_in_use(target, prompts, name, monkeypatch):
 def test_batcher_turns_plain_mid_sequence(target, prompts, lookahead, monkeypatch):
     """A speculating batch turns plain after 3 steps (a step in flight with lookahead), then takes
     in a new request: every request gets exactly its greedy tokens, the first one's drafts stop
-    at the switch, and after the batch ends its decoder speculates again."""
+    at the switch, and after the batch ends its decoder speculates again (the same step, whose row
+    views and their graphs are kept)."""
     monkeypatch.setattr(batcher_mod, "Sequence", Logged)
     alone = Generator(target, None, lookahead=False)
     want = [alone.generate([p], GenerationConfig(max_new_tokens=20, ignore_eos=True))[0].tokens for p in prompts[:3]]
@@ -183,24 +185,26 @@ def test_batcher_turns_plain_mid_sequence(target, prompts, lookahead, monkeypatc
     for _ in range(3):
         take(b.step())
     assert len(b.dec.in_flight) == (1 if lookahead else 0)
+    spec = b.dec.current
     view = b.dec.prefix(2)  # the row view the speculative steps ran on
-    drafts = b.dec.metrics[0].drafts
+    drafts = spec.metrics[0].drafts
     take(b.to_plain())
-    assert not b.dec.in_flight and b.dec.metrics[0].drafts == drafts + (1 if lookahead else 0)
+    assert not b.dec.in_flight and spec.metrics[0].drafts == drafts + (1 if lookahead else 0)
+    assert b.dec.current is b.dec.plain
     take(b.add(reqs[2:]))
     while b.running:
         take(b.step())
     assert [seqs[id(r)].log for r in reqs] == want
-    assert b.dec.metrics[0].drafts == drafts + (1 if lookahead else 0)  # no drafting after the switch
-    assert b.dec.metrics[2].drafts == 0
-    again = Batcher(gen, 3, 64, SamplingParams())  # the same decoder, reset: speculating again
-    assert again.dec is b.dec and not again.dec.plain
+    assert seqs[id(reqs[0])].spec.drafts == drafts + (1 if lookahead else 0)  # no drafting after the switch
+    assert seqs[id(reqs[2])].spec.drafts == 0
+    again = Batcher(gen, 3, 64, SamplingParams())  # the same decoder, every row free: speculating again
+    assert again.dec is b.dec and again.dec.current is spec
     # the row views are kept through both switches (a captured graph reads a view's own proposal
-    # buffers: a new view would draft into others) and follow the mode
-    assert again.dec.prefix(2) is view and not view.plain
-    again.add([Request(prompts[3], 8, SamplingParams(), ignore_eos=True)])
+    # buffers: a new view would draft into others)
+    assert again.dec.prefix(2) is view
+    out = again.add([Request(prompts[3], 8, SamplingParams(), ignore_eos=True)])
     while again.running:
         for o in again.step():
             if o.finished:
                 again.release(o.row)
-    assert again.dec.metrics[0].drafts > 0
+    assert out[0].seq.spec.drafts > 0

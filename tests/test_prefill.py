@@ -7,10 +7,10 @@ import torch
 
 from eaglet import load_model
 from eaglet.config import SpecConfig
-from eaglet.generate import PlainDecoder
 from eaglet.models.prefill import prompt_bucket
+from eaglet.runtime.decoder import Decoder
 from eaglet.sampling import SamplingParams
-from eaglet.spec.loop import SpecDecoder
+from eaglet.spec.loop import spec_decoder
 from eaglet.spec.speculator import Speculator
 
 from .test_spec_greedy import random_head
@@ -31,24 +31,24 @@ def test_prompt_bucket():
 
 def decoders(target, name):
     if name == "plain":
-        return lambda batch: PlainDecoder(target, batch, 64, SamplingParams(), graphs=False)
+        return lambda batch: Decoder(target, batch, 64, SamplingParams(), graphs=False)
     kind = "draft" if name == "draft" else "eagle3"
     sp = Speculator(SpecConfig(kind, steps=3), draft_model=target) if kind == "draft" else \
         Speculator(SpecConfig(kind, steps=3), head=random_head(target.config))
-    return lambda batch: SpecDecoder(target, sp.make(target, batch, 64, SamplingParams(), None), sp.spec, batch, 64,
-                                     SamplingParams(), graphs=False)
+    return lambda batch: spec_decoder(target, sp.make(target, batch, 64, SamplingParams(), None), sp.spec, batch, 64,
+                                      SamplingParams(), graphs=False)
 
 
 def row_state(dec, row: int, n: int):
     """What a row holds after admission: target K/V of its n prompt tokens, lengths, and for a
     speculative decoder the drafter's cache, root state and length."""
     c = dec.cache
-    out = [c.kv[:, :, row, :, :n], c.lens[row], int(c.host_lens[row])]
-    if isinstance(dec, PlainDecoder):
-        return out + [dec.last[row]]
-    d = dec.drafter
+    out = [c.kv[:, :, row, :, :n], c.lens[row], int(c.host_lens[row]), dec.slots.last[row]]
+    if dec.current is dec.plain:
+        return out
+    d = dec.current.drafter
     m = int(d.cache.host_lens[row])
-    return out + [dec.roots[row], d.cache.kv[:, :, row, :, :m], d.cache.lens[row], m, d.root_h[row]]
+    return out + [d.cache.kv[:, :, row, :, :m], d.cache.lens[row], m, d.root_h[row]]
 
 
 @pytest.mark.parametrize("name", ["plain", "eagle3", "draft"])

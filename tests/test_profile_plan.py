@@ -6,7 +6,7 @@ import torch
 from eaglet.config import SpecConfig
 from eaglet.generate import GenerationConfig, Generator
 from eaglet.perf.planner import batch_policy, candidates, choose
-from eaglet.perf.profile import tree_tau_table
+from eaglet.perf.profile import DraftTrace, tree_tau_table
 from eaglet.spec.metrics import SpecMetrics
 from eaglet.spec.speculator import Speculator
 from eaglet.weights import load_model
@@ -14,10 +14,10 @@ from eaglet.weights import load_model
 
 def first_step_counts(model, spec: SpecConfig, prompts, draft) -> list:
     """The trace of the first speculation step from each prompt's state (same state for any spec)."""
-    trace = []
+    trace = DraftTrace()
     sp = Speculator(spec, draft_model=draft)
-    Generator(model, None, sp, trace=trace).generate(prompts, GenerationConfig(max_new_tokens=40, ignore_eos=True))
-    return trace[:1]
+    Generator(model, None, sp, observer=trace).generate(prompts, GenerationConfig(max_new_tokens=40, ignore_eos=True))
+    return trace.steps[:1]
 
 
 @torch.inference_mode()

@@ -353,7 +353,7 @@ def test_dead_engine_is_503(tiny, monkeypatch):
     def broken(self):
         raise RuntimeError("engine bug")
 
-    monkeypatch.setattr(engine_mod.Engine, "_take", broken)
+    monkeypatch.setattr(engine_mod.Engine, "next_admission", broken)
     with LiveServer(Generator(tiny.model, tiny.tokenizer)) as srv:
         assert httpx.get(srv.url + "/health").status_code == 200
         r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})

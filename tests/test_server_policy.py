@@ -242,7 +242,7 @@ def test_a_batch_grown_past_its_settings_reach_turns_plain(joining, plain):
     eng = Engine(Gen(), 64, 256, 512, ServerMetrics("reach"), SpecPolicy(Gen.speculator, SHAREGPT_POLICY))
     eng.batcher, eng.setting, eng.chosen = Running(), "tree:4,4,16", True
     eng.waiting = deque(Request([1, 2], 4, SamplingParams()) for _ in range(joining))
-    group, admit, setting, n = eng._take()
+    group, admit, setting, n = eng.next_admission()
     assert group is None and len(admit) == joining and not eng.waiting  # they join the running batch
     assert (eng.switch, eng.setting) == ((True, None) if plain else (False, "tree:4,4,16"))
 
@@ -274,5 +274,5 @@ def test_a_running_batch_admits_in_groups(running, free, waiting, age, admitted)
     eng.batcher, eng.setting, eng.chosen = Running(), None, True
     now = time.perf_counter()
     eng.waiting = deque(Request([1, 2], 4, SamplingParams(), arrival=now - age) for _ in range(waiting))
-    group, admit, setting, n = eng._take()
+    group, admit, setting, n = eng.next_admission()
     assert group is None and len(admit) == admitted and len(eng.waiting) == waiting - admitted

@@ -53,13 +53,13 @@ def test_tokenizer_core_encodes_as_transformers(smollm2):
     from eaglet.datasets import first_turn, read_sharegpt
 
     tok = smollm2.tokenizer
-    assert tok._core is not None  # the GGUF's tokenizer is a fast one: the core path is what runs
+    assert tok.encoder is not None  # the GGUF's tokenizer is a fast one: the core path is what runs
     turns = [t for t in map(first_turn, read_sharegpt().conversations[:200]) if t]
     texts = [tok.hf.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
              for t in turns] + ["", " ", "héllo wörld 🦅\n\n\tx", "<|im_start|>user\nhi<|im_end|>", "a" * 3000]
     for text in texts:
         for special in (True, False):
-            assert tok._ids(text, special) == list(tok.hf(text, add_special_tokens=special).input_ids)
+            assert tok.ids(text, special) == list(tok.hf(text, add_special_tokens=special).input_ids)
     assert tok.encode(texts[0]) == list(tok.hf(texts[0]).input_ids)
 
 
@@ -70,7 +70,7 @@ def test_tokenizer_core_decodes_as_transformers(smollm2):
     from eaglet.datasets import first_turn, read_sharegpt
 
     tok = smollm2.tokenizer
-    assert tok._decoder is not None and not tok.hf.clean_up_tokenization_spaces
+    assert tok.decoder is not None and not tok.hf.clean_up_tokenization_spaces
     turns = [t for t in map(first_turn, read_sharegpt().conversations[:100]) if t]
     seqs = [tok.encode(tok.hf.apply_chat_template([{"role": "user", "content": t + " héllo 🦅"}], tokenize=False,
                                                    add_generation_prompt=True)) for t in turns]
@@ -117,7 +117,7 @@ def test_tokenizer_decodes_through_transformers_where_it_cleans_up(tiny_tokenize
 
     hf = copy.deepcopy(tiny_tokenizer)
     hf.clean_up_tokenization_spaces = True
-    assert Tokenizer(hf, {2})._decoder is None and Tokenizer(tiny_tokenizer, {2})._decoder is not None
+    assert Tokenizer(hf, {2}).decoder is None and Tokenizer(tiny_tokenizer, {2}).decoder is not None
 
 
 def test_tokenizer_without_core_where_truncation_is_set(tiny_tokenizer):
@@ -129,10 +129,10 @@ def test_tokenizer_without_core_where_truncation_is_set(tiny_tokenizer):
     hf = copy.deepcopy(tiny_tokenizer)
     hf.backend_tokenizer.enable_truncation(4)
     tok = Tokenizer(hf, {2})
-    assert tok._core is None
+    assert tok.encoder is None
     text = "the quick brown fox jumps over the lazy dog"
     assert tok.encode(text) == list(hf(text).input_ids) and len(tok.encode(text)) > 4
-    assert Tokenizer(tiny_tokenizer, {2})._core is not None
+    assert Tokenizer(tiny_tokenizer, {2}).encoder is not None
 
 
 def test_the_bundled_drafter_is_a_bf16_sglang_export_under_32_mb_that_speculates_losslessly(smollm2):

@@ -14,6 +14,7 @@ import torch
 
 from eaglet import GenerationConfig, Generator, load_model
 from eaglet.config import SpecConfig
+from eaglet.kernels import EAGER, Kernels
 from eaglet.spec.drafters.eagle3_head import Eagle3Config, Eagle3Head
 from eaglet.spec.speculator import Speculator
 
@@ -152,9 +153,9 @@ def small_draft(tmp_path_factory):
     return load_model(d, dtype="float32", device="cpu", tokenizer=False).model
 
 
-def random_head(cfg, vocab: torch.Tensor | None = None) -> Eagle3Head:
+def random_head(cfg, vocab: torch.Tensor | None = None, kernels: Kernels = EAGER) -> Eagle3Head:
     torch.manual_seed(0)
-    head = Eagle3Head(Eagle3Config.for_target(cfg, draft_vocab_size=None if vocab is None else len(vocab)))
+    head = Eagle3Head(Eagle3Config.for_target(cfg, draft_vocab_size=None if vocab is None else len(vocab)), kernels)
     if vocab is not None:
         head.set_vocab(vocab)
     return head.eval()

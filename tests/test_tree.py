@@ -9,7 +9,7 @@ from eaglet.models.attention import AttnMeta
 from eaglet.sampling import SamplingParams
 from eaglet.spec.drafters.base import start_rows
 from eaglet.spec.drafters.ngram import NgramDrafter, continuations, trie
-from eaglet.spec.loop import SpecDecoder
+from eaglet.spec.loop import spec_decoder
 from eaglet.spec.tree import DraftProposal, ancestor_mask, chain, select_tree
 from eaglet.spec.verify import VerifyResult, cut
 from eaglet.weights import load_model
@@ -199,7 +199,8 @@ def test_verify_round_commits_accepted_path(model):
     tokens = torch.tensor([[0, w(a2), a2, a3, w(a3), a3],  # accepts 0 -> 2 -> 5 (a second child)
                            [0, b2, w(b2), w(b3), b3, b3]])  # accepts 0 -> 1; b3 only under a wrong parent
     spec = SpecConfig("ngram", steps=2, topk=2, draft_tokens=6)
-    dec = SpecDecoder(model, FixedTree(tokens, parents), spec, 2, 32, SamplingParams())
+    dec = spec_decoder(model, FixedTree(tokens, parents), spec, 2, 32, SamplingParams())
+    roots = dec.slots.last  # each row's last emitted token
     seen = []
     hook = model.register_forward_pre_hook(lambda m, args: seen.append(args[1].clone()))
     try:
@@ -209,16 +210,16 @@ def test_verify_round_commits_accepted_path(model):
     finally:
         hook.remove()
     assert emitted == [[a2, a3, a4], [b2, b3]]
-    res = dec.drafter.res
+    res = dec.current.drafter.res
     assert res.path.tolist() == [[0, 2, 5], [0, 1, 0]] and res.count.tolist() == [3, 2]
-    assert dec.roots.tolist() == [a4, b3]
+    assert roots.tolist() == [a4, b3]
     # the verify forward placed every node at prefix length + depth
     assert seen[1].tolist() == [[n + d for d in (0, 1, 1, 2, 2, 2)] for n in lens]
     # the cache now holds prompt + root + accepted drafts, as if computed from scratch
-    got = run(model, dec.cache, dec.roots[:, None])[:, -1]
+    got = run(model, dec.cache, roots[:, None])[:, -1]
     for b, (p, g) in enumerate(zip(prompts, greedy)):
         kept = torch.cat([p, torch.tensor(g[:res.count[b]])])
-        ref, ref_logits = recompute(model, kept, int(dec.roots[b]))
+        ref, ref_logits = recompute(model, kept, int(roots[b]))
         assert_same_prefix(dec.cache, b, ref, len(kept))
         assert (got[b] - ref_logits).abs().max() <= 1e-5
 

@@ -106,10 +106,10 @@ def test_ttt_attention_equals_the_masked_attention():
     fast, cache = TTTAttention(), AppendKV(1)
     mine, ref = [], []
     for k in range(steps):
-        mine.append(fast.attend(qs[k], ks[k], vs[k]))
         kv = torch.stack([ks[k], vs[k]], 1).permute(0, 3, 1, 2, 4)  # (B, T, 2, Hkv, D) as RoPE hands it
-        keys, vals = cache.update(0, None, kv, (k + 1) * t)  # (B, Hkv, (k+1)T, D)
         q = qs[k].reshape(b, hkv, grp * t, d)  # grouped-query heads folded as in Attention.forward
+        mine.append(fast.attend(0, q, kv))
+        keys, vals = cache.append(0, kv)  # (B, Hkv, (k+1)T, D)
         mask = ttt_mask(t, k, "cpu").repeat(grp, 1)  # (G*T, (k+1)T)
         ref.append(F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask).reshape(b, hkv * grp, t, d))
         assert torch.allclose(mine[k], ref[k], atol=1e-5), k

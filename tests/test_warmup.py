@@ -1,4 +1,4 @@
-"""Graph warm-up before serving (SlotDecoder.warmup, Engine.warmup), checked on the CPU with a
+"""Graph warm-up before serving (Decoder.warmup, Engine.warmup), checked on the CPU with a
 graph runner that records keys instead of capturing: after the warm-up, every graph a run of
 requests meets has already been called twice (so it was captured), and the decoder is left
 exactly as a fresh one (every row free; the same tokens afterwards)."""
@@ -9,12 +9,12 @@ import torch
 
 from eaglet import load_model
 from eaglet.config import SpecConfig
-from eaglet.generate import PlainDecoder
+from eaglet.runtime.decoder import Decoder
 from eaglet.runtime.graphs import GraphRunner
 from eaglet.sampling import SamplingParams
 from eaglet.server.batcher import Batcher
 from eaglet.server.engine import Request
-from eaglet.spec.loop import SpecDecoder
+from eaglet.spec.loop import spec_decoder
 from eaglet.spec.speculator import Speculator
 
 from .test_spec_greedy import random_head
@@ -44,11 +44,11 @@ def target(tiny_dirs):
 
 def make(target, kind: str, batch: int = 4):
     if kind == "plain":
-        dec = PlainDecoder(target, batch, 300, SamplingParams(), graphs=False)
+        dec = Decoder(target, batch, 300, SamplingParams(), graphs=False)
     else:
         sp = Speculator(SpecConfig("eagle3", steps=3), head=random_head(target.config))
-        dec = SpecDecoder(target, sp.make(target, batch, 300, SamplingParams(), None), sp.spec, batch, 300,
-                          SamplingParams(), graphs=False)
+        dec = spec_decoder(target, sp.make(target, batch, 300, SamplingParams(), None), sp.spec, batch, 300,
+                           SamplingParams(), graphs=False)
     dec.graphs = Recording()
     return dec
 
@@ -62,7 +62,7 @@ class Gen:
         return frozenset()
 
     def decoder(self, *a):
-        self.dec.reset()
+        self.dec.free_all()
         return self.dec
 
 
@@ -86,10 +86,11 @@ PLAN = [(40, 30), (150, 20), (5, 60), (120, 12), (33, 40), (200, 30), (9, 9)]
 @pytest.mark.parametrize("kind", ["plain", "eagle3"])
 def test_warmup_covers_what_requests_meet(target, kind):
     dec = make(target, kind)
+    step = dec.current
     n = dec.warmup(plain_rows=4) if kind == "eagle3" else dec.warmup()
     assert n == dec.graphs.captured > 0
     assert not dec.in_flight and not dec.live.any() and dec.cache.host_lens.sum() == 0
-    assert int(dec.cache.lens.sum()) == 0 and not getattr(dec, "plain", False)
+    assert int(dec.cache.lens.sum()) == 0 and dec.current is step
     warm = {k for k, c in dec.graphs.calls.items() if c >= 2}
     dec.graphs.calls.clear()
     serve(dec, PLAN)
@@ -116,7 +117,7 @@ def test_warmup_changes_no_tokens(target):
     """A warmed-up decoder generates what a fresh one does."""
     prompts, n = [[5, 9, 2, 7], [3] * 20], 15
     outs = []
-    for dec in (PlainDecoder(target, 4, 300, SamplingParams(), graphs=False), make(target, "plain")):
+    for dec in (Decoder(target, 4, 300, SamplingParams(), graphs=False), make(target, "plain")):
         if isinstance(dec.graphs, Recording):
             assert dec.warmup() > 0
         toks = dec.admit([0, 1], prompts)
@@ -147,9 +148,9 @@ def test_engine_warms_every_decoder_its_policy_can_choose(target, monkeypatch):
         spec = eng.generators["chain:3"].decoder(4, 300, SamplingParams())
         plain = eng.generators[None].decoder(4, 300, SamplingParams())
     warm = lambda d: {k for k, n in d.graphs.calls.items() if n >= 2}  # noqa: E731
-    # a drafter on the device, no phase timer: a speculation step is one graph (SpecDecoder._step)
+    # a drafter on the device, no observer: a speculation step is one graph (SpecStep.step)
     assert {k[1] for k in warm(spec) if k[0] == "step"} == {1}
     assert not {k for k in warm(spec) if k[0] in ("draft", "verify", "accept")}
     assert {k[1] for k in warm(spec) if k[0] == "decode"} == {1, 2, 4} == {k[1] for k in warm(plain) if k[0] == "decode"}
-    assert ("prefill", True, 1, 64) in warm(spec) and ("prefill", False, 1, 64) in warm(spec)
-    assert ("prefill", 1, 256) in warm(plain) and not spec.plain
+    assert ("prefill", 1, 64, "plain") in warm(spec) and ("prefill", 1, 64, "spec") in warm(spec)
+    assert ("prefill", 1, 256, "plain") in warm(plain) and spec.current is not spec.plain

@@ -34,13 +34,13 @@ def cases():
         bn, bk, warps = gemv.glu_tiles(1, k) if glu else gemv.tiles(49152 if k == 576 else 4096, k)
         yield (f"gemv one row, K {k}, glu {glu}",
                lambda k=k, glu=glu, bn=bn, bk=bk, w=warps: compile_for_h200(
-                   gemv._kernel, dict(K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0, HAS_BIAS=False, GLU=glu), w))
+                   gemv.gemv_kernel, dict(K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0, HAS_BIAS=False, GLU=glu), w))
     for rows, n, k, glu, bias in [(6, 576, 576, False, True), (16, 3072, 576, True, False),
                                   (16, 4096, 4096, False, False), (2, 28672, 4096, True, False)]:
         bm, bn, bk, warps, stages = gemv.glu_tiles(rows, k) if glu else gemv.dot_tiles(rows, n, k)
         yield (f"gemv {rows} rows, {n} x {k}, glu {glu}",
                lambda k=k, glu=glu, bias=bias, t=(bm, bn, bk), w=warps, s=stages: compile_for_h200(
-                   gemv._dot_kernel, dict(K=k, BM=t[0], BN=t[1], BK=t[2], EVEN_K=k % t[2] == 0, HAS_BIAS=bias, GLU=glu),
+                   gemv.gemv_dot_kernel, dict(K=k, BM=t[0], BN=t[1], BK=t[2], EVEN_K=k % t[2] == 0, HAS_BIAS=bias, GLU=glu),
                    w, s))
     for t, tree, split, norm in [(1, False, False, False), (6, False, True, False), (16, True, False, False),
                                  (32, True, True, True)]:
@@ -48,19 +48,19 @@ def cases():
         rows, tiles = ca.row_tiles(g, t, hkv)
         const = dict(H=g * hkv, HKV=hkv, G=g, TILES=tiles, ROWS=rows, TP=max(16, ca.pow2(t)), PP=16, D=d, BLOCK=64,
                      TREE=tree, SPLIT=split, ROPE=True, QK_NORM=norm)
-        yield f"cache attention, {t} tokens, tree {tree}, split {split}", lambda c=const: compile_for_h200(ca._attend, c)
+        yield f"cache attention, {t} tokens, tree {tree}, split {split}", lambda c=const: compile_for_h200(ca.attend_kernel, c)
         if split:
             yield f"cache attention combine, {t} tokens", lambda r=rows, n=tiles: compile_for_h200(
-                ca._combine, dict(G=3, TILES=n, ROWS=r, D=64, SP=8))
+                ca.combine_kernel, dict(G=3, TILES=n, ROWS=r, D=64, SP=8))
     for k, width, ls, off in [(8, 16384, True, True), (4, 16, False, False), (31, 328, False, False)]:
         block = max(16, ca.pow2(width))
         yield f"row top-{k} of {width}", lambda k=k, b=block, ls=ls, off=off: compile_for_h200(
-            topk._row_topk, dict(K=k, BLOCK=b, LOG_SOFTMAX=ls, OFFSET=off), min(16, max(1, b // 1024)))
+            topk.row_topk_kernel, dict(K=k, BLOCK=b, LOG_SOFTMAX=ls, OFFSET=off), min(16, max(1, b // 1024)))
     for k, ls, off in [(4, True, True), (8, True, False), (4, False, False)]:  # a 16,384-wide row in 16 pieces
         yield f"top-{k} of pieces", lambda k=k, ls=ls: compile_for_h200(
-            topk._chunk_topk, dict(K=k, CHUNK=topk.CHUNK, LOG_SOFTMAX=ls))
+            topk.chunk_topk_kernel, dict(K=k, CHUNK=topk.CHUNK, LOG_SOFTMAX=ls))
         yield f"top-{k} merge", lambda k=k, ls=ls, off=off: compile_for_h200(
-            topk._merge_topk, dict(K=k, BLOCK=max(16, ca.pow2(16 * k)), CB=16, LOG_SOFTMAX=ls, OFFSET=off), 1)
+            topk.merge_topk_kernel, dict(K=k, BLOCK=max(16, ca.pow2(16 * k)), CB=16, LOG_SOFTMAX=ls, OFFSET=off), 1)
 
 
 def main() -> int:

@@ -1,10 +1,12 @@
 """What the Triton kernel tests share: the device they run on (the GPU, or the CPU through Triton's
-interpreter, which conftest turns on without a GPU), skipping a module where neither can run, and a
-fixture that turns a kernel module on for one test."""
+interpreter, which conftest turns on without a GPU), skipping a module where neither can run, and
+the kernels a model runs with one of them on."""
 import os
 
 import pytest
 import torch
+
+from eaglet.kernels import Kernels
 
 
 def triton_device() -> str:
@@ -16,14 +18,9 @@ def triton_device() -> str:
     return dev
 
 
-def switched_on(module):
-    """A fixture that calls module.enable() for the test and module.enable(False) after it."""
-    @pytest.fixture
-    def on():
-        module.enable()
-        yield
-        module.enable(False)
-    return on
+CACHE_ATTENTION = Kernels(cache_attention=True)
+GEMV = Kernels(gemv=True)
+TOPK = Kernels(topk=True)
 
 
 def greedy_logits(model, cache, prompt: torch.Tensor, steps: int) -> torch.Tensor:
@@ -35,7 +32,7 @@ def greedy_logits(model, cache, prompt: torch.Tensor, steps: int) -> torch.Tenso
     for _ in range(steps):
         t = ids.shape[1]
         pos = cache.lens[:, None] + torch.arange(t, device=ids.device)
-        h, _ = model(ids, pos, cache, AttnMeta.build(cache.lens, pos, cache.kv_len(t)))
+        h, _ = model(ids, pos, cache, AttnMeta.build(cache.lens, pos, cache.kv_len(t), kernels=model.kernels))
         cache.advance(t)
         logits.append(model.logits(h[:, -1]).float())
         ids = logits[-1].argmax(-1, keepdim=True)

@@ -54,7 +54,7 @@ def main() -> None:
         gen.generate([prompt], cfg)  # the first call of every key does the work
         times, steps = [], 0
         for _ in range(args.repeats):
-            dec = gen._dec[3]
+            dec = gen.decoder_in_use()
             launches = [0]
             inner = dec.launch
             dec.launch = lambda inner=inner: launches.__setitem__(0, launches[0] + 1) or inner()

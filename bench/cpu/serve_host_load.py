@@ -27,8 +27,9 @@ from host_overhead import replay_free  # noqa: E402
 from inprocess import bench_serve, serving  # noqa: E402
 
 from eaglet.config import SpecConfig  # noqa: E402
-from eaglet.generate import Generator, PlainDecoder  # noqa: E402
-from eaglet.spec.loop import SpecDecoder  # noqa: E402
+from eaglet.generate import Generator  # noqa: E402
+from eaglet.runtime.plain import PlainStep  # noqa: E402
+from eaglet.spec.loop import SpecStep  # noqa: E402
 from eaglet.perf.record import write_record  # noqa: E402
 from eaglet.runtime.graphs import GraphRunner  # noqa: E402
 from eaglet.sampling import SamplingParams  # noqa: E402
@@ -43,9 +44,9 @@ def replay_any_shape(self, key, body, graph=True):
     first tokens) made once and repeated for any number of prompts of any length: a real forward
     on the CPU for each new span, prompt count or length would be most of the run."""
     if key[0] != "prefill":
-        return replay_free(self, key[:2], body, graph)
-    first = replay_free(self, key[:-2], body, graph)  # ("prefill", [plain,] prompts, length)
-    return first[:1].repeat(key[-2])
+        return replay_free(self, (*key[:2], key[-1]), body, graph)  # (phase, rows, step name)
+    first = replay_free(self, (key[0], key[-1]), body, graph)  # ("prefill", prompts, length, step name)
+    return first[:1].repeat(key[1])
 
 
 def live_rows_only(cls, count: int | None = None) -> None:
@@ -53,13 +54,13 @@ def live_rows_only(cls, count: int | None = None) -> None:
     since (on the device their limit of 0 freezes them): the probe counts a row's tokens only while
     the host has it live, as the device's limit would. `count`: each speculating row emits that many
     tokens a step (the first step's count would hold for the whole run)."""
-    inner = cls._collect
+    inner = cls.collect
 
-    def collect(dec, rows, same):
-        if count is not None and not dec.plain:
-            rows = [[min(count, dec.spec.steps + 1), *r[1:]] for r in rows]
-        return inner(dec, rows, [ok and bool(on) for ok, on in zip(same, dec.live)])
-    cls._collect = collect
+    def collect(step, rows, same, live, observer):
+        if count is not None:
+            rows = [[min(count, step.tokens_per_step), *r[1:]] for r in rows]
+        return inner(step, rows, [ok and bool(on) for ok, on in zip(same, live)], live, observer)
+    cls.collect = collect
 
 
 def model_without_cost(tokens_per_step: int):
@@ -68,8 +69,8 @@ def model_without_cost(tokens_per_step: int):
     EAGLE-3 speculator), what the host-path probes serve or step."""
     torch.set_num_threads(1)
     GraphRunner.run = replay_any_shape
-    live_rows_only(PlainDecoder)
-    live_rows_only(SpecDecoder, tokens_per_step)
+    live_rows_only(PlainStep)
+    live_rows_only(SpecStep, tokens_per_step)
     loaded = load_model(None, "float32", "cpu")
     return loaded, load_speculator(SpecConfig("eagle3", str(bundled_drafter())), loaded.model)
 

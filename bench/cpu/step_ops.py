@@ -1,7 +1,7 @@
 """How many kernels one speculative step would launch on the GPU, counted on the CPU: every aten
 operator of the draft, verify and accept phases under a dispatch mode, with the GPU's kernels
 switched on under Triton's interpreter (cache attention, the few-row matmuls, the top-k), each
-Triton kernel, each `@fusable` function and each module runtime/compile.py compiles (RMSNorm, RoPE,
+Triton kernel, each `@fusable` function and each module models/llama.py's compile_elementwise compiles (RMSNorm, RoPE,
 MLP) counted once, and operators that only make views left out. An estimate of the graphs' kernel
 counts (step_profile.py gives the real ones on the H200), grouped by the line that launched them:
 which code to fuse next. A probe, CPU (SmolLM2 in float16; a few minutes under the interpreter).
@@ -105,18 +105,18 @@ def main() -> None:
     gen = Generator(loaded.model, loaded.tokenizer, load_speculator(spec, loaded.model, path))
     ids = loaded.tokenizer.apply_chat([{"role": "user", "content": "Explain why the sky is blue."}])
     gen.generate([ids], GenerationConfig(max_new_tokens=8, ignore_eos=True))  # decoders made, caches warm
-    dec = gen._dec[3]
+    step = gen.decoder_in_use().current  # the speculative step
     counts = {}
-    for phase in ("_draft", "_verify", "_accept"):
-        inner = getattr(type(dec), phase)
+    for phase in ("draft", "verify", "accept"):
+        inner = getattr(type(step), phase)
 
         def counted(self, *a, inner=inner, phase=phase, **kw):
             counter.ops = []
             with counter:
                 out = inner(self, *a, **kw)
-            counts[phase.strip("_")] = collections.Counter(w for _, w in counter.ops)
+            counts[phase] = collections.Counter(w for _, w in counter.ops)
             return out
-        setattr(type(dec), phase, counted)
+        setattr(type(step), phase, counted)
     gen.generate([ids], GenerationConfig(max_new_tokens=3, ignore_eos=True))  # one step, the last one counted
     results = {}
     for phase, c in counts.items():

@@ -19,7 +19,7 @@ import torch
 from step_profile import generators, setup  # this folder is on the path when run as a script
 
 from eaglet.generate import Generator
-from eaglet.runtime.decoder import SlotDecoder
+from eaglet.runtime.decoder import Decoder
 from eaglet.perf.record import write_record
 
 
@@ -83,7 +83,7 @@ def main_steps(model_path: str, draft: str, out_dir: str, trees: list[str]) -> N
             gen.generate([ids], cfg)
         torch.cuda.synchronize()
         clocks = {"replay": Clock(torch.cuda.CUDAGraph, "replay"), "wait": Clock(torch.cuda.Event, "synchronize"),
-                  "launch": Clock(SlotDecoder, "launch"), "collect": Clock(SlotDecoder, "collect")}
+                  "launch": Clock(Decoder, "launch"), "collect": Clock(Decoder, "collect")}
         t0 = time.perf_counter()
         steps = 0
         for _ in range(runs):

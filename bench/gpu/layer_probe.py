@@ -236,7 +236,7 @@ def main(out_dir: str) -> None:
         row = {"cublas_tb_s": gb / timed_graph(one(cublas))}
         for bn, bk, warps in configs:
             def tri(xx, ww, yy, bn=bn, bk=bk, warps=warps):
-                eg._kernel[(triton.cdiv(n, bn),)](xx, ww, yy, yy, n, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
+                eg.gemv_kernel[(triton.cdiv(n, bn),)](xx, ww, yy, yy, n, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
                                                   HAS_BIAS=False, GLU=False, num_warps=warps)
             tri(x[name], w[name][0], y[name])
             err = (y[name].float() - ref.float()).abs().max().item()
@@ -250,7 +250,7 @@ def main(out_dir: str) -> None:
     def triton_best(xx, ww, yy):
         n, k = ww.shape
         bn, bk, warps = best_cfg.get(next((s for s, v in SHAPES.items() if v == (n, k)), ""), (4, 1024, 8))
-        eg._kernel[(triton.cdiv(n, bn),)](xx, ww, yy, yy, n, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
+        eg.gemv_kernel[(triton.cdiv(n, bn),)](xx, ww, yy, yy, n, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
                                           HAS_BIAS=False, GLU=False, num_warps=warps)
 
     results["gemms_triton"] = per_step(timed_graph(lambda: step(triton_best)))
@@ -267,11 +267,11 @@ def eaglet_kernel(cfg, xx, wt, yy, rows, n, k, glu=False):
 
     if rows == 1:
         bn, bk, warps = cfg
-        eg._kernel[(triton.cdiv(n, bn),)](xx, wt, yy, yy, n, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0, HAS_BIAS=False,
+        eg.gemv_kernel[(triton.cdiv(n, bn),)](xx, wt, yy, yy, n, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0, HAS_BIAS=False,
                                           GLU=glu, num_warps=warps)
     else:
         bm, bn, bk, warps, stages = cfg
-        eg._dot_kernel[(triton.cdiv(n, bn),)](xx, wt, yy, yy, rows, n, k, K=k, BM=bm, BN=bn, BK=bk,
+        eg.gemv_dot_kernel[(triton.cdiv(n, bn),)](xx, wt, yy, yy, rows, n, k, K=k, BM=bm, BN=bn, BK=bk,
                                               EVEN_K=k % bk == 0, HAS_BIAS=False, GLU=glu, num_warps=warps,
                                               num_stages=stages)
 

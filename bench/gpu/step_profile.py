@@ -27,9 +27,9 @@ from eaglet.perf.record import write_record
 from eaglet.spec.speculator import load_speculator
 from eaglet.weights import load_model
 
-# nvjet: cuBLASLt's Hopper GEMMs; _attend: eaglet's cache-attention kernel; aten::*mm: CPU operators
+# nvjet: cuBLASLt's Hopper GEMMs; attend_kernel: eaglet's cache-attention kernel; aten::*mm: CPU operators
 KINDS = [("gemm", r"gemm|gemv|cutlass|sm90_xmma|cublas|splitk|nvjet|aten::(add|b)?mm\b"),
-         ("attention", r"fmha|flash|attention|sdpa|cudnn|^_attend"),
+         ("attention", r"fmha|flash|attention|sdpa|cudnn|^attend_kernel"),
          ("triton (compiled)", r"^triton_"), ("copy/index", r"index|scatter|gather|copy|cat|memcpy"),
          ("reduce", r"reduce|argmax|max|sum|topk|sort")]
 
@@ -56,7 +56,7 @@ def phase_graphs(gen, reps: int = 20) -> dict:
     replayed alone `reps` times after its runs: which phase launches what. Replays only repeat a
     finished step's work (rows at their token limit do not move), so nothing grows."""
     out = {}
-    runner = gen._dec[3].graphs  # the decoder of the last generate() call
+    runner = gen.decoder_in_use().graphs  # the decoder of the last generate() call
     for key, (g, _) in list(runner.graphs.items()):
         phase = str(key[0])
         if phase in out:

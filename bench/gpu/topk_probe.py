@@ -65,7 +65,7 @@ def eaglet_kernel(x: torch.Tensor, k: int, log_softmax: bool, warps: int):
     n = x.shape[-1]
     vals = torch.empty(x.shape[0], k, dtype=torch.float32, device=x.device)
     idx = torch.empty(x.shape[0], k, dtype=torch.long, device=x.device)
-    topk_mod._row_topk[(x.shape[0],)](x, vals, idx, vals, n, x.stride(0), K=k, BLOCK=max(16, pow2(n)),
+    topk_mod.row_topk_kernel[(x.shape[0],)](x, vals, idx, vals, n, x.stride(0), K=k, BLOCK=max(16, pow2(n)),
                                       LOG_SOFTMAX=log_softmax, OFFSET=False, num_warps=warps)
     return vals, idx
 

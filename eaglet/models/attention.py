@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..runtime.compile import fusable
+from ..kernels import EAGER, Kernels, fusable
 
 
 @dataclass
@@ -27,6 +27,7 @@ class AttnMeta:
     fast: bool = False
     block_mask: torch.Tensor | None = None
     pending: int = 0
+    kernels: Kernels = EAGER  # the model's: whether the mask arithmetic runs compiled
     _mask_args: tuple = field(default=(), repr=False)  # what `mask` is made from, when asked for
     _mask: torch.Tensor | None = field(default=None, repr=False)
     _bias: dict = field(default_factory=dict, repr=False)
@@ -36,7 +37,7 @@ class AttnMeta:
         """(B, 1, T, S) bool: new token t may attend to cache slot s. Made on first use, once per
         forward: the cache-attention kernel never asks, so decode, draft and verify steps skip it."""
         if self._mask is None:
-            self._mask = attention_mask(*self._mask_args)
+            self._mask = self.kernels.fuse(attention_mask)(*self._mask_args)
         return self._mask
 
     def bias(self, dtype: torch.dtype, groups: int) -> torch.Tensor:
@@ -45,19 +46,20 @@ class AttnMeta:
         layers; given the bool mask, SDPA converts it in every layer (three kernels each)."""
         key = (dtype, groups)
         if key not in self._bias:
-            self._bias[key] = additive_bias(self.mask, groups, dtype)
+            self._bias[key] = self.kernels.fuse(additive_bias)(self.mask, groups, dtype)
         return self._bias[key]
 
     @staticmethod
     def build(lens: torch.Tensor, positions: torch.Tensor, kv_len: int, tree_mask: torch.Tensor | None = None,
-              pending: int = 0, sliding_window: int | None = None) -> "AttnMeta":
+              pending: int = 0, sliding_window: int | None = None, kernels: Kernels = EAGER) -> "AttnMeta":
         """lens: (B,) committed cache lengths; positions: (B, T) rope positions of the new tokens;
         kv_len: how many cache slots to attend over (>= max(lens) + pending + T);
         tree_mask: (B, T, pending + T) bool, new token t sees block entry u (its ancestors and itself
-        in a tree); None means causal over the new tokens and every pending entry visible.
+        in a tree); None means causal over the new tokens and every pending entry visible;
+        kernels: the model's (eaglet/kernels.py).
         """
-        slots, rows = slots_and_rows(lens, positions, pending)
-        return AttnMeta(slots=slots, rows=rows, kv_len=kv_len,
+        slots, rows = kernels.fuse(slots_and_rows)(lens, positions, pending)
+        return AttnMeta(slots=slots, rows=rows, kv_len=kv_len, kernels=kernels,
                         fast=sliding_window is None, block_mask=tree_mask, pending=0 if tree_mask is None else pending,
                         _mask_args=(lens, positions, kv_len, tree_mask, pending, sliding_window))
 

@@ -18,15 +18,14 @@ split of the cached span. Long spans are split (flash-decoding): each split writ
 softmax state for a second, small kernel to combine; one split needs no second kernel. The split
 rule comes from bench/gpu/cache_attention_probe.py's measurements (BENCHMARKS.md).
 
-Used for bfloat16 and float16 on the GPU with Triton, once runtime/compile.py turns it on; under
-TRITON_INTERPRET=1 (the CPU tests) on any device.
+Used for bfloat16 and float16 where a model's `Kernels.cache_attention` is on (eaglet/kernels.py:
+the GPU with Triton); under TRITON_INTERPRET=1 (the CPU tests) on any device.
 
 Rounding: like FlashAttention, the softmax weights are cast to the model's dtype for the P·V
 product. A token verified inside a block sees its keys grouped differently from the same token
 decoded alone, so the two round differently and bfloat16 greedy near-ties can flip between plain
-and speculative decoding. P·V in float32 was tried on the H200 and changed neither how often
-speculative bfloat16 output equals plain nor anything but the time (BENCHMARKS.md), so the kernel
-keeps FlashAttention's choice.
+and speculative decoding. P·V in float32 does not change how often speculative bfloat16 output
+equals plain, only the time (docs/notebook.md), so the kernel keeps FlashAttention's choice.
 """
 from __future__ import annotations
 
@@ -41,19 +40,14 @@ try:
 except ImportError:  # CPU installs without Triton: the SDPA path runs
     triton = None
 
-_on = False
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_TOKENS = 64  # longer blocks (prefill) take the SDPA path
 MAX_SPLITS = 64
 
 
-def enable(on: bool = True) -> None:
-    global _on
-    _on = on
-
-
 def usable(x: torch.Tensor, tokens: int) -> bool:
-    return (_on and triton is not None and tokens <= MAX_TOKENS
+    """Whether the kernel takes this forward (a cache asks only where Kernels.cache_attention is on)."""
+    return (triton is not None and tokens <= MAX_TOKENS
             and x.dtype in (torch.bfloat16, torch.float16) and (x.is_cuda or INTERPRET))
 
 
@@ -122,7 +116,7 @@ def cache_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     assert rope is None or (cos.shape[:2] == (b, t) and cos.stride() == sin.stride() and cos.stride(-1) == 1)
     assert qk_norm is None or rope is not None  # the kernel norms q and k on the way to rotating them
     qw, kw, eps = qk_norm if qk_norm is not None else (out, out, 0.0)
-    _attend[(b, hkv * tiles, splits)](
+    attend_kernel[(b, hkv * tiles, splits)](
         qkv, k_cache, v_cache, start, m, out, part_m, part_l, part_o, cos, sin, qw, kw, eps, 1.0 / math.sqrt(d),
         chunk, t, qkv.stride(0), qkv.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         start.stride(0), m.stride(0) if tree else 0, m.stride(1) if tree else 0, m.stride(2) if tree else 0,
@@ -130,7 +124,7 @@ def cache_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         H=h, HKV=hkv, G=groups, TILES=tiles, ROWS=rows, TP=max(16, pow2(t)), PP=max(16, pow2(pending)), D=d, BLOCK=64,
         TREE=tree, SPLIT=splits > 1, ROPE=rope is not None, QK_NORM=qk_norm is not None)
     if splits > 1:
-        _combine[(b, hkv * tiles)](part_m, part_l, part_o, out, splits, t, out.stride(0), out.stride(1),
+        combine_kernel[(b, hkv * tiles)](part_m, part_l, part_o, out, splits, t, out.stride(0), out.stride(1),
                                    G=groups, TILES=tiles, ROWS=rows, D=d, SP=max(2, pow2(splits)))
     return out
 
@@ -161,7 +155,7 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _attend(QKV, K, V, START, MASK, OUT, PM, PL, PO, COS, SIN, QW, KW, eps, scale, chunk, T,
+    def attend_kernel(QKV, K, V, START, MASK, OUT, PM, PL, PO, COS, SIN, QW, KW, eps, scale, chunk, T,
                 s_b, s_t, sk_b, sk_h, sk_s, s_start, sm_b, sm_t, sm_u, so_b, so_t, sc_b, sc_t, P,
                 H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, TILES: tl.constexpr, ROWS: tl.constexpr,
                 TP: tl.constexpr, PP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, TREE: tl.constexpr, SPLIT: tl.constexpr,
@@ -247,7 +241,7 @@ if triton is not None:
                      o.to(OUT.dtype.element_ty), mask=rm[:, None])
 
     @triton.jit
-    def _combine(PM, PL, PO, OUT, splits, T, so_b, so_t,
+    def combine_kernel(PM, PL, PO, OUT, splits, T, so_b, so_t,
                  G: tl.constexpr, TILES: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, SP: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1) // TILES

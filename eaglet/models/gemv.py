@@ -13,8 +13,9 @@ MLP's gate-up with SiLU·mul in the same kernel: one kernel fewer per layer, 1.0
 faster than the two apart on SmolLM2 and 1.2 to 2.3 µs on Llama-3.1-8B (`glu_tiles`). Sums run
 in float32, so results differ from cuBLAS's by rounding only.
 
-Enabled by runtime/compile.py for float16 and bfloat16 on the GPU; `EAGLET_GEMV=0` keeps cuBLAS (for
-side-by-side runs). Under TRITON_INTERPRET=1 (the CPU tests) it runs on any device.
+Used where a model's `Kernels.gemv` is on (eaglet/kernels.py: float16 and bfloat16 on the GPU;
+`--disable-kernels gemv` keeps cuBLAS for side-by-side runs). Under TRITON_INTERPRET=1 (the CPU
+tests) it runs on any device.
 """
 from __future__ import annotations
 
@@ -30,18 +31,13 @@ try:
 except ImportError:  # CPU installs without Triton
     triton = None
 
-_on = False
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ROWS = 16  # more rows go to cuBLAS: at 64 it matched the best tile of the sweep
 
 
-def enable(on: bool = True) -> None:
-    global _on
-    _on = on and os.environ.get("EAGLET_GEMV", "1") != "0"
-
-
 def usable(x: torch.Tensor, weight: torch.Tensor, rows: int, glu: bool = False) -> bool:
-    return (_on and triton is not None and 1 <= rows <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+    """Whether the kernels take this matmul (a model asks only where its Kernels.gemv is on)."""
+    return (triton is not None and 1 <= rows <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and weight.is_contiguous() and not torch.is_grad_enabled()
             and (x.is_cuda or INTERPRET) and (rows == 1 or glu or dot_tiles(rows, *weight.shape) is not None))
 
@@ -110,11 +106,11 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: 
     b = bias if bias is not None else y  # not read
     if m == 1:
         bn, bk, warps = glu_tiles(1, k) if glu else tiles(n, k)
-        _kernel[(triton.cdiv(out, bn),)](xr, weight, b, y, out, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
+        gemv_kernel[(triton.cdiv(out, bn),)](xr, weight, b, y, out, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
                                          HAS_BIAS=bias is not None, GLU=glu, num_warps=warps)
     else:
         bm, bn, bk, warps, stages = glu_tiles(m, k) if glu else dot_tiles(m, n, k)
-        _dot_kernel[(triton.cdiv(out, bn),)](xr, weight, b, y, m, out, xr.stride(0), K=k, BM=bm, BN=bn, BK=bk,
+        gemv_dot_kernel[(triton.cdiv(out, bn),)](xr, weight, b, y, m, out, xr.stride(0), K=k, BM=bm, BN=bn, BK=bk,
                                              EVEN_K=k % bk == 0, HAS_BIAS=bias is not None, GLU=glu,
                                              num_warps=warps, num_stages=stages)
     return y.view(*x.shape[:-1], out)
@@ -148,7 +144,7 @@ if triton is not None:
         return g * tl.sigmoid(g) * u.to(dtype).to(tl.float32)
 
     @triton.jit
-    def _kernel(X, W, B, Y, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+    def gemv_kernel(X, W, B, Y, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                 HAS_BIAS: tl.constexpr, GLU: tl.constexpr):
         """Y (N,) = W X (+ B) for one row X; with GLU, silu(W[:N] X) * (W[N:] X)."""
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -176,7 +172,7 @@ if triton is not None:
         tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rm)
 
     @triton.jit
-    def _dot_kernel(X, W, B, Y, M, N, sx, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    def gemv_dot_kernel(X, W, B, Y, M, N, sx, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr):
         """Y (M, N) = X (M, K) Wᵀ (+ B) for M <= BM rows: each program streams BN rows of W once (with
         GLU also the BN rows N further on, and writes silu(first) * second)."""

@@ -1,7 +1,8 @@
 """Every linear layer of the models goes through `linear`, so the matmul can be chosen per device.
 
-On the GPU up to 16 rows (decoding, drafting, verify) go to models/gemv.py's Triton kernels, which
-stream the weights faster than cuBLAS (bench/gpu/layer_probe.py), and longer inputs to F.linear.
+On the GPU, where the model's Kernels.gemv is on, up to 16 rows (decoding, drafting, verify) go to
+models/gemv.py's Triton kernels, which stream the weights faster than cuBLAS
+(bench/gpu/layer_probe.py), and longer inputs to F.linear.
 On the CPU, for the few rows of a decode or verify step, MKL streams the weights faster as W @ xᵀ
 than as F.linear's x @ Wᵀ
 (bench/cpu/matmul_probe.py, record bench/results/matmul-probe-cpu-*.json: 1.5x for one row,
@@ -14,16 +15,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import EAGER, Kernels
 from . import gemv
 
 CPU_MAX_ROWS = 64  # measured: W @ xᵀ leads F.linear up to here on the CPU
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           kernels: Kernels = EAGER) -> torch.Tensor:
     """x (..., K) @ weight (N, K)ᵀ + bias -> (..., N)."""
     k = x.shape[-1]
     rows = x.numel() // k
-    if gemv.usable(x, weight, rows):
+    if kernels.gemv and gemv.usable(x, weight, rows):
         return gemv.gemv(x, weight, bias)
     if weight.device.type != "cpu":
         return F.linear(x, weight, bias)
@@ -39,7 +42,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and state-dict names) whose forward is `linear`."""
+    """nn.Linear (same parameters and state-dict names) whose forward is `linear` with the model's
+    kernels."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, kernels: Kernels = EAGER):
+        super().__init__(in_features, out_features, bias=bias)
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.kernels)

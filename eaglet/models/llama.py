@@ -6,7 +6,9 @@ checkpoint names, so `state_dict()` keys are exactly what a HF safetensors file 
 
 `forward(input_ids, positions, cache, meta)` returns the final (normed) hidden states and,
 optionally, the residual stream entering chosen layers (EAGLE-3 taps); `logits(hidden)` is apart
-so speculative verify can project only the rows it needs. Cost formulas live at the bottom.
+so speculative verify can project only the rows it needs. Attention runs over any cache of the
+`Cache` interface (kvcache.py). The kernels a model runs are a frozen `Kernels` value
+(eaglet/kernels.py) given at construction and kept by every module that chooses one.
 """
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig, rope_inv_freq
-from ..kvcache import KVCache
-from ..runtime.compile import fusable
+from ..kernels import EAGER, Kernels, fusable
+from ..kvcache import Cache
 from . import cache_attention, gemv
 from .attention import AttnMeta
 from .linear import Linear, linear
@@ -84,17 +86,18 @@ class Rotary(nn.Module):
     """RoPE from positions. `freq_factors` are llama.cpp's per-frequency divisors (GGUF
     `rope_freqs`), ones otherwise; scaling from the config is already in `inv_freq`."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, kernels: Kernels = EAGER):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(config.rope, config.head_dim), persistent=False)
         self.register_buffer("freq_factors", torch.ones(config.head_dim // 2))
+        self.cos_sin = kernels.fuse(rope_cos_sin)
 
     def reset_buffers(self, config: ModelConfig) -> None:
         self.inv_freq = rope_inv_freq(config.rope, config.head_dim).to(self.inv_freq.device)
         self.freq_factors.fill_(1.0)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_cos_sin(positions, self.inv_freq, dtype, self.freq_factors)
+        return self.cos_sin(positions, self.inv_freq, dtype, self.freq_factors)
 
 
 @fusable
@@ -115,15 +118,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, in_features: int | None = None):
+    def __init__(self, config: ModelConfig, layer: int, in_features: int | None = None, kernels: Kernels = EAGER):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         self.layer, self.nh, self.nkv, self.d = layer, config.num_heads, config.num_kv_heads, d
+        self.kernels = kernels
         fin = in_features or h  # EAGLE-3's midlayer reads [embedding; hidden], 2H wide
-        self.q_proj = Linear(fin, self.nh * d, bias=config.qkv_bias)
-        self.k_proj = Linear(fin, self.nkv * d, bias=config.qkv_bias)
-        self.v_proj = Linear(fin, self.nkv * d, bias=config.qkv_bias)
-        self.o_proj = Linear(self.nh * d, h, bias=config.o_bias)
+        self.q_proj = Linear(fin, self.nh * d, bias=config.qkv_bias, kernels=kernels)
+        self.k_proj = Linear(fin, self.nkv * d, bias=config.qkv_bias, kernels=kernels)
+        self.v_proj = Linear(fin, self.nkv * d, bias=config.qkv_bias, kernels=kernels)
+        self.o_proj = Linear(self.nh * d, h, bias=config.o_bias, kernels=kernels)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
@@ -141,18 +145,19 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor):
         if not self.fused:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        qkv = linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.kernels)
         return qkv.split([self.nh * self.d, self.nkv * self.d, self.nkv * self.d], -1)
 
-    def forward(self, x, cos, sin, cache: KVCache, meta: AttnMeta) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache: Cache, meta: AttnMeta | None) -> torch.Tensor:
         b, t, _ = x.shape
-        if isinstance(cache, KVCache) and meta.fast and cache_attention.usable(x, t):
+        if self.kernels.cache_attention and cache.in_place and meta.fast and cache_attention.usable(x, t):
             # a few tokens per row: q/k norm, RoPE, store, attend and lay out in one kernel
-            qkv = (linear(x, self.qkv_weight, self.qkv_bias) if self.fused else torch.cat(self.project(x), -1))
+            qkv = (linear(x, self.qkv_weight, self.qkv_bias, self.kernels) if self.fused
+                   else torch.cat(self.project(x), -1))
             norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
-            o = cache_attention.cache_attention(qkv.view(b, t, -1, self.d), cache.k[self.layer, :b],
-                                                cache.v[self.layer, :b], meta.slots[:, 0], meta.block_mask,
-                                                meta.kv_len, self.nh // self.nkv, rope=(cos, sin), qk_norm=norm,
+            o = cache_attention.cache_attention(qkv.view(b, t, -1, self.d), *cache.layer_kv(self.layer, b),
+                                                meta.slots[:, 0], meta.block_mask, meta.kv_len,
+                                                self.nh // self.nkv, rope=(cos, sin), qk_norm=norm,
                                                 pending=meta.pending)
             return self.o_proj(o)
         q, k, v = self.project(x)
@@ -162,25 +167,18 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, kv = self.rope(q, k, v, cos, sin)  # (B, Hkv, G*T, D), (B, T, 2, Hkv, D)
-        if hasattr(cache, "attend"):  # training (train/ttt.py): the stand-in computes the attention itself
-            k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # (B, Hkv, T, D)
-            o = cache.attend(q.view(b, self.nh, t, self.d), k, v, self.layer)  # (B, H, T, D)
-            return self.o_proj(o.transpose(1, 2).reshape(b, t, self.nh * self.d))
-        keys, vals = cache.update(self.layer, meta.slots, kv, meta.kv_len, meta.rows)  # (B, Hkv, S, D)
-        # grouped-query attention as plain attention over the kv heads: each kv head's G query heads
-        # are G*T query rows (mask rows repeated), which the fused SDPA kernels accept with a mask
-        g = self.nh // self.nkv
-        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=meta.bias(q.dtype, g))  # (B, Hkv, G*T, D)
-        return self.o_proj(o.reshape(b, self.nh, t, self.d).transpose(1, 2).reshape(b, t, self.nh * self.d))
+        o = cache.attend(self.layer, q, kv, meta)  # (B, H, T, D)
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, self.nh * self.d))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, kernels: Kernels = EAGER):
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = Linear(h, i, bias=bias)
-        self.up_proj = Linear(h, i, bias=bias)
-        self.down_proj = Linear(i, h, bias=bias)
+        self.kernels = kernels
+        self.gate_proj = Linear(h, i, bias=bias, kernels=kernels)
+        self.up_proj = Linear(h, i, bias=bias, kernels=kernels)
+        self.down_proj = Linear(i, h, bias=bias, kernels=kernels)
         self.fused = False
 
     def fuse(self) -> None:
@@ -192,9 +190,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fused:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        if gemv.usable(x, self.gate_up_weight, x.numel() // x.shape[-1], glu=True):  # few rows on the GPU: one kernel
+        rows = x.numel() // x.shape[-1]
+        if self.kernels.gemv and gemv.usable(x, self.gate_up_weight, rows, glu=True):  # few rows: one kernel
             return self.down_proj(gemv.glu(x, self.gate_up_weight, self.gate_up_bias))
-        gate, up = linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, -1)
+        gate, up = linear(x, self.gate_up_weight, self.gate_up_bias, self.kernels).chunk(2, -1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -215,12 +214,12 @@ def fuse_linears(linears: list[Linear]) -> tuple[torch.Tensor, torch.Tensor | No
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, layer: int, kernels: Kernels = EAGER):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer)
+        self.self_attn = Attention(config, layer, kernels=kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, kernels)
 
     def forward(self, h, residual, cos, sin, cache, meta):
         """h: this layer's input before the residual add; residual: the stream so far (None at the
@@ -231,29 +230,30 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, kernels: Kernels = EAGER):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, kernels) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = Rotary(config)
+        self.rotary = Rotary(config, kernels)
 
 
 class CausalLM(nn.Module):
-    """A Llama-family target model. State-dict keys are HF's (`model.layers.0.self_attn.q_proj.weight`)."""
+    """A Llama-family target model. State-dict keys are HF's (`model.layers.0.self_attn.q_proj.weight`).
+    `kernels` is what it runs (eaglet/kernels.py); decoders and drafters working with it take the same."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, kernels: Kernels = EAGER):
         super().__init__()
-        self.config = config
-        self.model = Decoder(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.config, self.kernels = config, kernels
+        self.model = Decoder(config, kernels)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, kernels=kernels)
         self.tie_weights()
 
     def tie_weights(self) -> None:
         if self.config.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttnMeta,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: Cache, meta: AttnMeta | None,
                 capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids, positions: (B, T). Writes K/V of the new tokens into `cache` at meta.slots
         (the caller commits them). Returns hidden (B, T, H) after the final norm, and when `capture`
@@ -281,3 +281,18 @@ class CausalLM(nn.Module):
         """After building on the meta device and `to_empty`: re-tie weights, recompute buffers."""
         self.tie_weights()
         self.model.rotary.reset_buffers(self.config)
+
+
+def compile_elementwise(model: nn.Module) -> int:
+    """torch.compile, in place, the elementwise modules of `model` (a target or a drafter head):
+    RMSNorm with its residual add, RoPE with its relayout, the MLP's gate-up / SiLU·mul / down, each
+    one generated kernel instead of five to ten small ones. For models whose Kernels.compile is on;
+    returns how many modules."""
+    # one entry per (module code, specialization: size-1 dims, residual or not), shared by all layers
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    n = 0
+    for m in model.modules():
+        if isinstance(m, (RMSNorm, RoPE, MLP)):
+            m.compile(dynamic=True, fullgraph=True)
+            n += 1
+    return n

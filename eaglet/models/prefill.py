@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kvcache import KVCache
+from ..kernels import EAGER, Kernels
+from ..kvcache import KVCache, attend_masked
 from .attention import AttnMeta
 from .llama import CausalLM
 
@@ -59,22 +60,26 @@ class PromptBatch:
 
 
 class FreshRows:
-    """A cache as a prefill of empty rows sees it: new keys and values are written into the given
-    rows, and attention reads only those of this forward (the rows hold nothing before them)."""
+    """A cache as a prefill of empty rows sees it (the `Cache` interface): new keys and values are
+    written into the given rows, and attention reads only those of this forward (the rows hold
+    nothing before them)."""
+
+    in_place = False
 
     def __init__(self, cache: KVCache, rows: torch.Tensor):
         self.cache, self.rows = cache, rows
 
-    def update(self, layer: int, slots: torch.Tensor, kv: torch.Tensor, kv_len: int, rows: torch.Tensor):
-        self.cache.write(layer, slots, kv, self.rows[:, None].expand_as(slots))
-        return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # (B, Hkv, T, D) each
+    def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        self.cache.append(layer, meta.slots, kv, self.rows[:, None].expand_as(meta.slots))
+        return attend_masked(q, kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2), meta)  # (B, H, T, D)
 
 
-def fresh_meta(b: int, t: int, device, sliding_window: int | None = None) -> tuple[torch.Tensor, AttnMeta]:
+def fresh_meta(b: int, t: int, device, sliding_window: int | None = None,
+               kernels: Kernels = EAGER) -> tuple[torch.Tensor, AttnMeta]:
     """Positions (b, t) and causal attention metadata of a block starting at position 0."""
     positions = torch.arange(t, device=device).expand(b, t)
     return positions, AttnMeta.build(torch.zeros(b, dtype=torch.long, device=device), positions, t,
-                                     sliding_window=sliding_window)
+                                     sliding_window=sliding_window, kernels=kernels)
 
 
 def prefill(model: CausalLM, cache: KVCache, batch: PromptBatch,
@@ -83,7 +88,7 @@ def prefill(model: CausalLM, cache: KVCache, batch: PromptBatch,
     Returns the final hidden state at each prompt's last token (b, H) and, when `capture` names
     layers, their taps over the padded prompts (b, T, k*H)."""
     b, t = batch.ids.shape
-    positions, meta = fresh_meta(b, t, batch.ids.device, model.config.sliding_window)
+    positions, meta = fresh_meta(b, t, batch.ids.device, model.config.sliding_window, model.kernels)
     hidden, taps = model(batch.ids, positions, FreshRows(cache, batch.rows), meta, capture=capture)
     cache.lens.index_copy_(0, batch.rows, batch.lens)
     last = hidden.gather(1, (batch.lens - 1)[:, None, None].expand(b, 1, hidden.shape[-1]))[:, 0]

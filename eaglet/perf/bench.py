@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from ..args import model_kernels
 from ..errors import InvalidInput
 
 DEFAULT_PROMPTS = ["What is the capital of France?", "Write a short poem about autumn leaves.",
@@ -88,10 +89,9 @@ def eaglet_systems(args, model, tok, names) -> dict:
         out["plain-eager"] = Generator(model, tok, graphs=False)
     if "ngram" in names:
         spec = SpecConfig("ngram", steps=args.chain_steps)
-        out["ngram"] = Generator(model, tok, load_speculator(spec, model, args.model, compile=not args.no_compile), graphs=graphs)
+        out["ngram"] = Generator(model, tok, load_speculator(spec, model, args.model), graphs=graphs)
     if any(n.startswith("eagle3") for n in names):
-        base = load_speculator(SpecConfig("eagle3", args.draft, steps=args.chain_steps), model, args.model,
-                               compile=not args.no_compile)
+        base = load_speculator(SpecConfig("eagle3", args.draft, steps=args.chain_steps), model, args.model)
         s, k, n = parse_tree(args.tree)
         tree = dataclasses.replace(base, spec=SpecConfig("eagle3", args.draft, steps=s, topk=k, draft_tokens=n))
         for name, sp in (("eagle3-chain", base), ("eagle3-tree", tree)):
@@ -123,19 +123,18 @@ def phases_pass(gen, prompts, cfg, device) -> dict:
     """One pass with a PhaseTimer: ms per step for each phase, and 'other' (the host's share)."""
     from ..runtime.timer import PhaseTimer
 
-    gen.timer = PhaseTimer(device)
-    gen._dec = None  # a fresh decoder, so the timer reaches it (graphs are captured again, untimed)
+    timer = PhaseTimer(device)
+    gen.observe(timer)  # a fresh decoder that the timer watches (graphs are captured again, untimed)
     gen.generate([prompts[0]], cfg)
-    gen.timer.reset()
+    timer.reset()
     sync(device)
     t0 = time.perf_counter()
     for ids in prompts:
         gen.generate([ids], cfg)
     sync(device)
     wall_ms = (time.perf_counter() - t0) * 1e3
-    totals = gen.timer.totals()
-    gen.timer = None
-    gen._dec = None
+    totals = timer.totals()
+    gen.observe(None)
     steps = max((v["count"] for k, v in totals.items() if k != "prefill"), default=0)
     if steps == 0:  # every reply ended at its first token (EOS)
         return {"steps": 0, "ms_per_step": {}}
@@ -156,7 +155,7 @@ def run_bench(args) -> dict:
     bad = [n for n in names if n not in SYSTEMS]
     if bad:
         raise InvalidInput(f"unknown system {bad[0]!r} (choose from {', '.join(SYSTEMS)})")
-    loaded = load_model(args.model, args.dtype, args.device, compile=not args.no_compile)
+    loaded = load_model(args.model, args.dtype, args.device, kernels=model_kernels(args))
     model, tok = loaded.model, loaded.tokenizer
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     prompts = [tok.apply_chat([{"role": "user", "content": p}]) for p in bench_prompts(args.prompts, args.num_prompts)]
@@ -224,7 +223,7 @@ def run_bench(args) -> dict:
     print_table(results, device, dtype, n_new, len(prompts), args.repeats, args.stop_at_eos)
     flags = {k: v for k, v in vars(args).items() if k != "func"}
     flags["cuda_graphs"] = device.type == "cuda" and not args.eager
-    flags["torch_compile"] = device.type == "cuda" and not args.no_compile
+    flags["kernels"] = dataclasses.asdict(loaded.model.kernels)
     path = write_record("bench", flags, results, args.out, models={"target": loaded.path, "drafter": args.draft})
     png = plot_bench(results, path.with_suffix(".png"))
     print(f"record: {path}\nplot: {png}")
@@ -288,7 +287,7 @@ def run_shape_bench(args) -> dict:
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    model = random_model(args.shape, device, dtype, compile=not args.no_compile)
+    model = random_model(args.shape, device, dtype, kernels=model_kernels(args, device))
     ctx = args.context
     prompt = torch.randint(0, model.config.vocab_size, (ctx,), generator=torch.Generator().manual_seed(1)).tolist()
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True)
@@ -298,7 +297,7 @@ def run_shape_bench(args) -> dict:
         gen = Generator(model, None, graphs=graphs)
         r = run_systems({mode: lambda ids, gen=gen: gen.generate([ids], cfg)}, [prompt], device, args.repeats)[mode]
         results["decode"][mode] = {"tok_s": args.max_new_tokens / statistics.median(r["seconds"]), **r}
-        gen._dec = None  # free its cache before the curve allocates one
+        gen.fresh()  # free its cache before the curve allocates one
         results["forward_ms"][mode] = forward_curve(model, CURVE_TOKENS, ctx + args.max_new_tokens // 2, graphs)
     results["roofline"] = roofline(model, device, ctx + args.max_new_tokens // 2)
     best = results["forward_ms"]["graphed" if "graphed" in modes else "eager"]
@@ -323,7 +322,7 @@ def run_shape_bench(args) -> dict:
               + f"{results['verify_over_decode'][t]:10.2f}")
     flags = {k: v for k, v in vars(args).items() if k != "func"}
     flags["cuda_graphs"] = "graphed" in modes
-    flags["torch_compile"] = device.type == "cuda" and not args.no_compile
+    flags["kernels"] = dataclasses.asdict(model.kernels)
     path = write_record(f"bench-shape-{args.shape}", flags, results, args.out)
     print(f"record: {path}")
     return results

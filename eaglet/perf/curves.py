@@ -45,7 +45,7 @@ def forward_steps(model: CausalLM, tokens: tuple[int, ...], context: int, graphs
     for lo in range(0, context, 1024):  # fill the context in chunks
         hi = min(context, lo + 1024)
         pos = cache.lens[:, None] + torch.arange(hi - lo, device=dev)
-        model(ids[:, lo:hi], pos, cache, AttnMeta.build(cache.lens, pos, cache.kv_len(hi - lo)))
+        model(ids[:, lo:hi], pos, cache, AttnMeta.build(cache.lens, pos, cache.kv_len(hi - lo), kernels=model.kernels))
         cache.advance(hi - lo)
     runner = GraphRunner(dev, graphs)
     for t in tokens:
@@ -54,7 +54,7 @@ def forward_steps(model: CausalLM, tokens: tuple[int, ...], context: int, graphs
         cache.kv_limit = span(context + t, cache.max_len)
 
         def body(x=x, pos=pos, t=t):
-            h, _ = model(x, pos, cache, AttnMeta.build(cache.lens, pos, cache.kv_len(t)))
+            h, _ = model(x, pos, cache, AttnMeta.build(cache.lens, pos, cache.kv_len(t), kernels=model.kernels))
             return model.logits(h).argmax(-1)  # (B, T): what greedy verify reads
 
         step = lambda body=body, t=t: runner.run(("fwd", t), body)  # noqa: E731

@@ -5,6 +5,7 @@ import time
 from pathlib import Path
 
 from ..config import SpecConfig
+from ..args import model_kernels
 from ..errors import InvalidInput
 from .compare import load_record
 from .planner import Candidate, batch_policy, choose, plot
@@ -20,11 +21,12 @@ def parse_tree(text: str) -> tuple[int, int, int]:
     return s, k, n
 
 
-def load_target_and_drafter(model: str | None, dtype, device, method: str, draft: str | None, steps: int):
+def load_target_and_drafter(model: str | None, dtype, device, method: str, draft: str | None, steps: int,
+                            kernels=None):
     from ..spec.speculator import load_speculator
     from ..weights import load_model
 
-    loaded = load_model(model, dtype, device)
+    loaded = load_model(model, dtype, device, kernels=kernels)
     base = load_speculator(SpecConfig(method, draft, steps=steps), loaded.model,
                            None if model is None else loaded.path)
     return loaded, base
@@ -39,7 +41,7 @@ def spread(items: list, n: int) -> list:
 
 def chat_prompts(tok, name: str, n: int) -> list[list[int]]:
     """n prompts of the set, spread over it: MT-bench lists its categories one after another and
-    its first 8 are all writing prompts, on which the H200 profile of 2026-11-30 measured τ 1.92
+    its first 8 are all writing prompts, on which an H200 profile measured τ 1.92
     for a chain of 7 (profile-gpu-20261130-202027.json) where all 80 give 2.68 for a chain of 5."""
     from ..datasets import load_prompts
 
@@ -53,7 +55,7 @@ def run_profile(args) -> int:
     SpecConfig(args.spec, args.draft, steps=args.chain_steps)
     batch_sizes = sorted(set(args.batch_sizes) | {args.batch})
     loaded, base = load_target_and_drafter(args.model, args.dtype, args.device, args.spec, args.draft,
-                                           args.chain_steps)
+                                           args.chain_steps, model_kernels(args))
     prompts = chat_prompts(loaded.tokenizer, args.prompts, args.num_prompts)
     topks = tuple(sorted({1} | {k for _, k, _ in trees}))
     costs = []

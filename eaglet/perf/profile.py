@@ -18,6 +18,7 @@ from ..sampling import SamplingParams
 from ..spec.drafters.base import start_rows
 from ..spec.metrics import SpecMetrics
 from ..runtime.graphs import GraphRunner, span
+from ..runtime.observer import StepObserver
 from ..spec.speculator import Speculator
 from .curves import forward_curve, time_ms
 
@@ -46,7 +47,7 @@ def measure_costs(model, speculator: Speculator, batch: int, context: int, topks
     pos = torch.arange(context, device=dev).expand(batch, context)
     taps_layers = getattr(speculator.head, "cfg", None)
     capture = taps_layers.aux_layers if taps_layers else ()
-    _, taps = model(ids, pos, cache, AttnMeta.build(cache.lens, pos, context), capture=capture)
+    _, taps = model(ids, pos, cache, AttnMeta.build(cache.lens, pos, context, kernels=model.kernels), capture=capture)
     del cache
     # one draft level, all overheads included: a whole `propose` of `levels` levels, divided by them
     # (the catch-up forward counts as the first level, as it does in the cost model)
@@ -70,6 +71,24 @@ def measure_costs(model, speculator: Speculator, batch: int, context: int, topks
         propose()  # warm-up (and the eager first call of the graph)
         out["draft_ms"][str(k)] = time_ms(propose, dev, repeats=7) / levels
     return out
+
+
+class DraftTrace(StepObserver):
+    """The proposals of a tree's collected steps, for tree_tau_table: per step (scores (B, N),
+    depths (B, N), accepted paths (B, D+1), emitted counts, token limits before the step), on the
+    host. Its steps cover the whole batch, one at a time (needs_proposal), and run phase by phase,
+    as the measured step times (measure_acceptance) count them."""
+    apart = True
+    needs_proposal = True
+
+    def __init__(self):
+        self.steps: list[tuple] = []
+
+    def on_collect(self, step) -> None:
+        if step.prop is None or step.prop.score is None:  # a chain's proposal has no scores
+            return
+        score, depth = (t.to("cpu", copy=True) for t in (step.prop.score, step.prop.depth))  # sync: profiling only
+        self.steps.append((score, depth, torch.tensor(step.paths()), step.counts, step.limits()))
 
 
 def tree_tau_table(trace: list, steps_grid: range, budgets: tuple[int, ...]) -> dict[str, float]:
@@ -108,19 +127,19 @@ def measure_acceptance(model, tok, base: Speculator, prompts: list[list[int]], m
     out = {"chain": {}, "trees": {}}
     gen_cfg = GenerationConfig(max_new_tokens=max_new)
 
-    def passes(g: Generator, trace: list | None = None):
+    def passes(g: Generator, trace: DraftTrace | None = None):
         """Two passes over the prompts in batches, the second timed; the first warms every graph
         the second meets (the same prompts, so the same lengths and attention spans)."""
         for _ in range(2):
             if trace is not None:
-                trace.clear()  # the timed pass's steps only
+                trace.steps.clear()  # the timed pass's steps only
             t0, results = time.perf_counter(), []
             for i in range(0, len(prompts), batch):
                 results.append(g.generate(prompts[i:i + batch], gen_cfg))
         return [c for batch_out in results for c in batch_out], time.perf_counter() - t0
 
     def run(spec: SpecConfig, trace=None):
-        results, secs = passes(Generator(model, tok, dataclasses.replace(base, spec=spec), trace=trace), trace)
+        results, secs = passes(Generator(model, tok, dataclasses.replace(base, spec=spec), observer=trace), trace)
         total = SpecMetrics()
         for c in results:
             total.merge(c.spec)
@@ -134,9 +153,9 @@ def measure_acceptance(model, tok, base: Speculator, prompts: list[list[int]], m
     out["chain"] = {"steps": chain_steps, "accept_per_pos": m.acceptance_rate_per_pos, "accept_length": m.accept_length,
                     "drafts": m.drafts, "step_ms_measured": secs * 1e3 / max(1, m.drafts) * min(batch, len(prompts))}
     for steps, topk, n in trees:
-        trace: list = []
+        trace = DraftTrace()
         m, secs = run(SpecConfig(method, draft, steps=steps, topk=topk, draft_tokens=n), trace)
-        table = tree_tau_table(trace, range(1, steps + 1), tuple(b for b in BUDGETS if b <= n))
+        table = tree_tau_table(trace.steps, range(1, steps + 1), tuple(b for b in BUDGETS if b <= n))
         out["trees"][str(topk)] = {"steps": steps, "draft_tokens": n, "accept_length": m.accept_length,
                                    "tau": table, "drafts": m.drafts,
                                    "step_ms_measured": secs * 1e3 / max(1, m.drafts) * min(batch, len(prompts))}

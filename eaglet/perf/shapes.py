@@ -7,7 +7,8 @@ import torch
 
 from ..config import ModelConfig, RopeConfig
 from ..errors import InvalidInput
-from ..models.llama import CausalLM
+from ..kernels import Kernels
+from ..models.llama import CausalLM, compile_elementwise
 
 SHAPES = {
     "llama-3.1-8b": ModelConfig(
@@ -26,12 +27,14 @@ SHAPES = {
 }
 
 
-def random_model(name: str, device, dtype: torch.dtype, seed: int = 0, compile: bool = True) -> CausalLM:
-    """The named shape with N(0, 0.02) weights and unit norms, built directly on `device`."""
+def random_model(name: str, device, dtype: torch.dtype, seed: int = 0, kernels: Kernels | None = None) -> CausalLM:
+    """The named shape with N(0, 0.02) weights and unit norms, built directly on `device`, running
+    `kernels` (default: the best the device has)."""
     if name not in SHAPES:
         raise InvalidInput(f"unknown shape {name!r} (choose from {', '.join(SHAPES)})")
+    kernels = Kernels.choose(device) if kernels is None else kernels
     with torch.device("meta"):
-        model = CausalLM(SHAPES[name])
+        model = CausalLM(SHAPES[name], kernels)
     model = model.to_empty(device=device).to(dtype)
     model.post_materialize()
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -42,10 +45,8 @@ def random_model(name: str, device, dtype: torch.dtype, seed: int = 0, compile: 
             else:
                 p.normal_(0.0, 0.02, generator=gen)
     model.fuse_projections()
-    if compile:
-        from ..runtime.compile import compile_kernels
-
-        compile_kernels(model)
+    if kernels.compile:
+        compile_elementwise(model)
     return model.eval().requires_grad_(False)
 
 

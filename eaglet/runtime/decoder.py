@@ -1,50 +1,108 @@
-"""What plain and speculative decoding share: the target's KV cache over `batch` slots, the graph
-runner, per-row token limits, steps in flight, and admitting prompts into free rows while other
-rows keep going (the server's continuous batching; Generator admits a whole batch at once).
+"""The decode runtime: one `Decoder` owns a batch of rows (slots) of the target's KV cache, the
+graph runner, per-row token limits, the steps in flight, row buckets and warm-up, and admits
+prompts into free rows while other rows keep going (the server's continuous batching; Generator
+admits a whole batch at once). What one step *does* is an object it is handed (`Step`): the plain
+step (runtime/plain.py, one token a row) or the speculative one (spec/loop.py). `use(step)` swaps
+it between steps on the same rows and cache: the server turns a speculating batch plain that way.
+Every step a decoder has run keeps its captured graphs (their keys carry the step's name).
 
-Each row has a token limit on the device: the tokens it may still emit. A step emits at most that
-many and subtracts what it emitted, so the host sets a row's limit only when it changes (`set_rows`:
-a new request's budget, 0 once the host sees it stop); 0 freezes the row, its cache does not move.
+The per-row state every step shares is `Slots`: the cache, each row's token limit on the device
+(the tokens it may still emit) and its last emitted token (the next step's input). A step emits at
+most a row's limit and subtracts what it emitted, so the host sets a limit only when it changes
+(`set_rows`: a new request's budget, 0 once the host sees it stop); 0 freezes the row, its cache
+does not move.
 
 `launch()` enqueues one step and starts its packed output on its way to the host; `collect()` waits
 for the oldest step in flight and returns each row's emitted tokens. Nothing else in a step needs the
-host, so on the GPU a caller may launch step t+1 before it collects step t (`lookahead`): the host's
-work on step t (streaming, stopping, bookkeeping) then overlaps the GPU's work on t+1 instead of
-leaving the GPU idle. A row that stops on EOS or a stop string runs one step past it; those tokens
-are dropped. A row released or re-admitted while a step was in flight gets nothing from that step
-(`epoch`). `step(limit)` is the synchronous form: set every row's limit, launch, collect.
+host, so on the GPU a caller may launch step t+1 before it collects step t (`lookahead`, where the
+step allows it): the host's work on step t (streaming, stopping, bookkeeping) then overlaps the
+GPU's work on t+1 instead of leaving the GPU idle. A row that stops on EOS or a stop string runs
+one step past it; those tokens are dropped. A row released or re-admitted while a step was in
+flight gets nothing from that step (`epoch`). `step(limit)` is the synchronous form: set every
+row's limit, launch, collect.
 
 A step runs only over rows 0..k-1, k the smallest bucket (1, 2, 4, ..., batch) that holds every
 row with tokens left (`rows_in_use`): a server with room for 64 requests and one running steps one
-row, not 64. `prefix(k)` is the decoder over those rows: the same storage, sliced (`row_tensors`,
-the caches), with its own graphs.
+row, not 64. `prefix(k)` is the step in use over those rows (`Step.rows(k)`: the same storage,
+sliced, with buffers of its own for its graphs), made once per step and k.
 
 Admitting prompts is one graphed prefill of any set of free rows (models/prefill.py), keyed by the
 number of prompts and their padded length. `warmup()` runs the common keys twice before a server
 takes requests, so none meets a graph's eager first call.
 
-Subclasses implement `_prefill` (the device part of an admission: prefill, first token),
-`_admitted` (its host part), `_launch` (run one step's graphs, return its packed output) and
-`_collect` (the host's part of a step).
+An observer (runtime/observer.py: the phase timer, the profiler's trace) is handed in; the decoder
+and the steps call it, nothing else in a step knows who watches.
 """
 from __future__ import annotations
 
-import copy
 import time
 from collections import deque
-from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from ..kvcache import KVCache
-from ..models.attention import AttnMeta
 from ..models.llama import CausalLM
 from ..models.prefill import MIN_BUCKET, PromptBatch, prompt_bucket
-from ..sampling import SamplingParams, sample
+from ..sampling import SamplingParams
 from .graphs import SPAN, GraphRunner, span
-from .timer import PhaseTimer
+from .observer import StepObserver
+from .plain import PlainStep
+
+
+@dataclass
+class Slots:
+    """The per-row device state all steps of one decoder read and write (steps keep their own
+    beside it)."""
+    cache: KVCache
+    limit: torch.Tensor  # (B,) tokens row b may still emit; 0 freezes it
+    last: torch.Tensor  # (B,) each row's last emitted token: the next step's input
+
+    @property
+    def batch(self) -> int:
+        return self.cache.batch
+
+    def rows(self, k: int) -> "Slots":
+        """Rows 0..k-1 (views: writes land in this storage)."""
+        return Slots(self.cache.view(0, k), self.limit[:k], self.last[:k])
+
+
+class Step(Protocol):
+    """What one decoding step does, over a decoder's `slots`. The decoder calls: for an admission
+    `prefill` (inside its graph) then `admitted`; per step `launch` on the step over the rows in use
+    (`rows(k)`) then, once its output is on the host, `collect` on the whole step; `release` for
+    freed rows (on every step it has run)."""
+    name: str  # tells this step's graphs apart from other steps' on the same decoder
+    slots: Slots
+    tokens_per_step: int  # the most tokens a row can emit in one step
+    pipelines: bool  # may be launched before the previous step is collected (it needs no host data)
+
+    def rows(self, k: int) -> "Step":
+        """This step over rows 0..k-1 (slots.rows(k)): its own graph buffers, the same storage."""
+
+    def room(self) -> list[tuple[KVCache, int]]:
+        """Each cache the step writes (the target's first) and how many slots past a row's
+        committed length one step may touch in it."""
+
+    def prefill(self, batch: PromptBatch) -> torch.Tensor:
+        """The device part of admitting `batch` (graph-safe): each prompt's first token (b,)."""
+
+    def admitted(self, rows: list[int], prompts: list[list[int]], first: list[int]) -> None:
+        """The host part of an admission, once the first tokens are known."""
+
+    def launch(self, graphs: GraphRunner, key: tuple, observer: StepObserver) -> torch.Tensor:
+        """Enqueue one step (its graphs keyed by (phase, *key)); returns its packed output."""
+
+    def collect(self, rows: list[list[int]], same: list[bool], live: np.ndarray,
+                observer: StepObserver) -> list[list[int]]:
+        """The host's part of a step: `rows` is its packed output per row (zeros past its rows),
+        `same[b]` whether row b still holds the sequence it held at launch, `live[b]` whether the
+        host still wants its tokens. Returns each row's emitted tokens."""
+
+    def release(self, rows: list[int]) -> None:
+        """These rows' sequences are gone."""
 
 
 @dataclass
@@ -76,42 +134,58 @@ def row_buckets(batch: int) -> list[int]:
     return out + [batch] if batch > 1 else out
 
 
-def row_prefix(obj, k: int):
-    """A shallow copy of a decoder or drafter over rows 0..k-1: its `row_tensors` and its `cache`
-    (if it has one) sliced (views: writes land in the original's storage)."""
-    v = copy.copy(obj)
-    for name in obj.row_tensors:
-        setattr(v, name, getattr(obj, name)[:k])
-    if getattr(obj, "cache", None) is not None:
-        v.cache = obj.cache.view(0, k)
-    return v
-
-
-class SlotDecoder:
-    tokens_per_step = 1  # the most tokens a row can emit in one step (spans allow for steps in flight)
-    row_tensors: tuple[str, ...] = ("limit",)  # per-row device state of a step (sliced by prefix)
-
+class Decoder:
     def __init__(self, model: CausalLM, batch: int, max_len: int, sampling: SamplingParams,
-                 generator: torch.Generator | None, graphs: bool = True, timer: PhaseTimer | None = None,
-                 lookahead: bool | None = None):
+                 generator: torch.Generator | None = None, graphs: bool = True, lookahead: bool | None = None,
+                 observer: StepObserver | None = None):
         p = next(model.parameters())
-        self.model, self.sampling, self.gen, self.timer = model, sampling, generator, timer
         self.device = p.device
-        self.cache = KVCache.for_model(model.config, batch, max_len, p.dtype, p.device)
+        cache = KVCache.for_model(model.config, batch, max_len, p.dtype, p.device)
+        zeros = lambda: torch.zeros(batch, dtype=torch.long, device=p.device)  # noqa: E731
+        self.slots = Slots(cache, zeros(), zeros())
         self.graphs = GraphRunner(p.device, graphs, generator)
-        self.limit = torch.zeros(batch, dtype=torch.long, device=p.device)  # tokens row b may still emit
+        self.observer = observer or StepObserver()
         self.epoch = np.zeros(batch, dtype=np.int64)  # bumped when a row is admitted or released
         self.live = np.zeros(batch, dtype=bool)  # rows the host last gave a limit > 0
         self.in_flight: deque[InFlight] = deque()
-        self._views: dict[int, SlotDecoder] = {}  # prefix(k) for each k used
+        self._views: dict[tuple[int, int], Step] = {}  # (id of a step, k) -> that step over rows 0..k-1
         self._prompts: dict[tuple[int, int], PromptBatch] = {}  # each prefill graph's input buffers
         # launch ahead of collect: on the GPU by default (on the CPU a step runs while it is launched)
-        self.lookahead = p.device.type == "cuda" if lookahead is None else lookahead
-        self.device_wait = 0.0  # seconds the host has spent blocked on the device's results (the server reads it)
+        self._ahead = p.device.type == "cuda" if lookahead is None else lookahead
+        self._device_wait = 0.0  # seconds the host has spent blocked on the device's results
+        self.plain = PlainStep(model, self.slots, sampling, generator)
+        self.current: Step = self.plain  # the step that launches run
+        self._used: list[Step] = [self.plain]  # every step run here: each hears of released rows
+
+    @property
+    def cache(self) -> KVCache:
+        return self.slots.cache
 
     @property
     def batch(self) -> int:
-        return self.cache.batch
+        return self.slots.batch
+
+    @property
+    def lookahead(self) -> bool:
+        """Whether the next step may be launched before this one is collected."""
+        return self._ahead and self.current.pipelines and not self.observer.needs_proposal
+
+    def use(self, step: Step) -> list[list[list[int]]]:
+        """Run `step` (a step over this decoder's slots) from the next launch on; the rows keep
+        their sequences. Collects the steps in flight first (the previous step's) and returns their
+        tokens per row, oldest step first."""
+        if step.slots is not self.slots:
+            raise ValueError("use: the step runs over another decoder's rows")
+        done = [self.collect() for _ in range(len(self.in_flight))]
+        if all(s is not step for s in self._used):
+            self._used.append(step)
+        self.current = step
+        return done
+
+    def take_device_wait(self) -> float:
+        """The seconds the host has spent blocked on the device's results since the last call."""
+        w, self._device_wait = self._device_wait, 0.0
+        return w
 
     def set_rows(self, rows: list[int], limits: list[int]) -> None:
         """Set these rows' token limits (device, stream-ordered after the steps already launched)."""
@@ -122,44 +196,50 @@ class SlotDecoder:
         for r, n in zip(rows, limits):
             mask[r], value[r] = True, n
         mask_d, value_d = to_device(mask, torch.bool, self.device), to_device(value, torch.long, self.device)
-        self.limit.copy_(torch.where(mask_d, value_d, self.limit))
+        limit = self.slots.limit
+        limit.copy_(torch.where(mask_d, value_d, limit))
 
-    def span_of(self, cache: KVCache, room: int, *more: tuple[KVCache, int]) -> tuple[int, ...]:
-        """Fix the attention span of this step's caches (part of every graph key): `cache` needs
-        `room` slots past its longest row, and so each (cache, room) in `more` (a drafter's). All
-        get one span, the largest any needs (each capped at its own size): were they spanned apart,
-        a row near a span's end would meet a mix of spans that warm-up never captures. The host's
-        lengths lag by the steps in flight, each of which may add tokens_per_step per row."""
-        lag = len(self.in_flight) * self.tokens_per_step
-        need = max(int(c.host_lens.max()) + r for c, r in ((cache, room), *more)) + lag
+    def spans(self, room: list[tuple[KVCache, int]]) -> tuple[int, ...]:
+        """Fix the attention span of this step's caches (part of every graph key): each (cache, r)
+        in `room` needs r slots past its longest row. All get one span, the largest any needs (each
+        capped at its own size): were they spanned apart, a row near a span's end would meet a mix
+        of spans that warm-up never captures. The host's lengths lag by the steps in flight, each of
+        which may add tokens_per_step per row."""
+        lag = len(self.in_flight) * self.current.tokens_per_step
+        need = max(int(c.host_lens.max()) + r for c, r in room) + lag
         out = []
-        for c, _ in ((cache, room), *more):
+        for c, _ in room:
             c.kv_limit = span(need, c.max_len)
             out.append(c.kv_limit)
         return tuple(out)
 
     # ---- rows in use ----
     def rows_in_use(self) -> int:
-        """The bucket of rows a step must cover: every row the host has given tokens to emit."""
+        """The bucket of rows a step must cover: every row the host has given tokens to emit (all
+        of them for an observer that reads whole-batch proposals)."""
+        if self.observer.needs_proposal:
+            return self.batch
         live = np.flatnonzero(self.live)
         n = int(live[-1]) + 1 if len(live) else 1
         return next(b for b in row_buckets(self.batch) if b >= n)
 
-    def prefix(self, k: int) -> "SlotDecoder":
-        """This decoder over rows 0..k-1 (made once per k; it shares this one's storage)."""
+    def prefix(self, k: int) -> Step:
+        """The step in use over rows 0..k-1 (made once per step and k, and kept: its captured
+        graphs read its own buffers)."""
+        step = self.current
         if k == self.batch:
-            return self
-        if k not in self._views:
-            self._views[k] = self._make_view(k)
-        return self._views[k]
-
-    def _make_view(self, k: int) -> "SlotDecoder":
-        return row_prefix(self, k)
+            return step
+        key = (id(step), k)
+        if key not in self._views:
+            self._views[key] = step.rows(k)
+        return self._views[key]
 
     # ---- steps ----
     def launch(self) -> None:
         """Enqueue one step of every row with tokens left; its output starts for the host."""
-        out = self.prefix(self.rows_in_use())._launch()
+        step = self.prefix(self.rows_in_use())
+        key = (step.slots.batch, *self.spans(step.room()), step.name)
+        out = step.launch(self.graphs, key, self.observer)
         if out.is_cuda:
             host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
             host.copy_(out, non_blocking=True)
@@ -177,10 +257,10 @@ class SlotDecoder:
         if f.done is not None:
             t = time.perf_counter()
             f.done.synchronize()  # sync: the one per step
-            self.device_wait += time.perf_counter() - t
+            self._device_wait += time.perf_counter() - t
         rows = f.out.tolist()
         rows += [[0] * len(rows[0])] * (self.batch - len(rows))  # rows past the step's prefix: frozen
-        return self._collect(rows, (self.epoch == f.epoch).tolist())
+        return self.current.collect(rows, (self.epoch == f.epoch).tolist(), self.live, self.observer)
 
     def advance(self, remaining: list[int]) -> list[list[int]] | None:
         """One turn of a decode loop, given the tokens each row still wants (0: stopped or free).
@@ -209,78 +289,33 @@ class SlotDecoder:
         self.launch()
         return self.collect()
 
-    def _launch(self) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _launch_plain(self, last: torch.Tensor) -> torch.Tensor:
-        """Enqueue one plain step, each row fed its token in `last` (one graph per row bucket and
-        attention span); returns (B, 2): each row's token and whether it emitted one."""
-        kv, = self.span_of(self.cache, 1)
-        with self.phase("decode"):
-            return self.graphs.run(("decode", self.batch, kv), lambda: self._decode(last))
-
-    def _decode(self, last: torch.Tensor) -> torch.Tensor:
-        """Feed each row's last token, sample the next; frozen rows (limit 0) do not move."""
-        c, model = self.cache, self.model
-        positions = c.lens[:, None]  # (B, 1)
-        meta = AttnMeta.build(c.lens, positions, c.kv_len(1), sliding_window=model.config.sliding_window)
-        hidden, _ = model(last[:, None], positions, c, meta)
-        tok = sample(model.logits(hidden[:, -1]), self.sampling, self.gen)  # (B,)
-        on = self.limit > 0
-        active = on.long()
-        last.copy_(torch.where(on, tok, last))
-        c.lens += active
-        self.limit -= active
-        return torch.stack([last, active], 1)
-
-    def _collect_plain(self, rows: list[list[int]], same: list[bool]) -> list[list[int]]:
-        emitted = [[tok] if active and ok else [] for (tok, active), ok in zip(rows, same)]
-        self.cache.commit_host([len(e) for e in emitted])
-        return emitted
-
-    def _collect(self, rows: list[list[int]], same: list[bool]) -> list[list[int]]:
-        raise NotImplementedError
-
-    def phase(self, name: str):
-        return self.timer.phase(name) if self.timer else nullcontext()
-
     def admit(self, rows: list[int], prompts: list[list[int]]) -> list[list[int]]:
         """Prefill prompts into the given free rows; returns each one's first token."""
         if self.cache.host_lens[rows].any():
             raise RuntimeError(f"admit: rows {rows} are not free")
         self.epoch[rows] += 1
+        step = self.current
         shape = (len(rows), prompt_bucket(max(map(len, prompts)), self.cache.max_len))
         if shape not in self._prompts:
             self._prompts[shape] = PromptBatch.alloc(*shape, self.device)
         batch = self._prompts[shape].fill(prompts, rows)
-        with self.phase("prefill"):
-            first = self.graphs.run(self._prefill_key(shape), lambda: self._prefill(batch))
+        with self.observer.phase("prefill"):
+            first = self.graphs.run(("prefill", *shape, step.name), lambda: step.prefill(batch))
             t = time.perf_counter()
             first = first.tolist()  # sync: first tokens
             if self.device.type == "cuda":
-                self.device_wait += time.perf_counter() - t
+                self._device_wait += time.perf_counter() - t
         self.cache.host_lens[rows] = [len(p) for p in prompts]
-        self._admitted(rows, prompts, first)
+        step.admitted(rows, prompts, first)
         return [[t] for t in first]
-
-    def _prefill_key(self, shape: tuple[int, int]) -> tuple:
-        return ("prefill",) + shape
-
-    def _prefill(self, batch: PromptBatch) -> torch.Tensor:
-        """The device part of admitting `batch` (graph-safe): each prompt's first token (b,)."""
-        raise NotImplementedError
-
-    def _admitted(self, rows: list[int], prompts: list[list[int]], first: list[int]) -> None:
-        """The host part of an admission, once the first tokens are known."""
 
     def release(self, rows: list[int]) -> None:
         """Free rows at once: their cache length drops to 0 and they are frozen."""
         self.epoch[rows] += 1
         self.set_rows(rows, [0] * len(rows))
         self.cache.release(rows)
-
-    def reset(self) -> None:
-        self.free_all()
+        for step in self._used:
+            step.release(rows)
 
     def free_all(self) -> None:
         """Drop the steps in flight and free every row."""
@@ -288,18 +323,33 @@ class SlotDecoder:
         self.release(list(range(self.batch)))
 
     # ---- warm-up ----
-    def warmup(self, rows: int | None = None, prompt_tokens: int = 1024, max_span: int = 2048) -> int:
+    def warmup(self, rows: int | None = None, prompt_tokens: int = 1024, plain_rows: int = 0,
+               max_span: int = 2048) -> int:
         """Capture, before serving, the graphs that requests would otherwise meet cold (each key's
         first call runs eagerly, its second captures; GPU only, nothing to do without graphs):
-        a prefill of one prompt of every padded length up to `prompt_tokens`, and for every row
-        bucket that a batch of up to `rows` rows (default: all) steps over, and every attention span
-        up to `max_span`, a prefill and two steps (longer spans, rarer and costlier to warm, are
-        captured when met). Leaves every row free. Returns how many graphs it captured."""
+        those of the step in use for batches of up to `rows` rows (default: all), then, when
+        `plain_rows` is given and the step in use is not plain, the plain step's for up to that
+        many (a speculating server batch that grows turns plain). Leaves every row free and the
+        same step in use. Returns how many graphs it captured."""
         if not self.graphs.enabled:
             return 0
         before = self.graphs.captured
+        self._warm(rows, prompt_tokens, max_span)
+        if plain_rows and self.current is not self.plain:
+            step = self.current
+            self.use(self.plain)
+            self._warm(plain_rows, prompt_tokens, max_span)
+            self.use(step)
         self.free_all()
-        cap = self.cache.max_len - self.tokens_per_step * 3  # room for two steps and one in flight
+        return self.graphs.captured - before
+
+    def _warm(self, rows: int | None, prompt_tokens: int, max_span: int) -> None:
+        """The step in use's graphs: a prefill of one prompt of every padded length up to
+        `prompt_tokens`, and for every row bucket that a batch of up to `rows` rows steps over, and
+        every attention span up to `max_span`, a prefill and two steps (longer spans, rarer and
+        costlier to warm, are captured when met)."""
+        self.free_all()
+        cap = self.cache.max_len - self.current.tokens_per_step * 3  # room for two steps and one in flight
         t = MIN_BUCKET
         while t <= min(prompt_tokens, cap):
             for _ in range(2):
@@ -321,4 +371,3 @@ class SlotDecoder:
                 for _ in range(2):
                     self.step([2] * k + [0] * (self.batch - k))
                 self.free_all()
-        return self.graphs.captured - before

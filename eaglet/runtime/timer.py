@@ -1,7 +1,8 @@
 """Per-phase time of decoding steps (draft, verify, accept, decode) without host syncs on the
 way: on the GPU each phase is bracketed by CUDA events that are read only when the totals are
 asked for; on the CPU (where work is synchronous) by the wall clock. Asking folds the entries into
-running totals, so a long run (training) that asks now and then keeps a bounded number of events."""
+running totals, so a long run (training) that asks now and then keeps a bounded number of events.
+A decoder takes it as its observer (runtime/observer.py): its steps' phases then run apart, each timed."""
 from __future__ import annotations
 
 import time
@@ -10,8 +11,12 @@ from contextlib import contextmanager
 
 import torch
 
+from .observer import StepObserver
 
-class PhaseTimer:
+
+class PhaseTimer(StepObserver):
+    apart = True
+
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.entries: list[tuple[str, object]] = []  # (phase, ms or (start event, end event)), not yet folded

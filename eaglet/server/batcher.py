@@ -50,9 +50,10 @@ class Batcher:
         self.sampling, self.max_len = sampling, max_len
         self.tokenizer = generator.tokenizer
         self.eos = generator.eos_ids()
-        self.dec = generator.decoder(slots, max_len, sampling)  # rows free; a PlainDecoder or SpecDecoder
-        self.dec.device_wait = 0.0  # the engine's count starts with this batch (not a warm-up's)
-        self.speculative = generator.speculator is not None
+        self.dec = generator.decoder(slots, max_len, sampling)  # rows free, running the generator's step
+        self.dec.take_device_wait()  # the engine's count starts with this batch (not a warm-up's)
+        self.spec = self.dec.current if generator.speculator is not None else None  # its draft counters
+        self.speculative = self.spec is not None
         self.rows: list[Sequence | None] = [None] * slots
 
     @property
@@ -91,10 +92,11 @@ class Batcher:
         return self._emit({r: toks for r, toks in enumerate(new) if toks and self.rows[r] is not None})
 
     def to_plain(self) -> list[Output]:
-        """Decode the running rows and those that join plain from now on (a speculative decoder,
-        which has no way back until the batch ends); the tokens of the steps that were in flight."""
+        """Decode the running rows and those that join plain from now on, on the same cache (a
+        speculating batch, which has no way back until it ends); the tokens of the steps that were
+        in flight."""
         merged: dict[int, list[int]] = {}
-        for new in self.dec.to_plain():
+        for new in self.dec.use(self.dec.plain):
             for r, toks in enumerate(new):
                 if toks and self.rows[r] is not None:
                     merged.setdefault(r, []).extend(toks)
@@ -111,7 +113,7 @@ class Batcher:
     def take_drafted(self) -> SpecMetrics | None:
         """The draft counters of the steps handed out since the last call, over all rows (None for a
         plain batch)."""
-        return self.dec.take_drafted() if self.speculative else None
+        return self.spec.take_drafted() if self.speculative else None
 
     def _emit(self, new: dict[int, list[int]]) -> list[Output]:
         out = []
@@ -120,7 +122,7 @@ class Batcher:
             try:
                 text, n = seq.push_many(toks)
                 if seq.finish_reason and self.speculative:
-                    seq.spec = self.dec.counters.of(r)
+                    seq.spec = self.spec.counters.of(r)
                 out.append(Output(r, seq, text, n))
             except Exception as e:  # fails this row's request only
                 log.exception("request %s failed in row %d", seq.request.id, r)

@@ -7,12 +7,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from ..args import add_model_args, add_spec_args, model_kernels, spec_config
 from ..errors import EagletError
 
 
 def add_serve_parsers(sub) -> None:
-    from ..cli import add_model_args, add_spec_args  # here, not at the top: eaglet.cli imports this module
-
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with speculative decoding",
                         description="Serve the model over the OpenAI API: /v1/chat/completions and /v1/completions "
                                     "(streamed or not), /v1/models, /health, and Prometheus /metrics. Requests are "
@@ -68,7 +67,6 @@ def cmd_serve(args) -> int:
 
     import uvicorn
 
-    from ..cli import spec_config
     from ..errors import InvalidInput
     from ..generate import Generator
     from ..weights import load_model
@@ -91,7 +89,7 @@ def cmd_serve(args) -> int:
             print(f"[eaglet] warning: {args.spec_policy} profiled the {profiled} drafter; serving {spec.method}",
                   file=sys.stderr)
     max_spec = args.spec_max_batch if args.spec_max_batch is not None or table else 1
-    loaded = load_model(args.model, args.dtype, args.device)
+    loaded = load_model(args.model, args.dtype, args.device, kernels=model_kernels(args))
     if loaded.tokenizer is None:
         raise EagletError(f"{loaded.path}: the model directory has no tokenizer files")
     speculator = None

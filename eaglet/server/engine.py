@@ -28,7 +28,7 @@ would now differ is replaced by a new one. When requests wait to join a speculat
 grown batch (running + waiting of its group, capped) is one the policy decodes plain, or larger
 than any batch the policy chooses the batch's setting for (SpecPolicy.reach, as far as warm-up
 captures that setting's graphs), the batch turns plain where it stands (its decoder decodes plain
-on the same cache, SpecDecoder.to_plain) and takes them in: nobody waits for the speculating
+on the same cache, Batcher.to_plain) and takes them in: nobody waits for the speculating
 requests to finish. (Moving the requests to a batch of the grown size's setting, each prefilled again, was measured
 to lose far more than it gains: BENCHMARKS.md, nineteenth session.) Each setting has its own
 Generator (one model), so its decoder and CUDA graphs are reused the next time it is chosen.
@@ -171,7 +171,7 @@ class Engine:
     def warmup(self) -> int:
         """Before the first request (GPU, graphs on): capture the CUDA graphs of every decoder the
         policy can choose, for greedy requests, so no request meets a graph's eager first call
-        (SlotDecoder.warmup). A setting chosen for batches of up to n requests is warmed for n
+        (Decoder.warmup). A setting chosen for batches of up to n requests is warmed for n
         rows, and for every row in plain mode (its batch may grow and turn plain). Returns how
         many graphs were captured."""
         if not graphs_on(self.generator):
@@ -287,7 +287,7 @@ class Engine:
                     idle, self.idle_since = woke - self.idle_since, None
                 cancels, self.cancels = self.cancels, []
                 self.load.note(len(self.waiting) + (self.batcher.running if self.batcher else 0))
-                group, admit, setting, n = self._take()
+                group, admit, setting, n = self.next_admission()
                 switch, self.switch = self.switch, False
                 self.metrics.waiting.labels(self.metrics.name).set(len(self.waiting))
             for req in cancels:
@@ -341,13 +341,9 @@ class Engine:
 
     def _device_wait(self) -> float:
         """The seconds the current batch's decoder has spent blocked on the device since last asked."""
-        dec = self.batcher.dec if self.batcher is not None else None
-        if dec is None:
-            return 0.0
-        w, dec.device_wait = dec.device_wait, 0.0
-        return w
+        return self.batcher.dec.take_device_wait() if self.batcher is not None else 0.0
 
-    def _take(self) -> tuple[SamplingParams | None, list[Request], str | None, int]:
+    def next_admission(self) -> tuple[SamplingParams | None, list[Request], str | None, int]:
         """Under the lock: the sampling group of a batch to start (None: keep the current batch),
         the requests to admit in arrival order, and for a new batch its setting (None: plain) and
         the request count the policy chose it by."""
@@ -408,7 +404,8 @@ class Engine:
         gen = self.generators.get(setting)
         if gen is None:
             g = self.generator
-            gen = Generator(g.model, g.tokenizer, self.policy.speculator(setting), graphs=g.graphs, timer=g.timer)
+            gen = Generator(g.model, g.tokenizer, self.policy.speculator(setting), graphs=g.graphs,
+                            observer=g.observer)
             self.generators[setting] = gen
         return gen
 

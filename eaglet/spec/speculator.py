@@ -8,7 +8,7 @@ import torch
 
 from ..config import SpecConfig
 from ..errors import ModelLoadError
-from ..models.llama import CausalLM
+from ..models.llama import CausalLM, compile_elementwise
 from ..sampling import SamplingParams
 from .drafters.base import Drafter
 from .drafters.draft_model import DraftModelDrafter
@@ -32,7 +32,7 @@ class Speculator:
         # a drafter's cache also holds the block absorbed each step and the drafted nodes
         room = max_len + self.spec.steps + 2 + self.spec.steps * self.spec.topk + self.spec.draft_tokens
         if self.spec.method == "ngram":
-            return NgramDrafter(self.spec, batch, room, next(target.parameters()).device)
+            return NgramDrafter(self.spec, batch, room, next(target.parameters()).device, target.kernels)
         if self.spec.method == "draft":
             return DraftModelDrafter(self.draft_model, target, self.spec, sampling, batch, room, generator)
         return Eagle3Drafter(self.head, target, self.spec, sampling, batch, room, self.head_embed, generator)
@@ -45,8 +45,9 @@ def bundled_drafter() -> Path | None:
 
 
 def load_speculator(spec: SpecConfig, target: CausalLM, target_path: Path | None = None,
-                    device=None, dtype=None, compile: bool = True) -> Speculator:
-    """target_path None means the embedded default model (which has a bundled EAGLE-3 drafter)."""
+                    device=None, dtype=None) -> Speculator:
+    """target_path None means the embedded default model (which has a bundled EAGLE-3 drafter). The
+    drafter runs the target's kernels."""
     p = next(target.parameters())
     device, dtype = device or p.device, dtype or p.dtype
     if spec.method == "ngram":
@@ -56,7 +57,7 @@ def load_speculator(spec: SpecConfig, target: CausalLM, target_path: Path | None
             raise ModelLoadError("--spec draft needs --draft PATH (a smaller model with the same tokenizer)")
         from ..weights.loader import load_model
 
-        dm = load_model(spec.draft, dtype, device, tokenizer=False, compile=compile).model
+        dm = load_model(spec.draft, dtype, device, tokenizer=False, kernels=target.kernels).model
         if dm.config.vocab_size != target.config.vocab_size:
             raise ModelLoadError(f"draft model vocabulary {dm.config.vocab_size} does not match the target's "
                                  f"{target.config.vocab_size}")
@@ -66,10 +67,8 @@ def load_speculator(spec: SpecConfig, target: CausalLM, target_path: Path | None
     path = spec.draft or (bundled_drafter() if target_path is None else None)
     if path is None:
         raise ModelLoadError("--spec eagle3 needs --draft PATH (an EAGLE-3 drafter directory) for this model")
-    head, embed = load_eagle3(path, target.config, device, dtype, target.lm_head.weight)
+    head, embed = load_eagle3(path, target.config, device, dtype, target.lm_head.weight, target.kernels)
     head.fuse_projections()
-    from ..runtime.compile import compile_kernels
-
-    if compile:
-        compile_kernels(head)
+    if head.kernels.compile:
+        compile_elementwise(head)
     return Speculator(spec, head=head, head_embed=embed, draft_path=str(path))

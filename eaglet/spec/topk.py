@@ -16,11 +16,10 @@ CHUNK-wide piece gives its own k best (and its max and sum of exponentials), and
 picks the row's k best among those: the same picks, ties included (the k best of a row are among
 its pieces' k best, each taken lowest index first), and the log-softmax from the pieces' sums.
 
-Enabled by runtime/compile.py on the GPU; under TRITON_INTERPRET=1 (the CPU tests) on any device.
+Used where a model's `Kernels.topk` is on (eaglet/kernels.py: the GPU); under TRITON_INTERPRET=1
+(the CPU tests) on any device.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -32,31 +31,27 @@ try:
 except ImportError:  # CPU installs without Triton
     triton = None
 
-_on = False
 MAX_WIDTH = 1 << 16  # wider rows (a full 128k vocabulary) would spill registers: torch.topk
 MAX_K = 64
 SPLIT_WIDTH = 4096  # rows at least this wide take the two-kernel path
 CHUNK = 1024
 
 
-def enable(on: bool = True) -> None:
-    global _on
-    _on = on and os.environ.get("EAGLET_TOPK", "1") != "0"
-
-
 def usable(x: torch.Tensor, k: int) -> bool:
-    return (_on and triton is not None and (x.is_cuda or INTERPRET) and 1 <= k <= min(MAX_K, x.shape[-1])
+    """Whether the kernel takes these rows (callers ask only where Kernels.topk is on)."""
+    return (triton is not None and (x.is_cuda or INTERPRET) and 1 <= k <= min(MAX_K, x.shape[-1])
             and x.shape[-1] <= MAX_WIDTH and not (x.requires_grad and torch.is_grad_enabled()))
 
 
 def topk(x: torch.Tensor, k: int, log_softmax: bool = False, stable: bool = False,
-         offset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+         offset: torch.Tensor | None = None, kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(values float32, indices int64), each (..., k): the k largest of x along its last dim, largest
     first; with `log_softmax`, of x.float().log_softmax(-1); `stable`: ties to the lower index on
     every path (the kernel always does). `offset` (x.shape[:-1], float32) is added to each row's
     values (a tree node's children: their log-probabilities plus the node's score); the order of a
-    row does not change with it."""
-    if not usable(x, k):
+    row does not change with it. `kernel`: the Triton kernel where it can (Kernels.topk), torch.topk
+    otherwise."""
+    if not (kernel and usable(x, k)):
         y = x.float().log_softmax(-1) if log_softmax else x.float()
         if stable:
             v, i = y.sort(dim=-1, descending=True, stable=True)
@@ -78,14 +73,14 @@ def topk(x: torch.Tensor, k: int, log_softmax: bool = False, stable: bool = Fals
         part_v = torch.empty(m, nc, k, dtype=torch.float32, device=x.device)
         part_i = torch.empty(m, nc, k, dtype=torch.long, device=x.device)
         stats = torch.empty(m, nc, 2, dtype=torch.float32, device=x.device)  # each piece's max, sum of exp
-        _chunk_topk[(m, nc)](rows, part_v, part_i, stats, n, rows.stride(0), K=k, CHUNK=CHUNK,
+        chunk_topk_kernel[(m, nc)](rows, part_v, part_i, stats, n, rows.stride(0), K=k, CHUNK=CHUNK,
                              LOG_SOFTMAX=log_softmax, num_warps=4)
-        _merge_topk[(m,)](part_v, part_i, stats, vals, idx, off, n, nc, K=k, BLOCK=max(16, pow2(nc * k)),
+        merge_topk_kernel[(m,)](part_v, part_i, stats, vals, idx, off, n, nc, K=k, BLOCK=max(16, pow2(nc * k)),
                           CB=max(16, pow2(nc)), LOG_SOFTMAX=log_softmax, OFFSET=offset is not None, num_warps=1)
     else:
         block = max(16, pow2(n))
         # 16 warps for a 16,384-wide row: 8.9 µs against 10.1 with 8 (H200, topk-probe-gpu-20261130-170009.json)
-        _row_topk[(m,)](rows, vals, idx, off, n, rows.stride(0), K=k, BLOCK=block, LOG_SOFTMAX=log_softmax,
+        row_topk_kernel[(m,)](rows, vals, idx, off, n, rows.stride(0), K=k, BLOCK=block, LOG_SOFTMAX=log_softmax,
                         OFFSET=offset is not None, num_warps=min(16, max(1, block // 1024)))
     return vals.view(*x.shape[:-1], k), idx.view(*x.shape[:-1], k)
 
@@ -105,7 +100,7 @@ if triton is not None:
         return x, offs, live, top, lse
 
     @triton.jit
-    def _row_topk(x_ptr, val_ptr, idx_ptr, off_ptr, n, stride, K: tl.constexpr, BLOCK: tl.constexpr,
+    def row_topk_kernel(x_ptr, val_ptr, idx_ptr, off_ptr, n, stride, K: tl.constexpr, BLOCK: tl.constexpr,
                   LOG_SOFTMAX: tl.constexpr, OFFSET: tl.constexpr):
         row = tl.program_id(0)
         x, offs, live, top, lse = row_stats(x_ptr, n, stride, BLOCK, LOG_SOFTMAX)
@@ -123,7 +118,7 @@ if triton is not None:
             live = live & (offs != at)
 
     @triton.jit
-    def _chunk_topk(x_ptr, part_v, part_i, stats, n, stride, K: tl.constexpr, CHUNK: tl.constexpr,
+    def chunk_topk_kernel(x_ptr, part_v, part_i, stats, n, stride, K: tl.constexpr, CHUNK: tl.constexpr,
                     LOG_SOFTMAX: tl.constexpr):
         """One CHUNK-wide piece of a row: its k largest raw values with their row indices, lowest
         index first among equals (a piece with fewer than k entries pads with -inf at indices n,
@@ -147,9 +142,9 @@ if triton is not None:
             live = live & (offs != at)
 
     @triton.jit
-    def _merge_topk(part_v, part_i, stats, val_ptr, idx_ptr, off_ptr, n, nc, K: tl.constexpr, BLOCK: tl.constexpr,
+    def merge_topk_kernel(part_v, part_i, stats, val_ptr, idx_ptr, off_ptr, n, nc, K: tl.constexpr, BLOCK: tl.constexpr,
                     CB: tl.constexpr, LOG_SOFTMAX: tl.constexpr, OFFSET: tl.constexpr):
-        """A row's k best among its pieces' (as _row_topk picks them), log-softmaxed with the row's
+        """A row's k best among its pieces' (as row_topk_kernel picks them), log-softmaxed with the row's
         max and log(sum(exp(x - max))) gathered from the pieces'."""
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..runtime.compile import fusable
+from ..kernels import EAGER, Kernels, fusable
 from .topk import topk
 
 
@@ -32,8 +32,9 @@ class DraftProposal:
 
     @staticmethod
     def from_parents(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor | None = None,
-                     q: torch.Tensor | None = None, max_depth: int | None = None) -> "DraftProposal":
-        mask, depth = ancestor_mask(parents, max_depth)
+                     q: torch.Tensor | None = None, max_depth: int | None = None,
+                     kernels: Kernels = EAGER) -> "DraftProposal":
+        mask, depth = kernels.fuse(ancestor_mask)(parents, max_depth)
         if valid is None:
             valid = torch.ones_like(tokens, dtype=torch.bool)
         return DraftProposal(tokens, parents, depth, mask, valid, q)
@@ -66,7 +67,7 @@ def chain(tokens: torch.Tensor, q: torch.Tensor | None = None, valid: torch.Tens
 
 
 def select_tree(roots: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: torch.Tensor,
-                cand_scores: torch.Tensor, num_nodes: int, max_depth: int) -> DraftProposal:
+                cand_scores: torch.Tensor, num_nodes: int, max_depth: int, kernels: Kernels = EAGER) -> DraftProposal:
     """Keep the best `num_nodes - 1` candidates by cumulative log-probability (EAGLE-2).
 
     cand_* are (B, C), generated level by level so a parent's index is below its children's;
@@ -76,8 +77,9 @@ def select_tree(roots: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: to
     float32 it rounds away once |score| > ~16, and topk orders exact ties arbitrarily.)
     Depths come from the kept parents (ancestor_mask), so the candidates carry none.
     """
-    best = topk(cand_scores, num_nodes - 1, stable=True)[1]  # ties: lower id first
-    tokens, parents, depth, mask, score = kept_tree(best, roots, cand_tokens, cand_parents, cand_scores, max_depth)
+    best = topk(cand_scores, num_nodes - 1, stable=True, kernel=kernels.topk)[1]  # ties: lower id first
+    tokens, parents, depth, mask, score = kernels.fuse(kept_tree)(best, roots, cand_tokens, cand_parents,
+                                                                  cand_scores, max_depth)
     return DraftProposal(tokens, parents, depth, mask, torch.ones_like(tokens, dtype=torch.bool), score=score)
 
 
@@ -95,6 +97,6 @@ def kept_tree(best: torch.Tensor, roots: torch.Tensor, cand_tokens: torch.Tensor
     par_new = torch.where(par >= 0, new_pos.gather(1, par.clamp(min=0)), torch.zeros_like(par))
     tokens = torch.cat([roots[:, None], cand_tokens.gather(1, idx)], 1)  # (B, N)
     parents = torch.cat([torch.full_like(roots[:, None], -1), par_new], 1)
-    mask, depth = ancestor_mask.__wrapped__(parents, max_depth)  # inside this compiled function
+    mask, depth = ancestor_mask(parents, max_depth)  # traced into this function's compiled body
     score = torch.cat([torch.zeros_like(cand_scores[:, :1]), cand_scores.gather(1, idx)], 1)
     return tokens, parents, depth, mask, score

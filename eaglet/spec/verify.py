@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..runtime.compile import fusable
+from ..kernels import EAGER, Kernels, fusable
 from ..sampling import sample_probs
 from .tree import DraftProposal
 
@@ -48,9 +48,10 @@ def emitted_path(tokens: torch.Tensor, path: torch.Tensor, count: torch.Tensor, 
     return path, count, emitted, bonus
 
 
-def greedy_verify(prop: DraftProposal, target_argmax: torch.Tensor, max_depth: int) -> VerifyResult:
+def greedy_verify(prop: DraftProposal, target_argmax: torch.Tensor, max_depth: int,
+                  kernels: Kernels = EAGER) -> VerifyResult:
     """target_argmax (B, N): the target's argmax next token at every node."""
-    return VerifyResult(*greedy_accept(prop.tokens, prop.parents, prop.valid, target_argmax, max_depth))
+    return VerifyResult(*kernels.fuse(greedy_accept)(prop.tokens, prop.parents, prop.valid, target_argmax, max_depth))
 
 
 @fusable

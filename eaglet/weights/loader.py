@@ -15,7 +15,8 @@ import torch
 from ..config import ModelConfig
 from ..default_model import default_model_path
 from ..errors import ModelLoadError
-from ..models.llama import CausalLM
+from ..kernels import Kernels
+from ..models.llama import CausalLM, compile_elementwise
 from ..tokenizer import Tokenizer
 from . import safetensors_dir
 from .gguf_cache import converted_dir
@@ -82,21 +83,26 @@ def load_state(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor]]
                              + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
 
 
-def build_model(config: ModelConfig, pairs, device: torch.device, dtype: torch.dtype, source: str = "") -> CausalLM:
+def build_model(config: ModelConfig, pairs, device: torch.device, dtype: torch.dtype, source: str = "",
+                kernels: Kernels | None = None) -> CausalLM:
+    """The model filled from `pairs`, running `kernels` (default: Kernels.choose for the device)."""
+    kernels = Kernels.choose(device) if kernels is None else kernels
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = CausalLM(config, kernels)
     model = model.to_empty(device=device).to(dtype)
     model.post_materialize()
     load_state(model, pairs, source)
     model.fuse_projections()
+    if kernels.compile:
+        compile_elementwise(model)
     return model.eval().requires_grad_(False)
 
 
 def load_model(path: str | Path | None = None, dtype: str | torch.dtype | None = None,
                device: str | torch.device | None = None, tokenizer: bool = True,
-               compile: bool = True) -> LoadedModel:
-    """Load a Llama-family model from a HF directory or a GGUF file (None: the embedded default).
-    On the GPU, `compile` fuses its elementwise kernels (runtime/compile.py)."""
+               kernels: Kernels | None = None) -> LoadedModel:
+    """Load a Llama-family model from a HF directory or a GGUF file (None: the embedded default),
+    running `kernels` (eaglet/kernels.py; default: the best the device has)."""
     path = Path(path) if path is not None else default_model_path()
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist")
@@ -110,10 +116,6 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype | None =
         raise ModelLoadError(f"{path}: neither a HF model directory nor a GGUF file")
     hf = safetensors_dir.read_config(weights_dir)
     config = ModelConfig.from_hf(hf)
-    model = build_model(config, safetensors_dir.iter_tensors(weights_dir), dev, dt, source=str(path))
-    if compile:
-        from ..runtime.compile import compile_kernels
-
-        compile_kernels(model)
+    model = build_model(config, safetensors_dir.iter_tensors(weights_dir), dev, dt, source=str(path), kernels=kernels)
     tok = Tokenizer.from_dir(weights_dir, config) if tokenizer else None
     return LoadedModel(model=model, tokenizer=tok, config=config, path=path, weights_dir=weights_dir)

@@ -12,6 +12,7 @@ own state (caches, token history) consistent with the target's committed sequenc
 """
 from __future__ import annotations
 
+import copy
 from typing import Protocol
 
 import torch
@@ -47,6 +48,17 @@ class Drafter(Protocol):
     def rows(self, k: int) -> "Drafter":
         """The drafter over rows 0..k-1 only (sharing this one's state): what a step over the first
         k rows of the batch proposes with and commits to."""
+
+
+def row_view(drafter, k: int):
+    """A shallow copy of a drafter over rows 0..k-1 (what `rows(k)` gives): its `row_tensors` and
+    its `cache` (if it has one) sliced (views: writes land in the original's storage)."""
+    v = copy.copy(drafter)
+    for name in drafter.row_tensors:
+        setattr(v, name, getattr(drafter, name)[:k])
+    if getattr(drafter, "cache", None) is not None:
+        v.cache = drafter.cache.view(0, k)
+    return v
 
 
 def start_rows(drafter: Drafter, rows: list[int], prompts: list[list[int]], taps: torch.Tensor | None,

@@ -25,7 +25,7 @@ class DraftModelDrafter(NeuralDrafter):
         p = next(draft.parameters())
         cache = KVCache.for_model(draft.config, batch, max_len, p.dtype, p.device)
         super().__init__(spec, sampling, target.config.vocab_size, generator, cache, draft.config.hidden_size)
-        self.model, self.window = draft, draft.config.sliding_window
+        self.model, self.window, self.kernels = draft, draft.config.sliding_window, draft.kernels
 
     def prompt_inputs(self, batch, taps, first):
         ids = torch.cat([batch.ids, batch.ids[:, :1]], 1).scatter(1, batch.lens[:, None], first[:, None])  # prompt, first

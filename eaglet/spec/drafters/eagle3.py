@@ -3,7 +3,7 @@
 The head's sequence is pairs (target feature at position t, token at t+1), at position t. When a
 prompt is admitted it absorbs the prompt's pairs; after each verify, one pair per accepted node
 (its target taps with the next emitted token), absorbed at the start of the next propose. Drafting
-then feeds the head its own output as the feature of the next position (reference/eagle3.md,
+then feeds the head its own output as the feature of the next position (docs/eagle3.md,
 "Feedback").
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ class Eagle3Drafter(NeuralDrafter):
         c = head.cfg.layer
         cache = KVCache(c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, p.dtype, p.device)
         super().__init__(spec, sampling, target.config.vocab_size, generator, cache, c.hidden_size)
-        self.head, self.taps = head, head.cfg.aux_layers
+        self.head, self.taps, self.kernels = head, head.cfg.aux_layers, head.kernels
         self.embed_weight = embed.to(p) if embed is not None else target.model.embed_tokens.weight
         self.d2t_ids = head.draft_to_target()
         self.full_vocab = head.cfg.draft_vocab_size == target.config.vocab_size

@@ -1,7 +1,7 @@
 """EAGLE-3 checkpoints: read the SGLang / SpecForge / EAGLE format and vLLM's speculators variant,
 check them against the target, and write the SGLang format.
 
-Layer-id conventions (reference/eagle3.md): SGLang's `eagle_config.eagle_aux_hidden_state_layer_ids`
+Layer-id conventions (docs/eagle3.md): SGLang's `eagle_config.eagle_aux_hidden_state_layer_ids`
 name the *output* of layer k, i.e. the input of k+1; the speculators' top-level
 `eagle_aux_hidden_state_layer_ids` name inputs as-is. eaglet stores inputs (Eagle3Config.aux_layers).
 """
@@ -19,6 +19,7 @@ import torch
 
 from ...config import ModelConfig
 from ...errors import ModelLoadError
+from ...kernels import EAGER, Kernels
 from ...weights.safetensors_dir import iter_tensors, read_config
 from .eagle3_head import Eagle3Config, Eagle3Head
 
@@ -87,11 +88,12 @@ def head_layers(tensors: dict, cfg: dict, path) -> int:
     return n
 
 
-def load_eagle3(path: str | Path, target: ModelConfig, device, dtype,
-                lm_head: torch.Tensor | None = None) -> tuple[Eagle3Head, torch.Tensor | None]:
+def load_eagle3(path: str | Path, target: ModelConfig, device, dtype, lm_head: torch.Tensor | None = None,
+                kernels: Kernels = EAGER) -> tuple[Eagle3Head, torch.Tensor | None]:
     """Load a drafter directory; returns (head, its own embedding weight or None to use the target's).
     A checkpoint without lm_head.weight drafts over the whole vocabulary through the target's output
-    layer, `lm_head` (V, H), as SGLang (no draft_vocab_size: the target's head) and vLLM load it."""
+    layer, `lm_head` (V, H), as SGLang (no draft_vocab_size: the target's head) and vLLM load it.
+    The head runs `kernels` (the target's, when it drafts for one)."""
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(f"drafter path {str(path)!r} is not a directory")
@@ -119,7 +121,7 @@ def load_eagle3(path: str | Path, target: ModelConfig, device, dtype,
     from ...weights.loader import OPTIONAL, load_state
 
     with torch.device("meta"):
-        head = Eagle3Head(cfg)
+        head = Eagle3Head(cfg, kernels)
     head = head.to_empty(device=device)
     head.post_materialize()
     head.d2t.zero_()

@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft head (see shared reference/eagle3.md): `fc` fuses the target's residual
+"""The EAGLE-3 draft head (docs/eagle3.md): `fc` fuses the target's residual
 stream entering three layers (low, mid, high); one decoder layer ("midlayer") attends over
 [input_layernorm(embed(token)); hidden_norm(h)]; `norm` then `lm_head` over the draft vocabulary,
 mapped to target ids by the `d2t` offsets. Module names are the SGLang/SpecForge checkpoint names.
@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from ...config import ModelConfig, rope_inv_freq
-from ...kvcache import KVCache
+from ...kernels import EAGER, Kernels, fusable
+from ...kvcache import Cache
 from ...models.attention import AttnMeta
 from ...models.linear import Linear
 from ...models.llama import MLP, Attention, DecoderLayer, RMSNorm, rms_norm, rope_cos_sin
-from ...runtime.compile import fusable
 
 
 @dataclass(frozen=True)
@@ -50,21 +50,22 @@ class Eagle3Config:
 
 
 class Eagle3Layer(nn.Module):
-    def __init__(self, cfg: Eagle3Config):
+    def __init__(self, cfg: Eagle3Config, kernels: Kernels = EAGER):
         super().__init__()
         c = cfg.layer
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c, layer=0, in_features=2 * c.hidden_size)
+        self.self_attn = Attention(c, layer=0, in_features=2 * c.hidden_size, kernels=kernels)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c)
+        self.mlp = MLP(c, kernels)
         self.norm_before_residual = cfg.norm_before_residual
+        self.input = kernels.fuse(midlayer_input)
 
-    def forward(self, emb, h, cos, sin, cache: KVCache, meta: AttnMeta):
+    def forward(self, emb, h, cos, sin, cache: Cache, meta: AttnMeta | None):
         """(MLP output, residual stream), as models.llama.DecoderLayer returns them: their sum is the
         layer's output, and the next norm adds them in its kernel."""
         e, n = self.input_layernorm, self.hidden_norm
-        x, hn = midlayer_input(emb, h, e.weight, n.weight, e.eps, n.eps)  # (B, T, 2H): embedding first
+        x, hn = self.input(emb, h, e.weight, n.weight, e.eps, n.eps)  # (B, T, 2H): embedding first
         # the residual add and the norm in one kernel (RMSNorm with a residual returns both)
         x, h = self.post_attention_layernorm(self.self_attn(x, cos, sin, cache, meta),
                                              hn if self.norm_before_residual else h)
@@ -86,16 +87,20 @@ def random_like_rows(w: torch.Tensor, n: int, generator: torch.Generator | None)
 
 
 class Eagle3Head(nn.Module):
-    def __init__(self, cfg: Eagle3Config):
+    """`kernels`: what the head runs (eaglet/kernels.py), the target's when it drafts for one; EAGER for
+    training and for the heads that widen or reshape this one."""
+
+    def __init__(self, cfg: Eagle3Config, kernels: Kernels = EAGER):
         super().__init__()
         c = cfg.layer
-        self.cfg = cfg
-        self.fc = Linear(len(cfg.aux_layers) * cfg.target_hidden_size, c.hidden_size, bias=False)
-        self.midlayer = Eagle3Layer(cfg)
+        self.cfg, self.kernels = cfg, kernels
+        self.fc = Linear(len(cfg.aux_layers) * cfg.target_hidden_size, c.hidden_size, bias=False, kernels=kernels)
+        self.midlayer = Eagle3Layer(cfg, kernels)
         # vLLM's later layers, named as in its checkpoints (layers.1, layers.2, ...): the target's decoder layer
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i) for i in range(1, c.num_layers)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(c, i, kernels) for i in range(1, c.num_layers)})
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = Linear(c.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.lm_head = Linear(c.hidden_size, cfg.draft_vocab_size, bias=False, kernels=kernels)
+        self.cos_sin = kernels.fuse(rope_cos_sin)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
         self.register_buffer("inv_freq", rope_inv_freq(c.rope, c.head_dim), persistent=False)
@@ -255,7 +260,7 @@ class Eagle3Head(nn.Module):
     def post_materialize(self) -> None:
         self.inv_freq = rope_inv_freq(self.cfg.layer.rope, self.cfg.layer.head_dim).to(self.fc.weight.device)
 
-    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: Cache,
                 meta: AttnMeta | None) -> torch.Tensor:
         """emb (B, T, H) token embeddings; hidden (B, T, H) already fused (`fc(taps)`) or the head's
         own previous output. Returns the last layer's output (B, T, H) before the final norm. In
@@ -266,7 +271,7 @@ class Eagle3Head(nn.Module):
     def layer_stack(self, emb, hidden, positions, cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """The last layer's (MLP output, residual stream): every layer, the last residual add left to
         the caller (the final norm's kernel, in `step`)."""
-        cos, sin = rope_cos_sin(positions, self.inv_freq, emb.dtype)
+        cos, sin = self.cos_sin(positions, self.inv_freq, emb.dtype)
         out, residual = self.midlayer(emb, hidden, cos, sin, cache, meta)
         for layer in self.layers.values():
             out, residual = layer(out, residual, cos, sin, cache, meta)
@@ -275,7 +280,7 @@ class Eagle3Head(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))  # (..., Vd)
 
-    def step(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+    def step(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: Cache,
              meta: AttnMeta) -> tuple[torch.Tensor, torch.Tensor]:
         """`logits(forward(...))` and the output, with the last residual add inside the final norm."""
         normed, h = self.norm(*self.layer_stack(emb, hidden, positions, cache, meta))

@@ -23,10 +23,10 @@ from ...config import SpecConfig
 from ...kvcache import KVCache
 from ...models.attention import AttnMeta
 from ...models.prefill import FreshRows, PromptBatch, fresh_meta
-from ...runtime.compile import fusable
-from ...runtime.decoder import row_prefix
+from ...kernels import EAGER, fusable
 from ...sampling import SamplingParams, sample_probs, target_probs
 from ..topk import topk
+from .base import row_view
 from ..tree import DraftProposal, chain, select_tree
 
 
@@ -36,6 +36,7 @@ class NeuralDrafter:
     feeds_state = False  # True: draft steps take their parent's hidden state (EAGLE-3)
     window: int | None = None  # the drafter's sliding attention window, if any
     fed_past_prompt = 0  # what an admitted prompt feeds the drafter: its tokens plus this many
+    kernels = EAGER  # what the drafter's model runs (set by subclasses from it)
 
     def __init__(self, spec: SpecConfig, sampling: SamplingParams, vocab_size: int, generator,
                  cache: KVCache, hidden_size: int):
@@ -79,18 +80,19 @@ class NeuralDrafter:
     # ---- state ----
     def rows(self, k: int) -> "NeuralDrafter":
         """This drafter over rows 0..k-1: the same storage, sliced."""
-        return row_prefix(self, k)
+        return row_view(self, k)
 
     def _run_block(self, cache: KVCache, ids, feats) -> torch.Tensor:
         positions = cache.lens[:, None] + torch.arange(ids.shape[1], device=ids.device)  # (B, T)
-        meta = AttnMeta.build(cache.lens, positions, cache.kv_len(ids.shape[1]), sliding_window=self.window)
+        meta = AttnMeta.build(cache.lens, positions, cache.kv_len(ids.shape[1]), sliding_window=self.window,
+                              kernels=self.kernels)
         return self.absorb(cache, ids, feats, positions, meta)
 
     def start(self, batch, taps, first) -> None:
         ids, feats = self.prompt_inputs(batch, taps, first)
         counts = batch.lens + self.fed_past_prompt
         b, t = ids.shape
-        positions, meta = fresh_meta(b, t, ids.device, self.window)
+        positions, meta = fresh_meta(b, t, ids.device, self.window, self.kernels)
         h = self.absorb(FreshRows(self.cache, batch.rows), ids, feats, positions, meta)  # (b, T, H)
         self.cache.lens.index_copy_(0, batch.rows, counts)
         self.root_h.index_copy_(0, batch.rows, h.gather(1, (counts - 1)[:, None, None].expand(b, 1, h.shape[-1]))[:, 0])
@@ -115,7 +117,7 @@ class NeuralDrafter:
         `pending` nodes of earlier levels in the uncommitted block."""
         positions = (self.cache.lens + (depth - 1))[:, None].expand(b, k)
         meta = AttnMeta.build(self.cache.lens, positions, self.cache.kv_len(pending + k), tree_mask=mask,
-                              pending=pending, sliding_window=self.window)
+                              pending=pending, sliding_window=self.window, kernels=self.kernels)
         return positions, meta
 
     def catch_up(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -170,7 +172,8 @@ class NeuralDrafter:
     def _tree(self, roots, logits, state) -> DraftProposal:
         k, steps = self.spec.topk, self.spec.steps
         b, dev = roots.shape[0], roots.device
-        score, ids = topk(logits, k, log_softmax=True)  # (B, K)
+        fuse, kernel = self.kernels.fuse, self.kernels.topk
+        score, ids = topk(logits, k, log_softmax=True, kernel=kernel)  # (B, K)
         c_tok, c_score, fronts = [ids], [score], []  # candidates level by level; each level's parents
         front_cand = torch.arange(k, device=dev).expand(b, k)  # candidate index of each frontier node
         front_state = None if state is None else state[:, None].expand(b, k, *state.shape[1:])
@@ -179,17 +182,19 @@ class NeuralDrafter:
         for d in range(1, steps):
             p = (d - 1) * k  # nodes already in the drafter's uncommitted block
             if d > 1:
-                mask, anc = level_mask(anc, par_fed)
+                mask, anc = fuse(level_mask)(anc, par_fed)
             logits, out_state = self.draft_step(ids, front_state, d, mask, pending=p)
             # each node's k best children, scored by cumulative log-probability
-            child_score, child_ids = topk(logits, k, log_softmax=True, offset=score)  # (B, K, K)
+            child_score, child_ids = topk(logits, k, log_softmax=True, offset=score, kernel=kernel)  # (B, K, K)
             c_tok.append(child_ids.flatten(1))
             c_score.append(child_score.flatten(1))
             fronts.append(front_cand)
-            score, best = topk(child_score.flatten(1), k)  # the next frontier: (B, K)
-            ids, front_cand, par_fed, front_state = next_frontier(best, child_ids, out_state, k + (d - 1) * k * k, p)
-        tokens, parents, scores = candidates(c_tok, c_score, fronts)
-        return select_tree(roots, self.to_target(tokens), parents, scores, self.spec.draft_tokens, max_depth=steps)
+            score, best = topk(child_score.flatten(1), k, kernel=kernel)  # the next frontier: (B, K)
+            ids, front_cand, par_fed, front_state = fuse(next_frontier)(best, child_ids, out_state,
+                                                                        k + (d - 1) * k * k, p)
+        tokens, parents, scores = fuse(candidates)(c_tok, c_score, fronts)
+        return select_tree(roots, self.to_target(tokens), parents, scores, self.spec.draft_tokens, max_depth=steps,
+                           kernels=self.kernels)
 
 
 @fusable

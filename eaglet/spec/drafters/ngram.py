@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from ...config import SpecConfig
-from ...runtime.compile import fusable
-from ...runtime.decoder import row_prefix
+from ...kernels import EAGER, Kernels, fusable
 from ..tree import DraftProposal, chain
+from .base import row_view
 
 
 @fusable
@@ -79,8 +79,8 @@ class NgramDrafter:
     graphable = True
     row_tensors = ("hist", "lens")  # sliced by rows(k)
 
-    def __init__(self, spec: SpecConfig, batch: int, max_len: int, device=None):
-        self.spec = spec
+    def __init__(self, spec: SpecConfig, batch: int, max_len: int, device=None, kernels: Kernels = EAGER):
+        self.spec, self.kernels = spec, kernels
         self.hist = torch.zeros(batch, max_len, dtype=torch.long, device=device)  # prompt, then emitted tokens
         self.lens = torch.zeros(batch, dtype=torch.long, device=device)
 
@@ -111,16 +111,16 @@ class NgramDrafter:
         self.lens[rows] = 0
 
     def rows(self, k: int) -> "NgramDrafter":
-        return row_prefix(self, k)
+        return row_view(self, k)
 
     def propose(self, roots: torch.Tensor) -> DraftProposal:
         """roots are the histories' last tokens (the last emitted ones)."""
         sp = self.spec
         want = 1 if sp.is_chain else sp.topk
-        conts, ok = continuations(self.hist, self.lens, sp.ngram_min, sp.ngram_max, sp.steps, want)
+        conts, ok = self.kernels.fuse(continuations)(self.hist, self.lens, sp.ngram_min, sp.ngram_max, sp.steps, want)
         if sp.is_chain:
             return chain(torch.cat([roots[:, None], conts[:, 0]], 1),
                          valid=torch.cat([torch.ones_like(ok[:, 0, :1]), ok[:, 0]], 1))
-        tokens, parents, valid = trie(conts, ok, sp.draft_tokens)
+        tokens, parents, valid = self.kernels.fuse(trie)(conts, ok, sp.draft_tokens)
         tokens[:, 0] = roots
-        return DraftProposal.from_parents(tokens, parents, valid, max_depth=sp.steps)
+        return DraftProposal.from_parents(tokens, parents, valid, max_depth=sp.steps, kernels=self.kernels)

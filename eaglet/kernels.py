@@ -1,0 +1,81 @@
+"""Which kernels a model runs, chosen once when it is loaded and handed down to everything that runs
+on it: its layers, the decoders and the drafters. A frozen value, so two models with different
+choices can live in one process, and nothing switches a kernel on or off behind a model's back.
+
+- `gemv`: matmuls of 1 to 16 rows (decoding, drafting, verify) as Triton kernels (models/gemv.py),
+  faster than cuBLAS at streaming the weights; the MLP's gate-up with its SiLU·mul in the same kernel.
+- `cache_attention`: attention of a few new tokens per row over the KV cache as one Triton kernel
+  that rotates q and k, stores the new keys and values, attends and lays out the output
+  (models/cache_attention.py).
+- `topk`: the top-k of each row a draft tree takes at every level, with its log-softmax, as one
+  Triton kernel (spec/topk.py).
+- `compile`: torch.compile of the elementwise modules of every layer (RMSNorm with its residual
+  add, RoPE with the grouped-query relayout, the MLP's gate-up / SiLU·mul / down) and of the
+  functions marked `@fusable` (the index arithmetic around the model: attention masks, greedy
+  acceptance, tree levels), dozens of tiny kernels per speculation step each.
+
+Decoding at small batch is bound by kernel count, not bytes, so this is where the time goes
+(BENCHMARKS.md, "Model runtime"). Shapes are dynamic, so one compile serves every batch size and
+token count; the CUDA graphs are captured around the compiled kernels. On the CPU, or with
+`--no-compile`, everything runs as written. Under TRITON_INTERPRET=1 (the CPU tests) a `Kernels`
+with the Triton kernels on runs them in Triton's interpreter.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+except ImportError:  # CPU installs without Triton: torch's kernels run
+    triton = None
+
+KERNEL_NAMES = ("gemv", "cache-attention", "topk")  # what --disable-kernels accepts
+
+
+@dataclass(frozen=True)
+class Kernels:
+    gemv: bool = False
+    cache_attention: bool = False
+    topk: bool = False
+    compile: bool = False
+
+    @staticmethod
+    def choose(device: torch.device | str, compile: bool = True, disable: tuple[str, ...] = ()) -> "Kernels":
+        """The kernels for a model on `device`: on a CUDA GPU with Triton, every Triton kernel whose
+        bfloat16 dot products the GPU has (Ampere or newer; older ones keep SDPA and cuBLAS) and, with
+        `compile`, torch.compile; on the CPU, torch's own. `disable` names kernels to leave out
+        (KERNEL_NAMES), for side-by-side runs."""
+        unknown = set(disable) - set(KERNEL_NAMES)
+        if unknown:
+            raise ValueError(f"unknown kernel {sorted(unknown)[0]!r} (choose from {', '.join(KERNEL_NAMES)})")
+        device = torch.device(device)
+        if device.type != "cuda":
+            return EAGER
+        ampere = torch.cuda.get_device_capability(device)[0] >= 8 and triton is not None
+        return Kernels(gemv=ampere and "gemv" not in disable,
+                       cache_attention=ampere and "cache-attention" not in disable,
+                       topk=triton is not None and "topk" not in disable, compile=compile)
+
+    def fuse(self, fn: Callable) -> Callable:
+        """`fn` (a `@fusable` function) compiled when this configuration compiles, as written otherwise."""
+        return compiled(fn) if self.compile else fn
+
+
+EAGER = Kernels()  # torch's kernels, nothing compiled: the CPU, tests, training
+
+
+@functools.cache
+def compiled(fn: Callable) -> Callable:
+    """One compiled version of each function, shared by every model that compiles."""
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
+def fusable(fn: Callable) -> Callable:
+    """Marks a pure function of tensors, lists of tensors and ints whose body torch.compile fuses into
+    a few kernels; callers run it through `Kernels.fuse` (tests trace it whole: test_fusable.py)."""
+    fn.fusable = True
+    return fn

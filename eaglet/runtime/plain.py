@@ -1,0 +1,73 @@
+"""The plain decoding step: one target forward per row and step, each row fed its last token and
+the next one sampled (one graph per row bucket and attention span). Every decoder has one
+(`Decoder.plain`); a speculating batch turns plain by using it on the same rows and cache.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ..models.attention import AttnMeta
+from ..models.llama import CausalLM
+from ..models.prefill import PromptBatch, prefill
+from ..sampling import SamplingParams, sample
+
+if TYPE_CHECKING:
+    from .decoder import Slots
+    from .graphs import GraphRunner
+    from .observer import StepObserver
+
+
+class PlainStep:
+    name = "plain"
+    tokens_per_step = 1
+    pipelines = True
+
+    def __init__(self, model: CausalLM, slots: "Slots", sampling: SamplingParams, generator: torch.Generator | None):
+        self.model, self.slots, self.sampling, self.gen = model, slots, sampling, generator
+
+    def rows(self, k: int) -> "PlainStep":
+        return PlainStep(self.model, self.slots.rows(k), self.sampling, self.gen)
+
+    def room(self):
+        return [(self.slots.cache, 1)]
+
+    def prefill(self, batch: PromptBatch) -> torch.Tensor:
+        h, _ = prefill(self.model, self.slots.cache, batch)  # (b, H)
+        first = sample(self.model.logits(h), self.sampling, self.gen)  # (b,)
+        self.slots.last.index_copy_(0, batch.rows, first)
+        return first
+
+    def admitted(self, rows: list[int], prompts: list[list[int]], first: list[int]) -> None:
+        pass
+
+    def launch(self, graphs: "GraphRunner", key: tuple, observer: "StepObserver") -> torch.Tensor:
+        with observer.phase("decode"):
+            return graphs.run(("decode", *key), self.decode)
+
+    def decode(self) -> torch.Tensor:
+        """Feed each row's last token, sample the next; frozen rows (limit 0) do not move. Returns
+        (B, 2): each row's token and whether it emitted one."""
+        c, model, last, limit = self.slots.cache, self.model, self.slots.last, self.slots.limit
+        positions = c.lens[:, None]  # (B, 1)
+        meta = AttnMeta.build(c.lens, positions, c.kv_len(1), sliding_window=model.config.sliding_window,
+                              kernels=model.kernels)
+        hidden, _ = model(last[:, None], positions, c, meta)
+        tok = sample(model.logits(hidden[:, -1]), self.sampling, self.gen)  # (B,)
+        on = limit > 0
+        active = on.long()
+        last.copy_(torch.where(on, tok, last))
+        c.lens += active
+        limit -= active
+        return torch.stack([last, active], 1)
+
+    def collect(self, rows: list[list[int]], same: list[bool], live: np.ndarray,
+                observer: "StepObserver") -> list[list[int]]:
+        emitted = [[tok] if active and ok else [] for (tok, active), ok in zip(rows, same)]
+        self.slots.cache.commit_host([len(e) for e in emitted])
+        return emitted
+
+    def release(self, rows: list[int]) -> None:
+        pass
