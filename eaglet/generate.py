@@ -104,6 +104,13 @@ class SeqState:
         return text + self._settle(tokens[n - 1]), n
 
 
+def room(n: int) -> int:
+    """Cache slots per row for a call needing `n`: rounded up (to a power of two up to 128, then to
+    a multiple of 128) so that later calls fit too, without making a short call's cache, whose
+    zeroing and attention cost scale with it, many times what it needs."""
+    return 1 << max(n - 1, 0).bit_length() if n <= 128 else -(-n // 128) * 128
+
+
 class Generator:
     """Plain or speculative generation (with a Speculator) for a batch of prompts.
 
@@ -128,7 +135,7 @@ class Generator:
             dec.free_all()
             dec.use(spec or dec.plain)
             return dec
-        max_len = min(-(-max_len // 128) * 128, self.context + 128)  # rounded: later calls fit too
+        max_len = min(room(max_len), self.context + 128)
         self._kept = None  # free the old caches first
         gen = sampling.generator(next(self.model.parameters()).device)
         if self.speculator is None:
@@ -212,7 +219,7 @@ class Generator:
         """text=False: the tokens alone (Completion.text stays empty), without detokenizing token by
         token; for large batches whose text nobody reads (data regeneration, eval-draft), where that
         host work would cost more than a decode step."""
-        if text:
+        if text and (self.tokenizer is not None or on_event or gen.stop):  # without a tokenizer, no text to make
             tokens, texts, reasons = self._with_text(prompts, gen, on_event)
         elif on_event or gen.stop:
             raise InvalidInput("generate(text=False) streams no events and cannot stop on stop strings")

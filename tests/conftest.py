@@ -15,6 +15,12 @@ if not torch.cuda.is_available():  # Triton kernels run in its interpreter (befo
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked slow first (stable otherwise): two xdist workers then end together, instead of
+    one running the long tests at the end while the other has nothing left to take."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
             rms_norm_eps=1e-5)
@@ -78,6 +84,23 @@ def smollm2():
     cache_root().mkdir(parents=True, exist_ok=True)
     with FileLock(str(cache_root() / "smollm2-tests.lock")):
         return load_model(None, dtype="float32", device="cpu")
+
+
+def once_per_run(tmp_path_factory, name: str, make):
+    """make()'s JSON-able result, computed by the first xdist worker that asks and read back by the
+    others (a file under the run's shared temporary directory, behind a file lock); without xdist,
+    make() itself."""
+    import json
+
+    from filelock import FileLock
+
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return make()
+    path = tmp_path_factory.getbasetemp().parent / f"{name}.json"  # the run's directory, above the workers'
+    with FileLock(str(path) + ".lock"):
+        if not path.exists():
+            path.write_text(json.dumps(make()))
+        return json.loads(path.read_text())
 
 
 # A tiny BPE tokenizer trained in-process (offline, ~10 ms): exactly 128 tokens, matching the tiny

@@ -15,6 +15,7 @@ from eaglet.models.linear import linear
 
 from eaglet.kernels import EAGER
 
+from .conftest import hf_model
 from .triton_kernels import GEMV, greedy_logits, triton_device
 
 DEV = triton_device()
@@ -90,25 +91,26 @@ def test_custom_op_traces():
 
 
 @torch.inference_mode()
-def test_two_models_with_their_own_kernels_in_one_process(tiny_dirs, monkeypatch):
-    """The tiny SmolLM2-shaped model in float16, loaded twice in one process: one running the kernel,
-    one F.linear, used in turn (on, off, on). A 6-token prompt, then 8 one-token steps: each model's
-    choice holds whatever the other did before it (every projection and the head of each step
-    through the kernel, gate-up with SiLU·mul as one, or none), and the logits agree."""
+def test_two_models_with_their_own_kernels_in_one_process(tmp_path, monkeypatch):
+    """A tiny SmolLM2-shaped model (one layer) in float16, loaded twice in one process: one running
+    the kernel, one F.linear, used in turn (on, off, on). A 4-token prompt, then 2 one-token steps:
+    each model's choice holds whatever the other did before it (every projection and the head of
+    each step through the kernel, gate-up with SiLU·mul as one, or none), and the logits agree."""
+    hf_model("smollm2", num_hidden_layers=1).save_pretrained(tmp_path, safe_serialization=True)
     calls = []
     for name in ("gemv", "glu"):
         monkeypatch.setattr(gemv, name, lambda *a, f=getattr(gemv, name), n=name: calls.append(n) or f(*a))
-    models = {k: load_model(tiny_dirs["smollm2"][0], dtype="float16", device=DEV, tokenizer=False, kernels=k).model
+    models = {k: load_model(tmp_path, dtype="float16", device=DEV, tokenizer=False, kernels=k).model
               for k in (GEMV, EAGER)}
     c = models[GEMV].config
-    prompt = torch.randint(3, c.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0)).to(DEV)
+    prompt = torch.randint(3, c.vocab_size, (1, 4), generator=torch.Generator().manual_seed(0)).to(DEV)
     runs = []
     for kernels in (GEMV, EAGER, GEMV):
         model = models[kernels]
         assert model.kernels == kernels
-        runs.append(greedy_logits(model, KVCache.for_model(c, 1, 32, torch.float16, DEV), prompt, 9))
-        assert calls.count("gemv") == (9 * (3 * c.num_layers + 1) if kernels.gemv else 0)
-        assert calls.count("glu") == (9 * c.num_layers if kernels.gemv else 0)
+        runs.append(greedy_logits(model, KVCache.for_model(c, 1, 32, torch.float16, DEV), prompt, 3))
+        assert calls.count("gemv") == (3 * (3 * c.num_layers + 1) if kernels.gemv else 0)
+        assert calls.count("glu") == (3 * c.num_layers if kernels.gemv else 0)
         calls.clear()
     torch.testing.assert_close(runs[0], runs[1], atol=2e-2, rtol=2e-2)
     assert torch.equal(runs[0], runs[2])

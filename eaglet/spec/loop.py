@@ -97,7 +97,7 @@ class SpecStep:
     @property
     def metrics(self) -> list[SpecMetrics]:
         """Each row's draft counters since its admission (until its release)."""
-        return [self.counters.of(r) for r in range(self.slots.batch)]
+        return self.counters.every()
 
     def take_drafted(self) -> SpecMetrics:
         """The draft counters of the steps collected since the last call, over all rows."""

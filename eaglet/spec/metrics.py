@@ -72,6 +72,15 @@ class RowCounters:
         drafts, tokens, accepted = (int(x) for x in self.totals[row])
         return SpecMetrics(drafts, tokens, accepted, *trimmed(self.accepted[row], self.reaching[row]))
 
+    def every(self) -> list[SpecMetrics]:
+        """Every row's counters, as `of` gives them, from a few array operations (a batch of 20k
+        rows would spend seconds in `of` row by row)."""
+        nz = (self.accepted != 0) | (self.reaching != 0)
+        depth = np.where(nz.any(1), nz.shape[1] - np.argmax(nz[:, ::-1], axis=1), 0).tolist()
+        acc, reach = self.accepted.tolist(), self.reaching.tolist()
+        return [SpecMetrics(d, t, a, acc[r][:n], reach[r][:n])
+                for r, ((d, t, a), n) in enumerate(zip(self.totals.tolist(), depth))]
+
 
 def trimmed(accepted: np.ndarray, reaching: np.ndarray) -> tuple[list[int], list[int]]:
     """Per-position counts as SpecMetrics keeps them: up to the deepest position any draft reached."""
