@@ -24,13 +24,23 @@ from .tokenizer import TextStream, Tokenizer
 @dataclass(frozen=True)
 class GenerationConfig:
     max_new_tokens: int = 256
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    # one SamplingParams for every prompt (the i-th prompt draws from the seed's i-th stream), or a
+    # tuple of one per prompt (each draws from its own seed's stream, as a request sent alone)
+    sampling: SamplingParams | tuple[SamplingParams, ...] = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise InvalidInput(f"max_new_tokens must be a positive integer, got {self.max_new_tokens}")
+
+    def rows(self, n: int) -> tuple[list[SamplingParams], list[int]]:
+        """The sampling settings and random streams of n prompts."""
+        if isinstance(self.sampling, SamplingParams):
+            return [self.sampling] * n, [self.sampling.stream(i) for i in range(n)]
+        if len(self.sampling) != n:
+            raise InvalidInput(f"{len(self.sampling)} sampling settings for {n} prompts")
+        return list(self.sampling), [p.stream() for p in self.sampling]
 
 
 @dataclass
@@ -115,7 +125,7 @@ class Generator:
     """Plain or speculative generation (with a Speculator) for a batch of prompts.
 
     `graphs` turns CUDA graphs on (GPU only; `--eager` turns them off). The decoder of the last
-    call is kept and reused while the batch size and sampling settings stay the same and its cache
+    call is kept and reused while the batch size stays the same and its cache
     is long enough, so its captured graphs serve the next calls too. `observer` (a PhaseTimer, the
     profiler's trace) watches the steps of the decoders made from then on (`observe`)."""
 
@@ -124,32 +134,32 @@ class Generator:
         self.model, self.tokenizer, self.speculator = model, tokenizer, speculator
         self.graphs, self.lookahead, self.observer = graphs, lookahead, observer
         self.context = model.config.max_position
-        self._kept = None  # (batch, max_len, sampling, decoder, its speculative step or None) of the last call
+        self._kept = None  # (batch, max_len, decoder, its speculative step or None) of the last call
 
-    def decoder(self, batch: int, max_len: int, sampling: SamplingParams) -> Decoder:
+    def decoder(self, batch: int, max_len: int) -> Decoder:
         """A decoder with `batch` rows and room for `max_len` tokens each, all rows free, running
-        this generator's step (plain, or its speculator's)."""
+        this generator's step (plain, or its speculator's). Each row's sampling settings come with
+        its prompt (Decoder.admit), so one decoder serves every setting."""
         kept = self._kept
-        if kept and kept[0] == batch and kept[1] >= max_len and kept[2] == sampling and sampling.seed is None:
-            dec, spec = kept[3], kept[4]
+        if kept and kept[0] == batch and kept[1] >= max_len:
+            dec, spec = kept[2], kept[3]
             dec.free_all()
             dec.use(spec or dec.plain)
             return dec
         max_len = min(room(max_len), self.context + 128)
         self._kept = None  # free the old caches first
-        gen = sampling.generator(next(self.model.parameters()).device)
         if self.speculator is None:
-            dec = Decoder(self.model, batch, max_len, sampling, gen, self.graphs, self.lookahead, self.observer)
+            dec = Decoder(self.model, batch, max_len, self.graphs, self.lookahead, self.observer)
         else:
-            drafter = self.speculator.make(self.model, batch, max_len, sampling, gen)
-            dec = spec_decoder(self.model, drafter, self.speculator.spec, batch, max_len, sampling, gen,
-                               self.graphs, self.lookahead, self.observer)
-        self._kept = (batch, max_len, sampling, dec, dec.current if self.speculator else None)
+            drafter = self.speculator.make(self.model, batch, max_len)
+            dec = spec_decoder(self.model, drafter, self.speculator.spec, batch, max_len, self.graphs, self.lookahead,
+                               self.observer)
+        self._kept = (batch, max_len, dec, dec.current if self.speculator else None)
         return dec
 
     def decoder_in_use(self) -> Decoder | None:
         """The decoder of the last call (kept for the next ones), if any."""
-        return self._kept[3] if self._kept else None
+        return self._kept[2] if self._kept else None
 
     def fresh(self) -> None:
         """Drop the kept decoder (its caches and graphs): the next call makes a new one."""
@@ -182,11 +192,11 @@ class Generator:
         self.check_prompts(prompts)
         budget = [min(gen.max_new_tokens, self.context - len(p)) for p in prompts]
         max_len = max(len(p) + b for p, b in zip(prompts, budget))  # a finished row stops moving
-        dec = self.decoder(len(prompts), max_len, gen.sampling)  # its draft counters are this call's (last_metrics)
+        dec = self.decoder(len(prompts), max_len)  # its draft counters are this call's (last_metrics)
         eos = frozenset() if gen.ignore_eos else self.eos_ids()
         seqs = [SeqState(tokenizer, gen.stop, eos, b) for b in budget]
         rows = list(range(len(prompts)))
-        yield seqs, dec.admit(rows, prompts)
+        yield seqs, dec.admit(rows, prompts, *gen.rows(len(prompts)))
         dec.set_rows(rows, [s.remaining for s in seqs])
         while True:
             stopped = [i for i, s in enumerate(seqs) if s.finish_reason and dec.live[i]]
@@ -208,7 +218,7 @@ class Generator:
     @property
     def last_metrics(self) -> list[SpecMetrics] | None:
         """Per sequence of the last call: its draft counters (None for plain decoding)."""
-        spec: SpecStep | None = self._kept[4] if self._kept else None
+        spec: SpecStep | None = self._kept[3] if self._kept else None
         return spec.metrics if spec is not None else None
 
     def eos_ids(self) -> frozenset[int]:

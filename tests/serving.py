@@ -150,13 +150,14 @@ def reference(tiny, sp, prompt: str, max_tokens: int, chat: bool, stop=()) -> st
 
 
 def gate_steps(monkeypatch, gate: threading.Event, sampled_only: bool) -> threading.Event:
-    """Batches (only sampled ones, or all) hold their steps until `gate` is set; the event returned
-    is set once a step is held (its requests admitted)."""
+    """Steps (only those with a sampled request running, or all) are held until `gate` is set; the
+    event returned is set once a step is held (its requests admitted)."""
     held = threading.Event()
 
     class Gated(batcher_mod.Batcher):
         def step(self):
-            if not (sampled_only and self.sampling.greedy):
+            sampled = any(s is not None and not s.request.sampling.greedy for s in self.rows)
+            if sampled or not sampled_only:
                 held.set()
                 gate.wait(10)
             return super().step()

@@ -55,7 +55,7 @@ def test_training_and_engine_feed_the_head_alike(tiny_dirs, layers):
         pos = torch.arange(t + 1)[None]
         _, taps = target(torch.tensor([prompt]), pos, cache, AttnMeta.build(cache.lens, pos, t + 1),
                          capture=head.cfg.aux_layers)
-        drafter = Eagle3Drafter(head, target, SpecConfig("eagle3", steps=steps), SamplingParams(), 1, 64)
+        drafter = Eagle3Drafter(head, target, SpecConfig("eagle3", steps=steps), 1, 64)
         start_rows(drafter, [0], [prompt], taps, ids[0, t + 1: t + 2])
         root_logits, state = drafter.catch_up()
         assert torch.allclose(root_logits, train_logits[0][0, t], atol=1e-5), f"step 0 at t={t}"

@@ -31,12 +31,12 @@ def test_prompt_bucket():
 
 def decoders(target, name):
     if name == "plain":
-        return lambda batch: Decoder(target, batch, 64, SamplingParams(), graphs=False)
+        return lambda batch: Decoder(target, batch, 64, graphs=False)
     kind = "draft" if name == "draft" else "eagle3"
     sp = Speculator(SpecConfig(kind, steps=3), draft_model=target) if kind == "draft" else \
         Speculator(SpecConfig(kind, steps=3), head=random_head(target.config))
-    return lambda batch: spec_decoder(target, sp.make(target, batch, 64, SamplingParams(), None), sp.spec, batch, 64,
-                                      SamplingParams(), graphs=False)
+    return lambda batch: spec_decoder(target, sp.make(target, batch, 64), sp.spec, batch, 64,
+                                      graphs=False)
 
 
 def row_state(dec, row: int, n: int):

@@ -96,8 +96,8 @@ def test_stop_strings_token_ids_and_models(tiny, plain):
 
 
 def test_sampled_and_greedy_requests_mix(tiny, plain):
-    """Rows share sampling settings: mixed requests are grouped and all complete; a seeded request
-    is repeatable."""
+    """Requests of different settings share the batch and all complete; a seeded request is
+    repeatable, and gives the same text among eleven others as sent alone."""
     async def go():
         c = plain.async_client()
         reqs = [c.completions.create(model="tiny", prompt=p, max_tokens=10, temperature=t, top_p=tp, seed=s)
@@ -111,6 +111,9 @@ def test_sampled_and_greedy_requests_mix(tiny, plain):
             for _ in range(2))
     assert a.choices[0].text == b.choices[0].text
     assert rs[0].choices[0].text == reference(tiny, None, PROMPTS[0], 10, chat=False)
+    alone = [c.completions.create(model="tiny", prompt=p, max_tokens=10, temperature=1.0, seed=7).choices[0].text
+             for p in PROMPTS[:4]]
+    assert [rs[3 * i + 2].choices[0].text for i in range(4)] == alone
 
 
 # ---- load and disconnects -----------------------------------------------------------------------
@@ -336,10 +339,13 @@ def test_internal_failure_fails_only_its_request(tiny, plain, monkeypatch, caplo
 
 def test_a_batch_that_cannot_start_fails_only_its_requests(tiny, monkeypatch):
     class NoMemory(batcher_mod.Batcher):
-        def __init__(self, generator, rows, max_len, sampling):
-            if not sampling.greedy:
+        failed = False  # the first batch fails to start, the next one starts
+
+        def __init__(self, generator, rows, max_len):
+            if not NoMemory.failed:
+                NoMemory.failed = True
                 raise MemoryError("no room for the cache")
-            super().__init__(generator, rows, max_len, sampling)
+            super().__init__(generator, rows, max_len)
 
     monkeypatch.setattr(engine_mod, "Batcher", NoMemory)
     with LiveServer(Generator(tiny.model, tiny.tokenizer)) as srv:

@@ -70,8 +70,9 @@ def test_the_profile_policy(policy_record):
 def test_spec_policy_speculates_alone_and_serves_a_burst_plain(tiny, model_dir, drafter_dir, policy_record, mode,
                                                                monkeypatch, capsys, caplog):
     """`eaglet serve` with a profile's policy (chain:2 at 1, plain at 4) or --spec-max-batch 3: a
-    request alone speculates; 4 greedy requests that start a batch together decode plain (their
-    usage has no accept length, the speculation counters do not move); greedy text is the same."""
+    request alone speculates; 4 greedy requests that join it at once turn the batch plain before
+    they start (their usage has no accept length, the speculation counters do not move); greedy
+    text is the same."""
     flags = ["--model", str(model_dir), "--device", "cpu", "--draft", str(drafter_dir), "--max-batch", "4",
              "--served-model-name", "tiny"]
     flags += ["--spec-policy", str(policy_record)] if mode == "--spec-policy" else ["--spec-steps", "2",
@@ -101,7 +102,7 @@ def test_spec_policy_speculates_alone_and_serves_a_burst_plain(tiny, model_dir, 
         alone()
 
         async def burst():
-            """4 greedy requests queue behind a seeded one held in its step, then start together."""
+            """4 greedy requests queue while a seeded one is held in its step, then join it together."""
             async with srv.async_client() as ac:
                 return await burst_with(ac)
 
@@ -119,7 +120,7 @@ def test_spec_policy_speculates_alone_and_serves_a_burst_plain(tiny, model_dir, 
         m0, blocker, rs = asyncio.run(burst())
         assert [r.choices[0].text for r in rs] == [want[p] for p in PROMPTS[:4]]
         assert all(r.usage.accept_length is None and r.usage.spec_decode is None for r in rs)
-        assert blocker.usage.accept_length is not None  # alone (seeded): speculated
+        assert blocker.usage.accept_length is not None  # alone at first: speculated
         m = srv.metrics()
         assert (m["eaglet:spec_decode_num_drafts_total"] - m0["eaglet:spec_decode_num_drafts_total"]
                 == blocker.usage.spec_decode["num_drafts"])  # the burst drafted nothing
@@ -128,7 +129,7 @@ def test_spec_policy_speculates_alone_and_serves_a_burst_plain(tiny, model_dir, 
         assert m["eaglet:spec_policy_setting{setting=chain:2}"] == 0
         time.sleep(WINDOW + 0.1)  # the policy remembers the burst's load this long
         alone()  # the next request alone speculates again
-    assert "a batch of 4 requests starts plain (was chain:2)" in caplog.text
+    assert "the speculating batch (chain:2) grows to 4 requests, a size the policy decodes plain" in caplog.text
     assert "a batch of 1 request starts speculating with chain:2 (was plain)" in caplog.text
 
 
@@ -242,8 +243,8 @@ def test_a_batch_grown_past_its_settings_reach_turns_plain(joining, plain):
     eng = Engine(Gen(), 64, 256, 512, ServerMetrics("reach"), SpecPolicy(Gen.speculator, SHAREGPT_POLICY))
     eng.batcher, eng.setting, eng.chosen = Running(), "tree:4,4,16", True
     eng.waiting = deque(Request([1, 2], 4, SamplingParams()) for _ in range(joining))
-    group, admit, setting, n = eng.next_admission()
-    assert group is None and len(admit) == joining and not eng.waiting  # they join the running batch
+    new, admit, setting, n = eng.next_admission()
+    assert not new and len(admit) == joining and not eng.waiting  # they join the running batch
     assert (eng.switch, eng.setting) == ((True, None) if plain else (False, "tree:4,4,16"))
 
 
@@ -274,5 +275,5 @@ def test_a_running_batch_admits_in_groups(running, free, waiting, age, admitted)
     eng.batcher, eng.setting, eng.chosen = Running(), None, True
     now = time.perf_counter()
     eng.waiting = deque(Request([1, 2], 4, SamplingParams(), arrival=now - age) for _ in range(waiting))
-    group, admit, setting, n = eng.next_admission()
-    assert group is None and len(admit) == admitted and len(eng.waiting) == waiting - admitted
+    new, admit, setting, n = eng.next_admission()
+    assert not new and len(admit) == admitted and len(eng.waiting) == waiting - admitted

@@ -43,8 +43,8 @@ class Recorder:
     def start_host(self, rows, prompts, first):
         self.inner.start_host(rows, prompts, first)
 
-    def propose(self, roots):
-        self.last[0] = self.inner.propose(roots)
+    def propose(self, roots, sampling=None):
+        self.last[0] = self.inner.propose(roots, sampling)
         return self.last[0]
 
     def commit(self, prop, res, taps):

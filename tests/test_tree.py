@@ -165,7 +165,7 @@ class FixedTree:
     def start_host(self, rows, prompts, first):
         pass
 
-    def propose(self, roots):
+    def propose(self, roots, sampling=None):
         tokens = self.tokens.clone()
         tokens[:, 0] = roots
         return DraftProposal.from_parents(tokens, self.parents)
@@ -199,7 +199,7 @@ def test_verify_round_commits_accepted_path(model):
     tokens = torch.tensor([[0, w(a2), a2, a3, w(a3), a3],  # accepts 0 -> 2 -> 5 (a second child)
                            [0, b2, w(b2), w(b3), b3, b3]])  # accepts 0 -> 1; b3 only under a wrong parent
     spec = SpecConfig("ngram", steps=2, topk=2, draft_tokens=6)
-    dec = spec_decoder(model, FixedTree(tokens, parents), spec, 2, 32, SamplingParams())
+    dec = spec_decoder(model, FixedTree(tokens, parents), spec, 2, 32)
     roots = dec.slots.last  # each row's last emitted token
     seen = []
     hook = model.register_forward_pre_hook(lambda m, args: seen.append(args[1].clone()))
@@ -332,14 +332,14 @@ def test_trie_matches_the_plain_merge():
 def test_ngram_drafter_pads_its_proposal():
     drafter = NgramDrafter(ngram(steps=2, topk=2), 1, 32)
     start_rows(drafter, [0], [[4, 5, 6, 4, 5, 7, 4]], None, torch.tensor([5]))  # history ... 4, 5
-    prop = drafter.propose(torch.tensor([5]))
+    prop = drafter.propose(torch.tensor([5]), None)
     # matches of [4, 5] (most recent first): then 7, 4 and then 6, 4; draft_tokens 4 = root + 3
     assert prop.tokens[0].tolist() == [5, 7, 6, 4] and prop.parents[0].tolist() == [-1, 0, 0, 1]
     assert prop.depth[0].tolist() == [0, 1, 1, 2] and prop.valid.all()
     tokens = torch.tensor([[9, 0, 0]])  # the step emitted 9 alone: history ... 4, 5, 9
     drafter.commit(prop, VerifyResult(torch.zeros(1, 3, dtype=torch.long), torch.tensor([1]), tokens, tokens[:, 0]), None)
     assert drafter.lens.tolist() == [9] and drafter.hist[0, :9].tolist() == [4, 5, 6, 4, 5, 7, 4, 5, 9]
-    prop = drafter.propose(torch.tensor([9]))  # no earlier 9: nothing to propose
+    prop = drafter.propose(torch.tensor([9]), None)  # no earlier 9: nothing to propose
     assert prop.tokens[0, 0] == 9 and prop.valid[0].tolist() == [True, False, False, False]
 
 
@@ -351,5 +351,5 @@ def test_ngram_row_views_share_the_history():
     view.commit(None, VerifyResult(torch.zeros(2, 3, dtype=torch.long), torch.tensor([2, 1]), tokens, tokens[:, 0]), None)
     assert drafter.lens.tolist() == [6, 4, 2] and drafter.hist[0, :6].tolist() == [1, 2, 1, 2, 7, 8]
     assert drafter.hist[1, :4].tolist() == [3, 3, 3, 4] and drafter.hist[2, :2].tolist() == [5, 6]
-    prop = drafter.propose(torch.tensor([8, 4, 6]))
+    prop = drafter.propose(torch.tensor([8, 4, 6]), None)
     assert prop.tokens.tolist()[2] == [6, 0, 0] and prop.valid.tolist()[2] == [True, False, False]

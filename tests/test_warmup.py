@@ -44,11 +44,11 @@ def target(tiny_dirs):
 
 def make(target, kind: str, batch: int = 4):
     if kind == "plain":
-        dec = Decoder(target, batch, 300, SamplingParams(), graphs=False)
+        dec = Decoder(target, batch, 300, graphs=False)
     else:
         sp = Speculator(SpecConfig("eagle3", steps=3), head=random_head(target.config))
-        dec = spec_decoder(target, sp.make(target, batch, 300, SamplingParams(), None), sp.spec, batch, 300,
-                           SamplingParams(), graphs=False)
+        dec = spec_decoder(target, sp.make(target, batch, 300), sp.spec, batch, 300,
+                           graphs=False)
     dec.graphs = Recording()
     return dec
 
@@ -69,7 +69,7 @@ class Gen:
 def serve(dec, plan: list[tuple[int, int]], at_most: int | None = None) -> None:
     """Requests (prompt length, max tokens), each admitted alone as soon as a row is free (and
     fewer than `at_most` run)."""
-    b = Batcher(Gen(dec), dec.batch, 300, SamplingParams())
+    b = Batcher(Gen(dec), dec.batch, 300)
     waiting = [Request([(7 * i + j) % 100 + 3 for j in range(n)], m, SamplingParams(), ignore_eos=True)
                for i, (n, m) in enumerate(plan)]
     while waiting or b.running:
@@ -117,7 +117,7 @@ def test_warmup_changes_no_tokens(target):
     """A warmed-up decoder generates what a fresh one does."""
     prompts, n = [[5, 9, 2, 7], [3] * 20], 15
     outs = []
-    for dec in (Decoder(target, 4, 300, SamplingParams(), graphs=False), make(target, "plain")):
+    for dec in (Decoder(target, 4, 300, graphs=False), make(target, "plain")):
         if isinstance(dec.graphs, Recording):
             assert dec.warmup() > 0
         toks = dec.admit([0, 1], prompts)
@@ -145,12 +145,12 @@ def test_engine_warms_every_decoder_its_policy_can_choose(target, monkeypatch):
     assert eng.warmup() > 0
     assert set(eng.generators) == {"chain:3", None}
     with torch.inference_mode():  # as on the engine thread, where batches start
-        spec = eng.generators["chain:3"].decoder(4, 300, SamplingParams())
-        plain = eng.generators[None].decoder(4, 300, SamplingParams())
+        spec = eng.generators["chain:3"].decoder(4, 300)
+        plain = eng.generators[None].decoder(4, 300)
     warm = lambda d: {k for k, n in d.graphs.calls.items() if n >= 2}  # noqa: E731
     # a drafter on the device, no observer: a speculation step is one graph (SpecStep.step)
     assert {k[1] for k in warm(spec) if k[0] == "step"} == {1}
     assert not {k for k in warm(spec) if k[0] in ("draft", "verify", "accept")}
     assert {k[1] for k in warm(spec) if k[0] == "decode"} == {1, 2, 4} == {k[1] for k in warm(plain) if k[0] == "decode"}
-    assert ("prefill", 1, 64, "plain") in warm(spec) and ("prefill", 1, 64, "spec") in warm(spec)
-    assert ("prefill", 1, 256, "plain") in warm(plain) and spec.current is not spec.plain
+    assert ("prefill", 1, 64, "plain", "g") in warm(spec) and ("prefill", 1, 64, "spec", "g") in warm(spec)
+    assert ("prefill", 1, 256, "plain", "g") in warm(plain) and spec.current is not spec.plain

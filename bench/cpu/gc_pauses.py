@@ -44,7 +44,7 @@ def main() -> None:
             gen = Generator(loaded.model, loaded.tokenizer, system(base, name))
             app = build_app(gen, "m", max_batch=64, max_len=1024)
             with torch.inference_mode():  # every row bucket's one real step before any timing
-                dec = gen.decoder(64, 1024, SamplingParams())
+                dec = gen.decoder(64, 1024)
                 dec.graphs.enabled = True
                 dec.warmup(prompt_tokens=16)
                 dec.graphs.enabled = False

@@ -14,7 +14,7 @@ from ..config import SpecConfig
 from ..generate import GenerationConfig, Generator
 from ..kvcache import KVCache
 from ..models.attention import AttnMeta
-from ..sampling import SamplingParams
+from ..sampling import RowSampling
 from ..spec.drafters.base import start_rows
 from ..spec.metrics import SpecMetrics
 from ..runtime.graphs import GraphRunner, span
@@ -55,19 +55,19 @@ def measure_costs(model, speculator: Speculator, batch: int, context: int, topks
     for k in topks:
         spec = SpecConfig(speculator.spec.method, speculator.spec.draft, steps=levels, topk=k,
                           draft_tokens=None if k == 1 else levels + 1)
-        drafter = dataclasses.replace(speculator, spec=spec).make(model, batch, context + 8 + levels * k,
-                                                                  SamplingParams(), None)
+        drafter = dataclasses.replace(speculator, spec=spec).make(model, batch, context + 8 + levels * k)
         start_rows(drafter, list(range(batch)), [ids[b].tolist() for b in range(batch)], taps, ids[:, -1])
         saved = drafter.save_state() if hasattr(drafter, "save_state") else None  # n-gram: host history only
         if saved is not None:
             drafter.cache.kv_limit = span(context + 2 * levels * (k + 1), drafter.cache.max_len)
         runner = GraphRunner(dev, graphs and drafter.graphable)
         roots = ids[:, -1]
+        greedy = RowSampling(batch, dev)  # every row greedy: the drafter's argmax path
 
         def propose(d=drafter, saved=saved, runner=runner, roots=roots):
             if saved is not None:  # back to the same state: nothing proposed is ever committed
                 d.load_state(saved)
-            runner.run("propose", lambda: d.propose(roots))
+            runner.run("propose", lambda: d.propose(roots, greedy))
         propose()  # warm-up (and the eager first call of the graph)
         out["draft_ms"][str(k)] = time_ms(propose, dev, repeats=7) / levels
     return out

@@ -46,7 +46,8 @@ import torch
 from ..kvcache import KVCache
 from ..models.llama import CausalLM
 from ..models.prefill import MIN_BUCKET, PromptBatch, prompt_bucket
-from ..sampling import SamplingParams
+from ..sampling import RowSampling, SamplingParams
+from ..transfer import to_device
 from .graphs import SPAN, GraphRunner, span
 from .observer import StepObserver
 from .plain import PlainStep
@@ -59,6 +60,7 @@ class Slots:
     cache: KVCache
     limit: torch.Tensor  # (B,) tokens row b may still emit; 0 freezes it
     last: torch.Tensor  # (B,) each row's last emitted token: the next step's input
+    sampling: RowSampling  # each row's sampling settings and random stream
 
     @property
     def batch(self) -> int:
@@ -66,7 +68,7 @@ class Slots:
 
     def rows(self, k: int) -> "Slots":
         """Rows 0..k-1 (views: writes land in this storage)."""
-        return Slots(self.cache.view(0, k), self.limit[:k], self.last[:k])
+        return Slots(self.cache.view(0, k), self.limit[:k], self.last[:k], self.sampling.rows(k))
 
 
 class Step(Protocol):
@@ -114,13 +116,6 @@ class InFlight:
     epoch: np.ndarray
 
 
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on the device without a sync (a fresh pinned buffer: the caching host
-    allocator reuses it only after the copy has run)."""
-    t = torch.tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
-
-
 def warm_prompt(n: int) -> list[int]:
     """A prompt of n tokens for warm-up (what it says does not matter)."""
     return [(i % 50) + 1 for i in range(n)]
@@ -135,15 +130,14 @@ def row_buckets(batch: int) -> list[int]:
 
 
 class Decoder:
-    def __init__(self, model: CausalLM, batch: int, max_len: int, sampling: SamplingParams,
-                 generator: torch.Generator | None = None, graphs: bool = True, lookahead: bool | None = None,
+    def __init__(self, model: CausalLM, batch: int, max_len: int, graphs: bool = True, lookahead: bool | None = None,
                  observer: StepObserver | None = None):
         p = next(model.parameters())
         self.device = p.device
         cache = KVCache.for_model(model.config, batch, max_len, p.dtype, p.device)
         zeros = lambda: torch.zeros(batch, dtype=torch.long, device=p.device)  # noqa: E731
-        self.slots = Slots(cache, zeros(), zeros())
-        self.graphs = GraphRunner(p.device, graphs, generator)
+        self.slots = Slots(cache, zeros(), zeros(), RowSampling(batch, p.device))
+        self.graphs = GraphRunner(p.device, graphs)
         self.observer = observer or StepObserver()
         self.epoch = np.zeros(batch, dtype=np.int64)  # bumped when a row is admitted or released
         self.live = np.zeros(batch, dtype=bool)  # rows the host last gave a limit > 0
@@ -153,13 +147,17 @@ class Decoder:
         # launch ahead of collect: on the GPU by default (on the CPU a step runs while it is launched)
         self._ahead = p.device.type == "cuda" if lookahead is None else lookahead
         self._device_wait = 0.0  # seconds the host has spent blocked on the device's results
-        self.plain = PlainStep(model, self.slots, sampling, generator)
+        self.plain = PlainStep(model, self.slots)
         self.current: Step = self.plain  # the step that launches run
         self._used: list[Step] = [self.plain]  # every step run here: each hears of released rows
 
     @property
     def cache(self) -> KVCache:
         return self.slots.cache
+
+    @property
+    def sampling(self) -> RowSampling:
+        return self.slots.sampling
 
     @property
     def batch(self) -> int:
@@ -238,7 +236,8 @@ class Decoder:
     def launch(self) -> None:
         """Enqueue one step of every row with tokens left; its output starts for the host."""
         step = self.prefix(self.rows_in_use())
-        key = (step.slots.batch, *self.spans(step.room()), step.name)
+        mode = self.sampling.choose_mode(np.flatnonzero(self.live))
+        key = (step.slots.batch, *self.spans(step.room()), step.name, mode)
         out = step.launch(self.graphs, key, self.observer)
         if out.is_cuda:
             host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
@@ -289,18 +288,25 @@ class Decoder:
         self.launch()
         return self.collect()
 
-    def admit(self, rows: list[int], prompts: list[list[int]]) -> list[list[int]]:
-        """Prefill prompts into the given free rows; returns each one's first token."""
+    def admit(self, rows: list[int], prompts: list[list[int]], sampling: list[SamplingParams] | None = None,
+              streams: list[int] | None = None) -> list[list[int]]:
+        """Prefill prompts into the given free rows, each with its sampling settings (default:
+        greedy) and random stream (default: SamplingParams.stream: its seed's, else a fresh one);
+        returns each one's first token."""
         if self.cache.host_lens[rows].any():
             raise RuntimeError(f"admit: rows {rows} are not free")
+        sampling = sampling or [SamplingParams()] * len(rows)
+        streams = streams or [p.stream() for p in sampling]
         self.epoch[rows] += 1
+        self.sampling.set(rows, sampling, streams)
+        mode = self.sampling.choose_mode(rows)
         step = self.current
         shape = (len(rows), prompt_bucket(max(map(len, prompts)), self.cache.max_len))
         if shape not in self._prompts:
             self._prompts[shape] = PromptBatch.alloc(*shape, self.device)
         batch = self._prompts[shape].fill(prompts, rows)
         with self.observer.phase("prefill"):
-            first = self.graphs.run(("prefill", *shape, step.name), lambda: step.prefill(batch))
+            first = self.graphs.run(("prefill", *shape, step.name, mode), lambda: step.prefill(batch))
             t = time.perf_counter()
             first = first.tolist()  # sync: first tokens
             if self.device.type == "cuda":

@@ -29,12 +29,10 @@ def span(n: int, cap: int, bucket: int = SPAN) -> int:
 
 
 class GraphRunner:
-    def __init__(self, device: torch.device, enabled: bool = True, generator: torch.Generator | None = None):
-        # a seeded sampler's generator must be registered with each graph so replays advance it; a
-        # torch without that API runs such decoders eagerly
-        self.enabled = enabled and device.type == "cuda" and (
-            generator is None or hasattr(torch.cuda.CUDAGraph, "register_generator_state"))
-        self.generator = generator
+    def __init__(self, device: torch.device, enabled: bool = True):
+        # sampling draws counter-based random numbers from tensors (sampling.RowSampling): no
+        # generator state to register with the graphs
+        self.enabled = enabled and device.type == "cuda"
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.seen: set[Hashable] = set()
         self.pool = None
@@ -50,8 +48,6 @@ class GraphRunner:
             self.seen.add(key)
             return body()
         g = torch.cuda.CUDAGraph()
-        if self.generator is not None:
-            g.register_generator_state(self.generator)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(g, pool=self.pool):

@@ -12,7 +12,7 @@ import torch
 from ..models.attention import AttnMeta
 from ..models.llama import CausalLM
 from ..models.prefill import PromptBatch, prefill
-from ..sampling import SamplingParams, sample
+from ..sampling import DECODE, FIRST
 
 if TYPE_CHECKING:
     from .decoder import Slots
@@ -20,25 +20,33 @@ if TYPE_CHECKING:
     from .observer import StepObserver
 
 
+def first_tokens(logits: torch.Tensor, slots: "Slots", batch: PromptBatch) -> torch.Tensor:
+    """The first token of each admitted prompt (b,) from its last position's logits (b, V), drawn
+    with its row's settings; it becomes the row's last token (graph-safe)."""
+    rs = slots.sampling.select(batch.rows)
+    first = rs.sample(logits, FIRST)
+    slots.last.index_copy_(0, batch.rows, first)
+    slots.sampling.steps.index_fill_(0, batch.rows, 1)
+    return first
+
+
 class PlainStep:
     name = "plain"
     tokens_per_step = 1
     pipelines = True
 
-    def __init__(self, model: CausalLM, slots: "Slots", sampling: SamplingParams, generator: torch.Generator | None):
-        self.model, self.slots, self.sampling, self.gen = model, slots, sampling, generator
+    def __init__(self, model: CausalLM, slots: "Slots"):
+        self.model, self.slots = model, slots
 
     def rows(self, k: int) -> "PlainStep":
-        return PlainStep(self.model, self.slots.rows(k), self.sampling, self.gen)
+        return PlainStep(self.model, self.slots.rows(k))
 
     def room(self):
         return [(self.slots.cache, 1)]
 
     def prefill(self, batch: PromptBatch) -> torch.Tensor:
         h, _ = prefill(self.model, self.slots.cache, batch)  # (b, H)
-        first = sample(self.model.logits(h), self.sampling, self.gen)  # (b,)
-        self.slots.last.index_copy_(0, batch.rows, first)
-        return first
+        return first_tokens(self.model.logits(h), self.slots, batch)
 
     def admitted(self, rows: list[int], prompts: list[list[int]], first: list[int]) -> None:
         pass
@@ -55,12 +63,14 @@ class PlainStep:
         meta = AttnMeta.build(c.lens, positions, c.kv_len(1), sliding_window=model.config.sliding_window,
                               kernels=model.kernels)
         hidden, _ = model(last[:, None], positions, c, meta)
-        tok = sample(model.logits(hidden[:, -1]), self.sampling, self.gen)  # (B,)
+        rs = self.slots.sampling
+        tok = rs.sample(model.logits(hidden[:, -1]), DECODE)  # (B,)
         on = limit > 0
         active = on.long()
         last.copy_(torch.where(on, tok, last))
         c.lens += active
         limit -= active
+        rs.steps += 1
         return torch.stack([last, active], 1)
 
     def collect(self, rows: list[list[int]], same: list[bool], live: np.ndarray,

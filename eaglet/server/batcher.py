@@ -1,5 +1,5 @@
-"""The decoding core of the server: a fixed number of rows (slots) of one decoder whose requests
-share one SamplingParams. Requests join free rows (`add`: their prompts are prefilled while the
+"""The decoding core of the server: a fixed number of rows (slots) of one decoder; each request
+brings its own sampling settings and random stream (a row's, on the device). Requests join free rows (`add`: their prompts are prefilled while the
 other rows keep their state), every `step` advances all running rows at once (plain: one token,
 speculative: each row its own accepted count), and a finished or cancelled request leaves at once
 (`release` frees its row's cache). Per row, stopping is what Generator.stream does: EOS, stop
@@ -14,7 +14,6 @@ import logging
 from dataclasses import dataclass
 
 from ..generate import Generator, SeqState
-from ..sampling import SamplingParams
 from ..spec.metrics import SpecMetrics
 from ..tokenizer import Tokenizer
 
@@ -46,11 +45,11 @@ class Output:
 
 
 class Batcher:
-    def __init__(self, generator: Generator, slots: int, max_len: int, sampling: SamplingParams):
-        self.sampling, self.max_len = sampling, max_len
+    def __init__(self, generator: Generator, slots: int, max_len: int):
+        self.max_len = max_len
         self.tokenizer = generator.tokenizer
         self.eos = generator.eos_ids()
-        self.dec = generator.decoder(slots, max_len, sampling)  # rows free, running the generator's step
+        self.dec = generator.decoder(slots, max_len)  # rows free, running the generator's step
         self.dec.take_device_wait()  # the engine's count starts with this batch (not a warm-up's)
         self.spec = self.dec.current if generator.speculator is not None else None  # its draft counters
         self.speculative = self.spec is not None
@@ -76,7 +75,9 @@ class Batcher:
             self.rows[r] = Sequence(req, self.tokenizer, self.eos)
             req.row = r
         try:
-            new = self.dec.admit(rows, [req.prompt for req in requests])
+            # a request's stream is its seed's (as the seed's first prompt in Generator.generate)
+            new = self.dec.admit(rows, [req.prompt for req in requests], [req.sampling for req in requests],
+                                 [req.sampling.stream() for req in requests])
         except Exception:
             for r in rows:
                 self.release(r)

@@ -9,15 +9,13 @@ once) -> one step of every running row -> hand each request its text, finish the
 The loop times its parts (idle, admit, step, output; the decoder's device waits) and adds them to
 the engine_seconds counters every 50 ms and before it waits (metrics.py).
 
-Sampling: a Batcher's rows share one SamplingParams (temperature, top-k, top-p; every greedy
-request is the same group). Requests are served in arrival order: the head of the queue decides
-the group; later requests of the same group join free rows, and once a request of another group
-heads the queue nothing more joins, the batch drains, and a Batcher for the new group takes over.
-A request with a seed runs alone in a fresh one-row batch, so the same seed gives the same text.
+Sampling: every request brings its own settings (temperature, top-k, top-p, seed), held per row on
+the device, so requests of any settings share a batch and are served in arrival order. A seeded
+request draws from its own counter-based stream: the same text whatever runs beside it.
 
 Speculation (policy.py): a batch decodes plain or with one speculation setting, chosen by the
 SpecPolicy when the batch starts from the load: the requests it starts with (those admitted plus
-those of its group still waiting, capped at its rows), or the most requests the server held at
+those still waiting, capped at its rows), or the most requests the server held at
 once in the last LOAD_WINDOW seconds if that is more. Clients that send their next request when
 the last one ends leave a moment with few requests between batches; by the instant count alone a
 batch would start speculating there. A window of 30 s spans the gap between one load run and the
@@ -25,7 +23,7 @@ next (a load generator's start, another server's run beside it: ~8 s at 64 strea
 burst of a new run met a batch started by its first request alone, whose setting (chosen for one)
 turned plain as the burst joined it (BENCHMARKS.md, twentieth session). An idle batch whose choice
 would now differ is replaced by a new one. When requests wait to join a speculating batch and the
-grown batch (running + waiting of its group, capped) is one the policy decodes plain, or larger
+grown batch (running + waiting, capped) is one the policy decodes plain, or larger
 than any batch the policy chooses the batch's setting for (SpecPolicy.reach, as far as warm-up
 captures that setting's graphs), the batch turns plain where it stands (its decoder decodes plain
 on the same cache, Batcher.to_plain) and takes them in: nobody waits for the speculating
@@ -179,7 +177,7 @@ class Engine:
         captured = 0
         with torch.inference_mode():
             for setting in dict.fromkeys(self.policy.choose(n) for n in range(1, self.slots + 1)):
-                dec = self._generator(setting).decoder(self.slots, self.max_len, SamplingParams())
+                dec = self._generator(setting).decoder(self.slots, self.max_len)
                 captured += dec.warmup() if setting is None else dec.warmup(
                     rows=self.policy.reach(setting, self.slots), plain_rows=self.slots)
         return captured
@@ -287,7 +285,7 @@ class Engine:
                     idle, self.idle_since = woke - self.idle_since, None
                 cancels, self.cancels = self.cancels, []
                 self.load.note(len(self.waiting) + (self.batcher.running if self.batcher else 0))
-                group, admit, setting, n = self.next_admission()
+                new, admit, setting, n = self.next_admission()
                 switch, self.switch = self.switch, False
                 self.metrics.waiting.labels(self.metrics.name).set(len(self.waiting))
             for req in cancels:
@@ -299,7 +297,7 @@ class Engine:
             t = {"idle": idle, "admit": 0.0, "step": 0.0, "output": 0.0}
             if admit:
                 t0 = clock()
-                self._guarded(partial(self._admit, group, admit, setting, n), admit, drop_batch=False)
+                self._guarded(partial(self._admit, new, admit, setting, n), admit, drop_batch=False)
                 t1 = clock()
                 self._gauges()
                 self._flush()  # the first tokens go out now, not after the step below (time to first token)
@@ -343,29 +341,19 @@ class Engine:
         """The seconds the current batch's decoder has spent blocked on the device since last asked."""
         return self.batcher.dec.take_device_wait() if self.batcher is not None else 0.0
 
-    def next_admission(self) -> tuple[SamplingParams | None, list[Request], str | None, int]:
-        """Under the lock: the sampling group of a batch to start (None: keep the current batch),
+    def next_admission(self) -> tuple[bool, list[Request], str | None, int]:
+        """Under the lock: whether a new batch starts (else the current one takes the requests),
         the requests to admit in arrival order, and for a new batch its setting (None: plain) and
         the request count the policy chose it by."""
         if not self.waiting:
-            return None, [], None, 0
-        head = self.waiting[0].sampling
+            return False, [], None, 0
         idle = self.batcher is None or not self.batcher.running
-        if head.seed is not None:  # alone in a fresh one-row batch, so the seed makes it repeatable
-            return (head, [self.waiting.popleft()], self.policy.choose(1), 1) if idle else (None, [], None, 0)
-        run = 0  # the head's group at the head of the queue: the requests that can join now
-        for req in self.waiting:
-            if req.sampling != head or run == self.slots:
-                break
-            run += 1
-        same = self.batcher is not None and self.batcher.sampling == head
+        run = min(len(self.waiting), self.slots)  # the requests that could join now
         if not idle:
-            if not same:
-                return None, [], None, 0  # the current batch drains first
             free = len(self.batcher.free_rows)
             enough = min(free, -(-self.batcher.running // ADMIT_SHARE))
             if run < enough and time.perf_counter() - self.waiting[0].arrival < ADMIT_WAIT:
-                return None, [], None, 0  # a larger group soon: one prefill (and one sync) for several
+                return False, [], None, 0  # a larger group soon: one prefill (and one sync) for several
             load = min(self.slots, self.batcher.running + run)
             choice = self.policy.choose(load)
             reach = self.policy.reach(self.setting, self.slots) if self.setting is not None else self.slots
@@ -375,21 +363,19 @@ class Engine:
                 log.info("the speculating batch (%s) grows to %d requests, %s: it turns plain", self.setting, load, why)
                 self.switch, self.setting = True, None
                 self.metrics.policy(None, load)
-            return None, [self.waiting.popleft() for _ in range(min(free, run))], None, 0
+            return False, [self.waiting.popleft() for _ in range(min(free, run))], None, 0
         n = min(self.slots, max(run, self.load.peak()))
         setting = self.policy.choose(n)
         # a batch that turned plain keeps its speculative decoder only while it runs
-        keep = same and setting == self.setting and (setting is not None or not self.batcher.speculative)
-        group = None if keep else head
-        free = self.slots if group is not None else len(self.batcher.free_rows)
-        return group, [self.waiting.popleft() for _ in range(min(free, run))], setting, n
+        keep = (self.batcher is not None and setting == self.setting
+                and (setting is not None or not self.batcher.speculative))
+        free = len(self.batcher.free_rows) if keep else self.slots
+        return not keep, [self.waiting.popleft() for _ in range(min(free, run))], setting, n
 
-    def _admit(self, group: SamplingParams | None, admit: list[Request], setting: str | None, n: int
-               ) -> list[Output]:
-        if group is not None:
-            self.batcher = None  # its cache goes before the next one is allocated
-            rows = 1 if group.seed is not None else self.slots
-            self.batcher = Batcher(self._generator(setting), rows, self.max_len, group)
+    def _admit(self, new: bool, admit: list[Request], setting: str | None, n: int) -> list[Output]:
+        if new:
+            self.batcher = None
+            self.batcher = Batcher(self._generator(setting), self.slots, self.max_len)
             if not self.chosen or setting != self.setting:
                 log.info("a batch of %d request%s starts %s%s", n, "" if n == 1 else "s",
                          "plain" if setting is None else f"speculating with {setting}",

@@ -30,7 +30,7 @@ from ..kernels import fusable
 from ..runtime.decoder import Decoder, Slots
 from ..runtime.graphs import GraphRunner
 from ..runtime.observer import StepObserver
-from ..sampling import SamplingParams, sample, target_probs
+from ..runtime.plain import first_tokens
 from .drafters.base import Drafter
 from .metrics import RowCounters, SpecMetrics
 from .tree import DraftProposal
@@ -83,10 +83,8 @@ class Collected:
 
 
 class SpecStep:
-    def __init__(self, model: CausalLM, slots: Slots, drafter: Drafter, spec: SpecConfig, sampling: SamplingParams,
-                 generator: torch.Generator | None = None, name: str = "spec"):
-        self.model, self.slots, self.drafter, self.spec = model, slots, drafter, spec
-        self.sampling, self.gen, self.name = sampling, generator, name
+    def __init__(self, model: CausalLM, slots: Slots, drafter: Drafter, spec: SpecConfig, name: str = "spec"):
+        self.model, self.slots, self.drafter, self.spec, self.name = model, slots, drafter, spec, name
         self.kernels, self.settle = model.kernels, model.kernels.fuse(settle)
         self.tokens_per_step = spec.steps + 1
         self.pipelines = drafter.graphable  # a host drafter proposes from the emitted tokens
@@ -105,8 +103,7 @@ class SpecStep:
         return d
 
     def rows(self, k: int) -> "SpecStep":
-        return SpecStep(self.model, self.slots.rows(k), self.drafter.rows(k), self.spec, self.sampling, self.gen,
-                        self.name)
+        return SpecStep(self.model, self.slots.rows(k), self.drafter.rows(k), self.spec, self.name)
 
     def room(self):
         # cache slots one step may touch past the committed length, target and drafter
@@ -116,8 +113,7 @@ class SpecStep:
 
     def prefill(self, batch):
         h, taps = prefill(self.model, self.slots.cache, batch, capture=self.drafter.taps)  # (b, H)
-        first = sample(self.model.logits(h), self.sampling, self.gen)  # (b,)
-        self.slots.last.index_copy_(0, batch.rows, first)
+        first = first_tokens(self.model.logits(h), self.slots, batch)
         self.drafter.start(batch, taps, first)
         return first
 
@@ -151,26 +147,29 @@ class SpecStep:
         return self.accept(*self.verify())
 
     def draft(self) -> DraftProposal:
-        return self.drafter.propose(self.slots.last)
+        return self.drafter.propose(self.slots.last, self.slots.sampling)
 
     def verify(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every node in one target forward: tree mask, per-node positions. Returns the target's
-        argmax (B, N) under greedy or its distribution (B, N, V), and the drafter's taps."""
+        argmax (B, N) while no row samples, else each row's distribution (B, N, V), and the
+        drafter's taps."""
         prop, c = self.prop, self.slots.cache
         positions = c.lens[:, None] + prop.depth  # (B, N)
         meta = AttnMeta.build(c.lens, positions, c.kv_len(prop.num_nodes), tree_mask=prop.mask, kernels=self.kernels,
                               sliding_window=self.model.config.sliding_window)
         hidden, taps = self.model(prop.tokens, positions, c, meta, capture=self.drafter.taps)
         logits = self.model.logits(hidden)  # (B, N, V); no float copy for an argmax
-        return (logits.argmax(-1) if self.sampling.greedy else target_probs(logits, self.sampling)), taps
+        rs = self.slots.sampling
+        return (rs.probs(logits) if rs.mode.sampled else logits.argmax(-1)), taps
 
     def accept(self, target: torch.Tensor, taps: torch.Tensor | None) -> torch.Tensor:
         """Accept, cut to each row's limit, commit to both caches; pack what the host needs."""
         prop, s = self.prop, self.slots
-        if self.sampling.greedy:
-            res = greedy_verify(prop, target, self.spec.steps, self.kernels)
+        if s.sampling.mode.sampled:
+            res = sample_verify(prop, target, self.spec.steps, self.spec.topk, s.sampling)
         else:
-            res = sample_verify(prop, target, self.spec.steps, self.spec.topk, self.gen)
+            res = greedy_verify(prop, target, self.spec.steps, self.kernels)
+        s.sampling.steps += 1
         count, bonus, moves, packed = self.settle(res.path, res.count, res.tokens, s.limit, s.cache.lens, s.last,
                                                   prop.valid, prop.depth)
         s.cache.keep(*moves)  # only the accepted path stays
@@ -190,11 +189,10 @@ class SpecStep:
         return emitted
 
 
-def spec_decoder(model: CausalLM, drafter: Drafter, spec: SpecConfig, batch: int, max_len: int,
-                 sampling: SamplingParams, generator: torch.Generator | None = None, graphs: bool = True,
+def spec_decoder(model: CausalLM, drafter: Drafter, spec: SpecConfig, batch: int, max_len: int, graphs: bool = True,
                  lookahead: bool | None = None, observer: StepObserver | None = None) -> Decoder:
     """A decoder of `batch` rows, room for `max_len` tokens each (and a step's drafted nodes),
     speculating with `drafter`."""
-    dec = Decoder(model, batch, max_len + spec.draft_tokens, sampling, generator, graphs, lookahead, observer)
-    dec.use(SpecStep(model, dec.slots, drafter, spec, sampling, generator))
+    dec = Decoder(model, batch, max_len + spec.draft_tokens, graphs, lookahead, observer)
+    dec.use(SpecStep(model, dec.slots, drafter, spec))
     return dec

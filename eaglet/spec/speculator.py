@@ -9,7 +9,6 @@ import torch
 from ..config import SpecConfig
 from ..errors import ModelLoadError
 from ..models.llama import CausalLM, compile_elementwise
-from ..sampling import SamplingParams
 from .drafters.base import Drafter
 from .drafters.draft_model import DraftModelDrafter
 from .drafters.eagle3 import Eagle3Drafter
@@ -27,15 +26,14 @@ class Speculator:
     draft_model: CausalLM | None = None
     draft_path: str | None = None
 
-    def make(self, target: CausalLM, batch: int, max_len: int, sampling: SamplingParams,
-             generator: torch.Generator | None) -> Drafter:
+    def make(self, target: CausalLM, batch: int, max_len: int) -> Drafter:
         # a drafter's cache also holds the block absorbed each step and the drafted nodes
         room = max_len + self.spec.steps + 2 + self.spec.steps * self.spec.topk + self.spec.draft_tokens
         if self.spec.method == "ngram":
             return NgramDrafter(self.spec, batch, room, next(target.parameters()).device, target.kernels)
         if self.spec.method == "draft":
-            return DraftModelDrafter(self.draft_model, target, self.spec, sampling, batch, room, generator)
-        return Eagle3Drafter(self.head, target, self.spec, sampling, batch, room, self.head_embed, generator)
+            return DraftModelDrafter(self.draft_model, target, self.spec, batch, room)
+        return Eagle3Drafter(self.head, target, self.spec, batch, room, self.head_embed)
 
 
 def bundled_drafter() -> Path | None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import EAGER, Kernels, fusable
-from ..sampling import sample_probs
+from ..sampling import ACCEPT, BONUS, sample_probs, uniform
 from .tree import DraftProposal
 
 
@@ -76,8 +76,10 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tens
 
 
 def sample_verify(prop: DraftProposal, p: torch.Tensor, max_depth: int, max_children: int,
-                  generator: torch.Generator | None = None) -> VerifyResult:
-    """p (B, N, V): the target's (temperature/top-k/top-p adjusted) distribution at every node."""
+                  generator=None) -> VerifyResult:
+    """p (B, N, V): the target's (temperature/top-k/top-p adjusted) distribution at every node.
+    generator: where the random numbers come from (sampling.uniform: a RowSampling's per-row
+    streams, a torch.Generator, or None)."""
     b, n, v = p.shape
     dev = p.device
     rows = torch.arange(b, device=dev)
@@ -86,7 +88,7 @@ def sample_verify(prop: DraftProposal, p: torch.Tensor, max_depth: int, max_chil
     count = torch.ones(b, dtype=torch.long, device=dev)
     residual = p[:, 0].clone()  # (B, V) what is left of p at the current node
     path = [cur]
-    for _ in range(max_depth):
+    for depth in range(max_depth):
         children = (prop.parents == cur[:, None]) & prop.valid & alive[:, None]  # (B, N)
         rank = children.cumsum(1) - 1
         moved = torch.zeros(b, dtype=torch.bool, device=dev)
@@ -97,7 +99,7 @@ def sample_verify(prop: DraftProposal, p: torch.Tensor, max_depth: int, max_chil
             x = prop.tokens[rows, child]  # (B,)
             q = prop.q[rows, cur] if prop.q is not None else torch.nn.functional.one_hot(x, v).to(p.dtype)  # (B, V)
             px, qx = residual[rows, x], q[rows, x]
-            u = torch.rand(b, device=dev, generator=generator)
+            u = uniform(generator, (b,), dev, ACCEPT + depth * max_children + r)
             accept = has & (u * qx < px)  # u < min(1, p/q) without dividing by zero
             reject = has & ~accept
             left = (residual - q).clamp(min=0)
@@ -110,4 +112,4 @@ def sample_verify(prop: DraftProposal, p: torch.Tensor, max_depth: int, max_chil
         count += moved
         residual = torch.where(moved[:, None], p[rows, cur], residual)  # fresh p at the new node
         alive = moved
-    return _finish(prop, path, count, sample_probs(residual, generator))
+    return _finish(prop, path, count, sample_probs(residual, generator, BONUS))

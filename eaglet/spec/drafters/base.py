@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from ...models.prefill import PromptBatch
+from ...sampling import RowSampling
 from ..tree import DraftProposal
 from ..verify import VerifyResult
 
@@ -33,8 +34,9 @@ class Drafter(Protocol):
     def start_host(self, rows: list[int], prompts: list[list[int]], first: list[int]) -> None:
         """The same admission on the host."""
 
-    def propose(self, roots: torch.Tensor) -> DraftProposal:
-        """A draft tree for each row, rooted at roots (B,) (the last emitted tokens)."""
+    def propose(self, roots: torch.Tensor, sampling: RowSampling) -> DraftProposal:
+        """A draft tree for each row, rooted at roots (B,) (the last emitted tokens); a drafter
+        that samples its drafts draws with each row's `sampling`."""
 
     def commit(self, prop: DraftProposal, res: VerifyResult, taps: torch.Tensor | None) -> None:
         """What the target accepted (device): res, and the verify forward's taps (B, N, k*H) or None."""

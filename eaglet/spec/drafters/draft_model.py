@@ -9,7 +9,6 @@ from ...config import SpecConfig
 from ...errors import ModelLoadError
 from ...kvcache import KVCache
 from ...models.llama import CausalLM
-from ...sampling import SamplingParams
 from .expand import NeuralDrafter
 
 
@@ -17,14 +16,13 @@ class DraftModelDrafter(NeuralDrafter):
     taps = ()
     fed_past_prompt = 1  # the first sampled token
 
-    def __init__(self, draft: CausalLM, target: CausalLM, spec: SpecConfig, sampling: SamplingParams,
-                 batch: int, max_len: int, generator=None):
+    def __init__(self, draft: CausalLM, target: CausalLM, spec: SpecConfig, batch: int, max_len: int):
         if draft.config.vocab_size != target.config.vocab_size:
             raise ModelLoadError(f"draft model vocabulary {draft.config.vocab_size} does not match the "
                                  f"target's {target.config.vocab_size}")
         p = next(draft.parameters())
         cache = KVCache.for_model(draft.config, batch, max_len, p.dtype, p.device)
-        super().__init__(spec, sampling, target.config.vocab_size, generator, cache, draft.config.hidden_size)
+        super().__init__(spec, target.config.vocab_size, cache, draft.config.hidden_size)
         self.model, self.window, self.kernels = draft, draft.config.sliding_window, draft.kernels
 
     def prompt_inputs(self, batch, taps, first):

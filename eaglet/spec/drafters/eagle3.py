@@ -13,7 +13,6 @@ import torch
 from ...config import SpecConfig
 from ...kvcache import KVCache
 from ...models.llama import CausalLM, embed
-from ...sampling import SamplingParams
 from .eagle3_head import Eagle3Head
 from .expand import NeuralDrafter
 
@@ -22,12 +21,12 @@ class Eagle3Drafter(NeuralDrafter):
     feeds_state = True
     row_tensors = NeuralDrafter.row_tensors + ("pend_feats",)
 
-    def __init__(self, head: Eagle3Head, target: CausalLM, spec: SpecConfig, sampling: SamplingParams,
-                 batch: int, max_len: int, embed: torch.Tensor | None = None, generator=None):
+    def __init__(self, head: Eagle3Head, target: CausalLM, spec: SpecConfig, batch: int, max_len: int,
+                 embed: torch.Tensor | None = None):
         p = next(head.parameters())
         c = head.cfg.layer
         cache = KVCache(c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, p.dtype, p.device)
-        super().__init__(spec, sampling, target.config.vocab_size, generator, cache, c.hidden_size)
+        super().__init__(spec, target.config.vocab_size, cache, c.hidden_size)
         self.head, self.taps, self.kernels = head, head.cfg.aux_layers, head.kernels
         self.embed_weight = embed.to(p) if embed is not None else target.model.embed_tokens.weight
         self.d2t_ids = head.draft_to_target()

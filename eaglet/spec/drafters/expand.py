@@ -24,7 +24,7 @@ from ...kvcache import KVCache
 from ...models.attention import AttnMeta
 from ...models.prefill import FreshRows, PromptBatch, fresh_meta
 from ...kernels import EAGER, fusable
-from ...sampling import SamplingParams, sample_probs, target_probs
+from ...sampling import DRAFT, RowSampling, sample_probs
 from ..topk import topk
 from .base import row_view
 from ..tree import DraftProposal, chain, select_tree
@@ -38,9 +38,8 @@ class NeuralDrafter:
     fed_past_prompt = 0  # what an admitted prompt feeds the drafter: its tokens plus this many
     kernels = EAGER  # what the drafter's model runs (set by subclasses from it)
 
-    def __init__(self, spec: SpecConfig, sampling: SamplingParams, vocab_size: int, generator,
-                 cache: KVCache, hidden_size: int):
-        self.spec, self.sampling, self.vocab_size, self.gen = spec, sampling, vocab_size, generator
+    def __init__(self, spec: SpecConfig, vocab_size: int, cache: KVCache, hidden_size: int):
+        self.spec, self.vocab_size = spec, vocab_size
         self.cache = cache
         b, dev = cache.batch, cache.lens.device
         self.root_h = torch.zeros(b, hidden_size, dtype=cache.k.dtype, device=dev)  # last absorbed position
@@ -140,32 +139,33 @@ class NeuralDrafter:
             t.copy_(s)
 
     # ---- drafting ----
-    def propose(self, roots: torch.Tensor) -> DraftProposal:
+    def propose(self, roots: torch.Tensor, sampling: RowSampling) -> DraftProposal:
         logits, state = self.catch_up()
         if self.spec.is_chain:
-            return self._chain(roots, logits, state)
+            return self._chain(roots, logits, state, sampling)
         return self._tree(roots, logits, state)
 
-    def _pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One child per node: argmax, or a sample from q when sampling (q returned in target vocab)."""
-        if self.sampling.greedy:
+    def _pick(self, logits: torch.Tensor, rs: RowSampling, depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One child per node: argmax, or a sample from q with each row's settings while any row
+        samples (q returned in target vocab; a greedy row's q is its one-hot argmax)."""
+        if not rs.mode.sampled:
             return logits.argmax(-1), None
-        q = target_probs(logits, self.sampling)
-        return sample_probs(q, self.gen), self.q_to_target(q)
+        q = rs.probs(logits)
+        return sample_probs(q, rs, DRAFT + depth), self.q_to_target(q)
 
-    def _chain(self, roots, logits, state) -> DraftProposal:
-        ids, q = self._pick(logits)  # (B,)
+    def _chain(self, roots, logits, state, rs: RowSampling) -> DraftProposal:
+        ids, q = self._pick(logits, rs, 0)  # (B,)
         picked, qs = [ids], [q]
         for d in range(1, self.spec.steps):  # mask None: a chain node sees every pending node
             logits, state = self.draft_step(ids[:, None], None if state is None else state[:, None], d, None,
                                             pending=d - 1)
             logits, state = logits[:, 0], None if state is None else state[:, 0]  # (B, Vd), (B, H)
-            ids, q = self._pick(logits)
+            ids, q = self._pick(logits, rs, d)
             picked.append(ids)
             qs.append(q)
         tokens = torch.cat([roots[:, None], self.to_target(torch.stack(picked, 1))], 1)  # (B, steps+1)
         qt = None
-        if not self.sampling.greedy:
+        if rs.mode.sampled:
             qt = torch.stack(qs + [torch.zeros_like(qs[0])], 1)  # (B, steps+1, V); the leaf has no children
         return chain(tokens, q=qt)
 

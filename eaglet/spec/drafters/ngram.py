@@ -113,7 +113,7 @@ class NgramDrafter:
     def rows(self, k: int) -> "NgramDrafter":
         return row_view(self, k)
 
-    def propose(self, roots: torch.Tensor) -> DraftProposal:
+    def propose(self, roots: torch.Tensor, sampling=None) -> DraftProposal:
         """roots are the histories' last tokens (the last emitted ones)."""
         sp = self.spec
         want = 1 if sp.is_chain else sp.topk
