@@ -186,3 +186,23 @@ def test_sharegpt_file_prompts(tmp_path):
     f.write_text(text[:-40])  # cut off inside the last record, as the packaged file is
     got = load_bench_prompts(str(f), 7, max_chars=2000, seed=0)
     assert len(got) == 7 and set(got) == {"question 0", "question 1", "question 2"}
+
+
+def test_the_key_is_sent_and_never_recorded(tiny, prompts_file, tmp_path, capsys, monkeypatch):
+    """Against a server with --api-key: without the key every request fails (401); with it (flag or
+    EAGLET_API_KEY) all succeed, and the record holds neither the key nor the variable's value."""
+    with LiveServer(Generator(tiny.model, tiny.tokenizer), api_key="k-123") as srv:
+        args = ["--url", srv.url, "--model", "tiny", "--prompts", str(prompts_file), "--num-requests", "4",
+                "--concurrency", "2", "--max-tokens", "2"]
+        rc, _ = run(capsys, *args, "--out", str(tmp_path / "none"))
+        assert rc != 0 and record(tmp_path / "none")["results"]["failed"] == 4
+        rc, out = run(capsys, *args, "--api-key", "k-123", "--out", str(tmp_path / "flag"))
+        assert rc == 0, out
+        rec = next((tmp_path / "flag").glob("bench-serve-*.json")).read_text()
+        assert json.loads(rec)["results"]["completed"] == 4 and "k-123" not in rec
+        monkeypatch.setenv("EAGLET_API_KEY", "k-123")
+        rc, out = run(capsys, *args, "--out", str(tmp_path / "env"))
+        assert rc == 0, out
+        rec = json.loads(next((tmp_path / "env").glob("bench-serve-*.json")).read_text())
+        assert rec["results"]["completed"] == 4 and "k-123" not in json.dumps(rec)
+        assert rec["environment"]["env"]["EAGLET_API_KEY"] == "<redacted>"

@@ -242,8 +242,13 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     }
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 async def run_load(base: str, payloads: list[dict], chat: bool, concurrency: int | None, rate: float | None,
-                   seed: int, timeout: float, progress: bool) -> tuple[list[RequestResult], float]:
+                   seed: int, timeout: float, progress: bool, api_key: str | None = None
+                   ) -> tuple[list[RequestResult], float]:
     import aiohttp
     from tqdm import tqdm
 
@@ -254,7 +259,8 @@ async def run_load(base: str, payloads: list[dict], chat: bool, concurrency: int
     # aiohttp, not httpx: with httpx's per-chunk pool and h11 work the client, not the server, is what
     # a 64-stream run measures on the H200 (docs/notebook.md)
     connector = aiohttp.TCPConnector(limit=concurrency or 0)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout),
+                                     headers=auth_headers(api_key)) as session:
         async def one(p):
             if sem is None:
                 r = await one_request(session, url, p, chat)
@@ -276,12 +282,13 @@ async def run_load(base: str, payloads: list[dict], chat: bool, concurrency: int
     return list(results), duration
 
 
-def server_info(base: str) -> dict:
+def server_info(base: str, api_key: str | None = None) -> dict:
     import urllib.error
     import urllib.request
 
     try:
-        with urllib.request.urlopen(base + "/models", timeout=10) as r:
+        with urllib.request.urlopen(urllib.request.Request(base + "/models", headers=auth_headers(api_key)),
+                                    timeout=10) as r:
             return json.loads(r.read())
     except urllib.error.HTTPError as e:
         return {"error": f"HTTP {e.code}"}
@@ -346,7 +353,7 @@ def run_bench_serve(args) -> int:
     concurrency = args.concurrency if args.concurrency or args.request_rate else 1
     root = args.url.rstrip("/").removesuffix("/v1")
     base = root + "/v1"
-    info = server_info(base)
+    info = server_info(base, args.api_key)
     model = args.model
     if model is None:
         try:
@@ -367,7 +374,7 @@ def run_bench_serve(args) -> int:
     before = fetch_server_metrics(root)
     run, loop_name = event_loop_runner()
     results, duration = run(run_load(base, payloads, chat, concurrency, args.request_rate, args.seed,
-                                     args.timeout, not args.no_progress))
+                                     args.timeout, not args.no_progress, args.api_key))
     after = fetch_server_metrics(root) if before is not None else None
     res = summarize(results, duration)
     res["accept_length"], res["accept_length_source"] = accept_length(results, before, after)

@@ -65,6 +65,33 @@ def path_fingerprint(path: str | Path | None) -> dict | None:
             "bytes": sum(f.stat().st_size for f in weights)}
 
 
+SECRET = ("KEY", "TOKEN", "SECRET", "PASSWORD")  # names whose values a record never holds
+
+
+def secret(name: str) -> bool:
+    """Whether a flag or variable name holds a credential (API_KEY, HF_TOKEN; not TOKENIZERS_...)."""
+    return any(w in SECRET for w in name.upper().replace("-", "_").split("_"))
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """argv with the values of secret flags (--api-key KEY, --api-key=KEY) hidden."""
+    out, hide = [], False
+    for a in argv:
+        flag, eq, _ = a.partition("=")
+        if hide:
+            out.append("<redacted>")
+        elif eq and flag.startswith("--") and secret(flag):
+            out.append(f"{flag}=<redacted>")
+        else:
+            out.append(a)
+        hide = a.startswith("--") and not eq and secret(a)
+    return out
+
+
+def redact(flags: dict) -> dict:
+    return {k: ("<redacted>" if secret(k) and v is not None else v) for k, v in flags.items()}
+
+
 def environment() -> dict:
     import torch
 
@@ -77,8 +104,8 @@ def environment() -> dict:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "git": git_state(),
-        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
-        "argv": sys.argv,
+        "env": {k: "<redacted>" if secret(k) else v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
+        "argv": redact_argv(sys.argv),
     }
     for dist in ("transformers", "triton", "gguf", "safetensors", "tokenizers", "numpy"):
         try:
@@ -119,7 +146,7 @@ def write_record(kind: str, flags: dict, results: dict, out_dir: str | Path, mod
     """Write {kind, flags, environment, models, results} as JSON; returns the file path. Each `raw`
     entry (bulky raw data, e.g. a load test's per-request times) goes gzipped beside it, as
     <record>.<name>.json.gz, and results[name] names that file (read it back with load_raw)."""
-    rec = {"kind": kind, "flags": flags, "environment": environment(),
+    rec = {"kind": kind, "flags": redact(flags), "environment": environment(),
            "models": {k: path_fingerprint(v) for k, v in (models or {}).items()}, "results": dict(results)}
     if (mem := gpu_peak_memory()) is not None:
         rec["results"].setdefault("gpu_memory", mem)

@@ -30,6 +30,8 @@ from ..generate import Generator
 from ..sampling import SamplingParams
 from ..spec.metrics import SpecMetrics
 from .engine import Chunk, Engine, Request
+from . import MAX_BODY
+from .guard import Guard
 from .metrics import ServerMetrics
 from .policy import SpecPolicy
 from .protocol import (
@@ -82,10 +84,12 @@ async def wait_disconnect(request: HTTPRequest) -> None:
 
 
 def build_app(generator: Generator, model_name: str, max_batch: int = 8, max_queue: int = 256,
-              max_len: int | None = None, policy: SpecPolicy | None = None) -> FastAPI:
+              max_len: int | None = None, policy: SpecPolicy | None = None, api_key: str | None = None,
+              max_body: int = MAX_BODY) -> FastAPI:
     """The app and its engine (started and stopped with the app's lifespan); `max_len` is each
     row's context (prompt + generated), at most the model's; `policy` chooses plain or a
-    speculation setting per batch (default: always the generator's own)."""
+    speculation setting per batch (default: always the generator's own); `api_key` and
+    `max_body` are what guard.py checks before any route."""
     tok = generator.tokenizer
     if tok is None:
         raise InvalidInput("serving needs a tokenizer; the model directory has none")
@@ -113,6 +117,7 @@ def build_app(generator: Generator, model_name: str, max_batch: int = 8, max_que
 
     app = FastAPI(title="eaglet", lifespan=lifespan)
     app.state.engine = engine
+    app.add_middleware(Guard, api_key=api_key, max_body=max_body)
 
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
@@ -153,7 +158,7 @@ def build_app(generator: Generator, model_name: str, max_batch: int = 8, max_que
             raise APIError(400, f"max_tokens {max_tokens} + the prompt's {len(prompt)} tokens exceed the context "
                                 f"of {max_len}", param="max_tokens", code="context_length_exceeded")
         t = 1.0 if body.temperature is None else body.temperature
-        sampling = (SamplingParams(0.0) if t == 0 else  # every greedy request is one batch group
+        sampling = (SamplingParams(0.0) if t == 0 else  # greedy: top-k, top-p and seed change nothing
                     SamplingParams(t, max(body.top_k, 0), 1.0 if body.top_p is None else body.top_p, body.seed))
         return Request(prompt, max_tokens, sampling, body.stop_strings, body.ignore_eos)
 

@@ -4,11 +4,13 @@ handlers. eaglet/cli.py adds the parsers and dispatches to the handlers; heavy m
 inside the handlers."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 from ..args import add_model_args, add_spec_args, model_kernels, spec_config
 from ..errors import EagletError
+from . import MAX_BODY
 
 
 def add_serve_parsers(sub) -> None:
@@ -35,6 +37,11 @@ def add_serve_parsers(sub) -> None:
                          "plain above (default 1 without --spec-policy: one setting does not fit every batch "
                          "size; no cap with a profile, whose per-size choice applies when a batch starts; "
                          "0: never speculate)")
+    sv.add_argument("--api-key", default=os.environ.get("EAGLET_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on /v1 routes (401 without it; /health and /metrics "
+                         "stay open); default: $EAGLET_API_KEY")
+    sv.add_argument("--max-body-bytes", type=int, default=MAX_BODY,
+                    help=f"request bodies over this get 413 (default {MAX_BODY})")
     sv.add_argument("--eager", action="store_true", help="no CUDA graphs")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -58,6 +65,8 @@ def add_serve_parsers(sub) -> None:
     bs.add_argument("--max-prompt-chars", type=int, default=2000, help="skip longer prompts")
     bs.add_argument("--seed", type=int, default=0, help="prompt order and arrival times")
     bs.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    bs.add_argument("--api-key", default=os.environ.get("EAGLET_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+                    help="sent as 'Authorization: Bearer KEY' (default: $EAGLET_API_KEY, else $OPENAI_API_KEY)")
     bs.add_argument("--no-progress", action="store_true")
     bs.add_argument("--out", default="bench/results", help="directory for the JSON record")
 
@@ -75,6 +84,8 @@ def cmd_serve(args) -> int:
 
     if args.max_batch < 1 or args.max_queue < 1 or (args.max_model_len is not None and args.max_model_len < 2):
         raise InvalidInput("--max-batch and --max-queue must be >= 1, --max-model-len >= 2")
+    if args.max_body_bytes < 1024:
+        raise InvalidInput(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
     if args.spec_max_batch is not None and args.spec_max_batch < 0:
         raise InvalidInput(f"--spec-max-batch must be >= 0, got {args.spec_max_batch}")
     spec = spec_config(args, args.model)
@@ -102,7 +113,7 @@ def cmd_serve(args) -> int:
                                       path.stem if path.is_file() else path.resolve().name)
     policy = SpecPolicy(speculator, table, max_spec, args.spec_policy)
     app = build_app(Generator(loaded.model, loaded.tokenizer, speculator, graphs=not args.eager), name,
-                    args.max_batch, args.max_queue, args.max_model_len, policy)
+                    args.max_batch, args.max_queue, args.max_model_len, policy, args.api_key, args.max_body_bytes)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     print(f"[eaglet] serving {name} ({policy.describe()}, {args.max_batch} rows, context "
           f"{app.state.engine.max_len}) at http://{args.host}:{args.port}/v1", file=sys.stderr)
