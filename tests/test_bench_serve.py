@@ -206,3 +206,25 @@ def test_the_key_is_sent_and_never_recorded(tiny, prompts_file, tmp_path, capsys
         rec = json.loads(next((tmp_path / "env").glob("bench-serve-*.json")).read_text())
         assert rec["results"]["completed"] == 4 and "k-123" not in json.dumps(rec)
         assert rec["environment"]["env"]["EAGLET_API_KEY"] == "<redacted>"
+
+
+def test_mixed_settings_run(server, prompts_file, tmp_path, capsys):
+    """--mix: every request its own temperature, top-p/top-k, seed, max_tokens and streaming; all
+    complete against one batch; the record counts the mix and the server's memory is reported."""
+    from eaglet.perf.bench_serve import mixed_settings
+
+    mix = mixed_settings(400, 0, hi=512)
+    assert {d["temperature"] for d in mix} == {0.0, 0.3, 0.7, 1.0}
+    assert 0.15 < sum("seed" in d for d in mix) / 400 < 0.35 and 0.35 < sum(d["stream"] for d in mix) / 400 < 0.65
+    assert all(16 <= d["max_tokens"] <= 512 for d in mix) and any("top_k" in d for d in mix)
+    assert not any("top_p" in d or "top_k" in d for d in mix if d["temperature"] == 0)
+    rc, out = run(capsys, "--url", server.url, "--prompts", str(prompts_file), "--num-requests", "24",
+                  "--concurrency", "8", "--mix", "--max-tokens", "100", "--endpoint", "completions",
+                  "--out", str(tmp_path))
+    assert rc == 0, out
+    r = record(tmp_path)["results"]
+    asked = mixed_settings(24, 0, hi=100)
+    assert r["completed"] == 24 and r["mix"]["streamed"] == sum(d["stream"] for d in asked)
+    assert r["mix"]["max_tokens"] == sum(d["max_tokens"] for d in asked) >= r["output_tokens"] > 0
+    assert 0 < r["mix"]["streamed"] < 24 and 0 < r["ttft_ms"]["median"] <= r["e2e_ms"]["max"]
+    assert "server memory" in out and "mixed settings" in out

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -60,7 +61,29 @@ def load_bench_prompts(name: str | None, n: int, max_chars: int, seed: int) -> l
     return [texts[i % len(texts)] for i in range(n)]
 
 
+def mixed_settings(n: int, seed: int, lo: int = 16, hi: int = 512) -> list[dict]:
+    """Each request's own settings, as real OpenAI-API traffic mixes them: temperature 0, 0.3, 0.7
+    or 1.0; top-p (half of the sampled ones) and top-k (a third); a seed on a quarter; max_tokens
+    log-uniform in [lo, hi] (lo at most hi); streamed or not, half each."""
+    rng = random.Random(seed)
+    lo = min(lo, hi)
+    out = []
+    for _ in range(n):
+        t = rng.choice([0.0, 0.3, 0.7, 1.0])
+        d = {"temperature": t, "max_tokens": round(math.exp(rng.uniform(math.log(lo), math.log(hi)))),
+             "stream": rng.random() < 0.5}
+        if t > 0 and rng.random() < 0.5:
+            d["top_p"] = rng.choice([0.8, 0.9, 0.95])
+        if t > 0 and rng.random() < 1 / 3:
+            d["top_k"] = rng.choice([20, 50])
+        if rng.random() < 0.25:
+            d["seed"] = rng.randrange(1 << 31)
+        out.append(d)
+    return out
+
+
 async def one_request(session, url: str, payload: dict, chat: bool) -> RequestResult:
+    """One request, streamed (time to first token, gaps between events) or whole (its latency)."""
     import aiohttp
 
     t0 = time.perf_counter()
@@ -74,7 +97,9 @@ async def one_request(session, url: str, payload: dict, chat: bool) -> RequestRe
                 except (ValueError, KeyError, TypeError):
                     pass
                 return RequestResult(ok=False, error=f"HTTP {r.status}: {body}"[:300])
-            async for raw in r.content:  # one SSE line at a time
+            if not payload.get("stream"):
+                usage = (await r.json()).get("usage")
+            async for raw in r.content:  # one SSE line at a time (nothing left of a whole response)
                 if not raw.startswith(b"data:"):
                     continue
                 data = raw[5:].strip()
@@ -317,6 +342,13 @@ def render(res: dict, head: str) -> str:
         lines.append(f"{label:<14}{''.join(cells)}")
     if res.get("server_ttft_ms") is not None:
         lines.append(f"server TTFT   {res['server_ttft_ms']:.1f} ms mean, as the server measured it")
+    if mix := res.get("mix"):
+        lines.append(f"mix           {mix['streamed']} streamed, {mix['greedy']} greedy, {mix['seeded']} seeded; "
+                     f"{mix['max_tokens']} tokens asked for (TTFT and ITL: the streamed requests)")
+    srv = res.get("server") or {}
+    rss = [(srv.get(k) or {}).get("process_resident_memory_bytes") for k in ("metrics_before", "metrics_after")]
+    if None not in rss:
+        lines.append(f"server memory {rss[0] / 2**20:.0f} MB resident before the run, {rss[1] / 2**20:.0f} MB after")
     eng = res.get("engine")
     if eng and eng.get("share"):
         sh = eng["share"]
@@ -364,9 +396,11 @@ def run_bench_serve(args) -> int:
     prompts = load_bench_prompts(args.prompts, args.num_requests, args.max_prompt_chars, args.seed)
     chat = args.endpoint == "chat"
     payloads = []
-    for text in prompts:
-        p = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True,
-             "stream_options": {"include_usage": True}}
+    mix = mixed_settings(len(prompts), args.seed, hi=args.max_tokens) if args.mix else [{}] * len(prompts)
+    for text, own in zip(prompts, mix):
+        p = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True, **own}
+        if p["stream"]:
+            p["stream_options"] = {"include_usage": True}
         p.update({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text})
         if args.ignore_eos:
             p["ignore_eos"] = True
@@ -384,8 +418,13 @@ def run_bench_serve(args) -> int:
     res["server"] = {"url": root, "model": model, "models": info, "metrics_before": before, "metrics_after": after}
     mode = ([f"rate={args.request_rate}/s"] if args.request_rate else []) + (
         [f"concurrency={concurrency}"] if concurrency else [])
-    print(render(res, f"bench-serve {root} model={model} endpoint={args.endpoint} {' '.join(mode)} "
-                      f"max_tokens={args.max_tokens}"))
+    if args.mix:
+        res["mix"] = {"streamed": sum(p["stream"] for p in payloads),
+                      "greedy": sum(p["temperature"] == 0 for p in payloads),
+                      "seeded": sum("seed" in p for p in payloads),
+                      "max_tokens": sum(p["max_tokens"] for p in payloads)}
+    tokens = "mixed settings (--mix)" if args.mix else f"max_tokens={args.max_tokens}"
+    print(render(res, f"bench-serve {root} model={model} endpoint={args.endpoint} {' '.join(mode)} {tokens}"))
     path = write_record("bench-serve", vars(args), res, args.out)
     print(f"record: {path}")
     return 0 if res["failed"] == 0 else 1
