@@ -3,12 +3,14 @@
 # two identical rounds of `eaglet bench-serve` (200 ShareGPT first turns, concurrency 32), each
 # written as a record to bench/results/. After each round the server's KV cache must be empty
 # (free tokens == total, nothing running or waiting); its resident memory is printed after both.
+# MIX=1: each request its own sampling settings and length (`bench-serve --mix`, max_tokens up to
+# MAX_TOKENS), the soak of mixed traffic; REQUESTS, MAX_TOKENS and OUT (the records' directory) override.
 #   bash bench/cpu_serve_load.sh          (about 10 min on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PORT=${PORT:-8011}
 ROUND=(--url http://127.0.0.1:$PORT --num-requests ${REQUESTS:-200} --concurrency 32 --max-tokens ${MAX_TOKENS:-24}
-       --max-prompt-chars 300 --seed 0 --no-progress --out bench/results)
+       --max-prompt-chars 300 --seed 0 --no-progress --out ${OUT:-bench/results} ${MIX:+--mix})
 .venv/bin/eaglet serve --port $PORT --max-batch 16 --max-model-len 1024 --log-level warning &
 server=$!
 trap 'kill $server' EXIT

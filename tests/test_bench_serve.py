@@ -218,6 +218,9 @@ def test_mixed_settings_run(server, prompts_file, tmp_path, capsys):
     assert 0.15 < sum("seed" in d for d in mix) / 400 < 0.35 and 0.35 < sum(d["stream"] for d in mix) / 400 < 0.65
     assert all(16 <= d["max_tokens"] <= 512 for d in mix) and any("top_k" in d for d in mix)
     assert not any("top_p" in d or "top_k" in d for d in mix if d["temperature"] == 0)
+    same = mixed_settings(400, 0, hi=512, greedy=True)
+    assert [(d["max_tokens"], d["stream"]) for d in same] == [(d["max_tokens"], d["stream"]) for d in mix]
+    assert all(d.keys() == {"temperature", "max_tokens", "stream"} and d["temperature"] == 0 for d in same)
     rc, out = run(capsys, "--url", server.url, "--prompts", str(prompts_file), "--num-requests", "24",
                   "--concurrency", "8", "--mix", "--max-tokens", "100", "--endpoint", "completions",
                   "--out", str(tmp_path))

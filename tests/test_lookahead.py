@@ -109,7 +109,7 @@ def test_batcher_rows_change_while_a_step_is_in_flight(target, prompts, name, mo
     alone = Generator(target, None, lookahead=False)
     want = [alone.generate([p], GenerationConfig(max_new_tokens=n, ignore_eos=True))[0].tokens
             for p, n in zip(prompts, budgets)]
-    b = Batcher(Generator(target, None, speculator(target, name), lookahead=True), 2, 64)
+    b = Batcher.of(Generator(target, None, speculator(target, name), lookahead=True), 2, 64)
     reqs = [Request(p, n, SamplingParams(), ignore_eos=True) for p, n in zip(prompts, budgets)]
     seqs, waiting, in_flight, steps = {}, list(reqs), [], 0
 
@@ -146,7 +146,7 @@ def test_steps_cover_only_rows_in_use(target, prompts, name, monkeypatch):
     monkeypatch.setattr(batcher_mod, "Sequence", Logged)
     want = Generator(target, None, lookahead=False).generate(
         [prompts[1]], GenerationConfig(max_new_tokens=10, ignore_eos=True))[0].tokens
-    b = Batcher(Generator(target, None, speculator(target, name), lookahead=True), 4, 64)
+    b = Batcher.of(Generator(target, None, speculator(target, name), lookahead=True), 4, 64)
     sizes = []
     prefix = b.dec.prefix
     b.dec.prefix = lambda k: sizes.append(k) or prefix(k)
@@ -171,7 +171,7 @@ def test_batcher_turns_plain_mid_sequence(target, prompts, lookahead, monkeypatc
     alone = Generator(target, None, lookahead=False)
     want = [alone.generate([p], GenerationConfig(max_new_tokens=20, ignore_eos=True))[0].tokens for p in prompts[:3]]
     gen = Generator(target, None, speculator(target, "chain4"), lookahead=lookahead)
-    b = Batcher(gen, 3, 64)
+    b = Batcher.of(gen, 3, 64)
     reqs = [Request(p, 20, SamplingParams(), ignore_eos=True) for p in prompts[:3]]
     seqs = {}
 
@@ -197,7 +197,7 @@ def test_batcher_turns_plain_mid_sequence(target, prompts, lookahead, monkeypatc
     assert [seqs[id(r)].log for r in reqs] == want
     assert seqs[id(reqs[0])].spec.drafts == drafts + (1 if lookahead else 0)  # no drafting after the switch
     assert seqs[id(reqs[2])].spec.drafts == 0
-    again = Batcher(gen, 3, 64)  # the same decoder, every row free: speculating again
+    again = Batcher.of(gen, 3, 64)  # the same decoder, every row free: speculating again
     assert again.dec is b.dec and again.dec.current is spec
     # the row views are kept through both switches (a captured graph reads a view's own proposal
     # buffers: a new view would draft into others)

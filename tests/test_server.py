@@ -341,11 +341,11 @@ def test_a_batch_that_cannot_start_fails_only_its_requests(tiny, monkeypatch):
     class NoMemory(batcher_mod.Batcher):
         failed = False  # the first batch fails to start, the next one starts
 
-        def __init__(self, generator, rows, max_len):
+        def __init__(self, *args):
             if not NoMemory.failed:
                 NoMemory.failed = True
                 raise MemoryError("no room for the cache")
-            super().__init__(generator, rows, max_len)
+            super().__init__(*args)
 
     monkeypatch.setattr(engine_mod, "Batcher", NoMemory)
     with LiveServer(Generator(tiny.model, tiny.tokenizer)) as srv:

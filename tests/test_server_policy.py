@@ -167,7 +167,7 @@ def test_a_speculating_batch_that_grows_turns_plain(tiny, drafter_dir, policy_re
         m = srv.metrics()
         assert m["eaglet:spec_policy_speculating"] == 0 and m["eaglet:spec_policy_batch_size"] == 4
         assert first.usage.spec_decode["num_drafts"] == 1  # the step held at the gate; plain after it
-        assert set(srv.engine.generators) == {"chain:2", "chain:3"}  # chain:3: the given one; no plain batch
+        assert set(srv.engine.steps) == {"chain:2"}  # the steps of the settings chosen; one decoder
     assert "the speculating batch (chain:2) grows to 4 requests, a size the policy decodes plain: it turns plain" \
         in caplog.text
     assert "starts plain" not in caplog.text
@@ -277,3 +277,33 @@ def test_a_running_batch_admits_in_groups(running, free, waiting, age, admitted)
     eng.waiting = deque(Request([1, 2], 4, SamplingParams(), arrival=now - age) for _ in range(waiting))
     new, admit, setting, n = eng.next_admission()
     assert not new and len(admit) == admitted and len(eng.waiting) == waiting - admitted
+
+
+def test_one_cache_for_the_servers_life(tiny, drafter_dir, monkeypatch):
+    """Requests that change temperature, top-p, seed and load (alone: speculating; several at once:
+    plain) are served from the caches made for the first batch: the target's and the drafter's,
+    allocated once, whatever the mix (before, each sampling setting and each plain/speculative
+    choice had a decoder, and a cache, of its own)."""
+    import eaglet.kvcache as kvcache
+
+    made = []
+    init = kvcache.KVCache.__init__
+    monkeypatch.setattr(kvcache.KVCache, "__init__", lambda self, *a, **k: made.append(a[1]) or init(self, *a, **k))
+    sp = speculator(tiny, drafter_dir, "eagle3")
+    with LiveServer(Generator(tiny.model, tiny.tokenizer, sp), max_batch=4, policy=SpecPolicy(sp, max_batch=1)) as srv:
+        c = srv.client()
+        settings = [dict(temperature=0), dict(temperature=0.5), dict(temperature=0.3, top_p=0.9), dict(temperature=0),
+                    dict(temperature=0.9, seed=4)]
+        for kw in settings:
+            c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, **kw)
+        assert made == [4, 4]  # the target's cache and the drafter's, 4 rows each
+
+        async def burst():
+            ac = srv.async_client()
+            return await asyncio.gather(*(ac.completions.create(model="tiny", prompt=p, max_tokens=6, **kw)
+                                          for p, kw in zip(PROMPTS[:4] * 2, settings * 2)))
+        rs = asyncio.run(burst())
+        assert len(rs) == 8 and srv.metrics()["eaglet:spec_policy_speculating"] == 0  # the load went plain
+        for kw in settings:
+            c.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=6, **kw)
+    assert made == [4, 4]

@@ -69,7 +69,7 @@ class Gen:
 def serve(dec, plan: list[tuple[int, int]], at_most: int | None = None) -> None:
     """Requests (prompt length, max tokens), each admitted alone as soon as a row is free (and
     fewer than `at_most` run)."""
-    b = Batcher(Gen(dec), dec.batch, 300)
+    b = Batcher.of(Gen(dec), dec.batch, 300)
     waiting = [Request([(7 * i + j) % 100 + 3 for j in range(n)], m, SamplingParams(), ignore_eos=True)
                for i, (n, m) in enumerate(plan)]
     while waiting or b.running:
@@ -129,9 +129,9 @@ def test_warmup_changes_no_tokens(target):
 
 
 def test_engine_warms_every_decoder_its_policy_can_choose(target, monkeypatch):
-    """Speculation for batches of 1 (the default policy): the speculative decoder is warmed for one
-    row, and in plain mode for every row bucket; the plain decoder for every row bucket. The
-    batches the engine starts later get those same decoders."""
+    """Speculation for batches of 1 (the default policy): the one decoder is warmed speculating for
+    one row, and plain for every row bucket. The batches the engine starts later, speculating or
+    plain, run on that same decoder."""
     from eaglet import Generator
     from eaglet.runtime import decoder as decoder_mod
     from eaglet.server import engine as engine_mod
@@ -143,14 +143,14 @@ def test_engine_warms_every_decoder_its_policy_can_choose(target, monkeypatch):
     sp = Speculator(SpecConfig("eagle3", steps=3), head=random_head(target.config))
     eng = engine_mod.Engine(Generator(target, None, sp), 4, 8, 300, ServerMetrics("warm"), SpecPolicy(sp, max_batch=1))
     assert eng.warmup() > 0
-    assert set(eng.generators) == {"chain:3", None}
-    with torch.inference_mode():  # as on the engine thread, where batches start
-        spec = eng.generators["chain:3"].decoder(4, 300)
-        plain = eng.generators[None].decoder(4, 300)
+    assert set(eng.steps) == {"chain:3"}
+    dec = eng.decoder()  # the one decoder every batch runs on, plain or speculating
     warm = lambda d: {k for k, n in d.graphs.calls.items() if n >= 2}  # noqa: E731
     # a drafter on the device, no observer: a speculation step is one graph (SpecStep.step)
-    assert {k[1] for k in warm(spec) if k[0] == "step"} == {1}
-    assert not {k for k in warm(spec) if k[0] in ("draft", "verify", "accept")}
-    assert {k[1] for k in warm(spec) if k[0] == "decode"} == {1, 2, 4} == {k[1] for k in warm(plain) if k[0] == "decode"}
-    assert ("prefill", 1, 64, "plain", "g") in warm(spec) and ("prefill", 1, 64, "spec", "g") in warm(spec)
-    assert ("prefill", 1, 256, "plain", "g") in warm(plain) and spec.current is not spec.plain
+    assert {k[1] for k in warm(dec) if k[0] == "step" and k[-2] == "spec"} == {1}
+    assert not {k for k in warm(dec) if k[0] in ("draft", "verify", "accept")}
+    assert {k[1] for k in warm(dec) if k[0] == "decode"} == {1, 2, 4}
+    assert ("prefill", 1, 64, "plain", "g") in warm(dec) and ("prefill", 1, 64, "spec", "g") in warm(dec)
+    assert ("prefill", 1, 256, "plain", "g") in warm(dec)
+    # the batches the engine starts run on it, with the warmed steps: nothing new is made
+    assert eng.step("chain:3") is eng.steps["chain:3"] and eng.step(None) is dec.plain and eng.decoder() is dec

@@ -61,10 +61,11 @@ def load_bench_prompts(name: str | None, n: int, max_chars: int, seed: int) -> l
     return [texts[i % len(texts)] for i in range(n)]
 
 
-def mixed_settings(n: int, seed: int, lo: int = 16, hi: int = 512) -> list[dict]:
+def mixed_settings(n: int, seed: int, lo: int = 16, hi: int = 512, greedy: bool = False) -> list[dict]:
     """Each request's own settings, as real OpenAI-API traffic mixes them: temperature 0, 0.3, 0.7
     or 1.0; top-p (half of the sampled ones) and top-k (a third); a seed on a quarter; max_tokens
-    log-uniform in [lo, hi] (lo at most hi); streamed or not, half each."""
+    log-uniform in [lo, hi] (lo at most hi); streamed or not, half each. greedy: the same requests
+    (lengths, streaming) all greedy, the load to compare the mix against."""
     rng = random.Random(seed)
     lo = min(lo, hi)
     out = []
@@ -78,7 +79,7 @@ def mixed_settings(n: int, seed: int, lo: int = 16, hi: int = 512) -> list[dict]
             d["top_k"] = rng.choice([20, 50])
         if rng.random() < 0.25:
             d["seed"] = rng.randrange(1 << 31)
-        out.append(d)
+        out.append({"temperature": 0.0, "max_tokens": d["max_tokens"], "stream": d["stream"]} if greedy else d)
     return out
 
 
@@ -396,7 +397,8 @@ def run_bench_serve(args) -> int:
     prompts = load_bench_prompts(args.prompts, args.num_requests, args.max_prompt_chars, args.seed)
     chat = args.endpoint == "chat"
     payloads = []
-    mix = mixed_settings(len(prompts), args.seed, hi=args.max_tokens) if args.mix else [{}] * len(prompts)
+    mix = (mixed_settings(len(prompts), args.seed, hi=args.max_tokens, greedy=args.mix == "greedy") if args.mix
+           else [{}] * len(prompts))
     for text, own in zip(prompts, mix):
         p = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True, **own}
         if p["stream"]:
@@ -423,7 +425,7 @@ def run_bench_serve(args) -> int:
                       "greedy": sum(p["temperature"] == 0 for p in payloads),
                       "seeded": sum("seed" in p for p in payloads),
                       "max_tokens": sum(p["max_tokens"] for p in payloads)}
-    tokens = "mixed settings (--mix)" if args.mix else f"max_tokens={args.max_tokens}"
+    tokens = f"mixed settings (--mix {args.mix})" if args.mix else f"max_tokens={args.max_tokens}"
     print(render(res, f"bench-serve {root} model={model} endpoint={args.endpoint} {' '.join(mode)} {tokens}"))
     path = write_record("bench-serve", vars(args), res, args.out)
     print(f"record: {path}")

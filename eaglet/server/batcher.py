@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass
 
 from ..generate import Generator, SeqState
+from ..runtime.decoder import Decoder, Step
 from ..spec.metrics import SpecMetrics
 from ..tokenizer import Tokenizer
 
@@ -45,15 +46,22 @@ class Output:
 
 
 class Batcher:
-    def __init__(self, generator: Generator, slots: int, max_len: int):
-        self.max_len = max_len
-        self.tokenizer = generator.tokenizer
-        self.eos = generator.eos_ids()
-        self.dec = generator.decoder(slots, max_len)  # rows free, running the generator's step
+    def __init__(self, dec: Decoder, step: Step, tokenizer: Tokenizer, eos: frozenset[int]):
+        """A batch over all rows of `dec` (freed first), running `step` (its plain step or a
+        speculative one on its rows)."""
+        dec.free_all()
+        dec.use(step)
+        self.dec, self.tokenizer, self.eos = dec, tokenizer, eos
         self.dec.take_device_wait()  # the engine's count starts with this batch (not a warm-up's)
-        self.spec = self.dec.current if generator.speculator is not None else None  # its draft counters
+        self.spec = None if step is dec.plain else step  # its draft counters
         self.speculative = self.spec is not None
-        self.rows: list[Sequence | None] = [None] * slots
+        self.rows: list[Sequence | None] = [None] * dec.batch
+
+    @staticmethod
+    def of(generator: Generator, slots: int, max_len: int) -> "Batcher":
+        """A batch over the generator's decoder, running the generator's step."""
+        dec = generator.decoder(slots, max_len)
+        return Batcher(dec, dec.current, generator.tokenizer, generator.eos_ids())
 
     @property
     def free_rows(self) -> list[int]:

@@ -62,10 +62,11 @@ def add_serve_parsers(sub) -> None:
     bs.add_argument("--ignore-eos", action="store_true", help="ask for exactly --max-tokens tokens (an extension "
                                                               "eaglet, vLLM and SGLang accept)")
     bs.add_argument("--temperature", type=float, default=0.0)
-    bs.add_argument("--mix", action="store_true",
+    bs.add_argument("--mix", nargs="?", const="sampled", choices=["sampled", "greedy"],
                     help="each request its own settings, as real traffic mixes them: temperature 0/0.3/0.7/1.0, "
                          "top-p and top-k on some, a seed on a quarter, max_tokens log-uniform from 16 to "
-                         "--max-tokens (e.g. 512), streamed or not (replaces --temperature)")
+                         "--max-tokens (e.g. 512), streamed or not (replaces --temperature); '--mix greedy': the "
+                         "same requests all greedy, the load to compare the mix against")
     bs.add_argument("--max-prompt-chars", type=int, default=2000, help="skip longer prompts")
     bs.add_argument("--seed", type=int, default=0, help="prompt order and arrival times")
     bs.add_argument("--timeout", type=float, default=600.0, help="seconds per request")

@@ -28,8 +28,10 @@ than any batch the policy chooses the batch's setting for (SpecPolicy.reach, as 
 captures that setting's graphs), the batch turns plain where it stands (its decoder decodes plain
 on the same cache, Batcher.to_plain) and takes them in: nobody waits for the speculating
 requests to finish. (Moving the requests to a batch of the grown size's setting, each prefilled again, was measured
-to lose far more than it gains: BENCHMARKS.md, nineteenth session.) Each setting has its own
-Generator (one model), so its decoder and CUDA graphs are reused the next time it is chosen.
+to lose far more than it gains: BENCHMARKS.md, nineteenth session.) One decoder, and so
+one KV cache of --max-batch rows, serves every batch whatever its setting: plain batches run its plain
+step, each speculation setting a step of its own on the same rows (its drafter and the drafter's
+cache made the first time the setting is chosen, then kept with its CUDA graphs).
 
 Admissions into a running batch come in groups: each is a prefill and a sync that stalls the
 pipelined steps (~6 ms on the H200 at 64 speculating rows), and speculating rows finish at
@@ -58,6 +60,8 @@ from functools import partial
 import torch
 
 from ..generate import Generator
+from ..runtime.decoder import Decoder, Step
+from ..spec.loop import SpecStep
 from ..sampling import SamplingParams
 from ..spec.metrics import SpecMetrics
 from .batcher import Batcher, Output
@@ -148,8 +152,9 @@ class Engine:
         self.metrics = metrics
         self.policy = policy or SpecPolicy(generator.speculator)
         own = generator.speculator
-        # setting (None: plain) -> its Generator; the given one serves its own setting
-        self.generators: dict[str | None, Generator] = {None if own is None else setting_name(own.spec): generator}
+        self.home = None if own is None else setting_name(own.spec)  # the generator's own setting
+        self.dec: Decoder | None = None  # every batch's rows and cache (made at the first batch or warm-up)
+        self.steps: dict[str, Step] = {}  # speculation setting -> its step on self.dec
         self.setting: str | None = None  # the current batch's setting
         self.chosen = False  # a batch has started (self.setting means something)
         self.switch = False  # the speculating batch turns plain before the next admission
@@ -176,11 +181,38 @@ class Engine:
             return 0
         captured = 0
         with torch.inference_mode():
-            for setting in dict.fromkeys(self.policy.choose(n) for n in range(1, self.slots + 1)):
-                dec = self._generator(setting).decoder(self.slots, self.max_len)
+            for setting in self.settings():
+                dec = self.decoder()
+                dec.use(self.step(setting))
                 captured += dec.warmup() if setting is None else dec.warmup(
                     rows=self.policy.reach(setting, self.slots), plain_rows=self.slots)
         return captured
+
+    def settings(self) -> list[str | None]:
+        """Every setting the policy can choose (None: plain)."""
+        return list(dict.fromkeys(self.policy.choose(n) for n in range(1, self.slots + 1)))
+
+    def decoder(self) -> Decoder:
+        """The one decoder: --max-batch rows, each with room for a request and the most nodes any
+        setting drafts."""
+        if self.dec is None:
+            g = self.generator
+            drafted = [self.policy.speculator(s).spec.draft_tokens for s in self.settings() if s is not None]
+            self.dec = Decoder(g.model, self.slots, self.max_len + max(drafted, default=0), g.graphs, g.lookahead,
+                               g.observer)
+        return self.dec
+
+    def step(self, setting: str | None) -> Step:
+        """The step of a setting on the one decoder (None: its plain step); a speculation setting's
+        drafter is made the first time it is chosen."""
+        dec = self.decoder()
+        if setting is None:
+            return dec.plain
+        if setting not in self.steps:
+            sp, model = self.policy.speculator(setting), self.generator.model
+            self.steps[setting] = SpecStep(model, dec.slots, sp.make(model, self.slots, self.max_len), sp.spec,
+                                           name="spec" if setting == self.home else f"spec {setting}")
+        return self.steps[setting]
 
     # ---- HTTP side (event loop) -----------------------------------------------------------------
 
@@ -374,8 +406,8 @@ class Engine:
 
     def _admit(self, new: bool, admit: list[Request], setting: str | None, n: int) -> list[Output]:
         if new:
-            self.batcher = None
-            self.batcher = Batcher(self._generator(setting), self.slots, self.max_len)
+            g = self.generator
+            self.batcher = Batcher(self.decoder(), self.step(setting), g.tokenizer, g.eos_ids())
             if not self.chosen or setting != self.setting:
                 log.info("a batch of %d request%s starts %s%s", n, "" if n == 1 else "s",
                          "plain" if setting is None else f"speculating with {setting}",
@@ -384,16 +416,6 @@ class Engine:
         if n:  # a batch starts (or an idle one restarts with the same choice)
             self.metrics.policy(setting, n)
         return self.batcher.add(admit)
-
-    def _generator(self, setting: str | None) -> Generator:
-        """The Generator of a setting, made the first time it is chosen (they share the model)."""
-        gen = self.generators.get(setting)
-        if gen is None:
-            g = self.generator
-            gen = Generator(g.model, g.tokenizer, self.policy.speculator(setting), graphs=g.graphs,
-                            observer=g.observer)
-            self.generators[setting] = gen
-        return gen
 
     def _guarded(self, fn, requests: list[Request], drop_batch: bool) -> None:
         """Run add or step; an exception fails `requests` (and, after a step, drops the batch:
