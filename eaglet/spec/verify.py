@@ -87,6 +87,7 @@ def sample_verify(prop: DraftProposal, p: torch.Tensor, max_depth: int, max_chil
     alive = torch.ones(b, dtype=torch.bool, device=dev)
     count = torch.ones(b, dtype=torch.long, device=dev)
     residual = p[:, 0].clone()  # (B, V) what is left of p at the current node
+    draws = uniform(generator, (b, max_depth * max_children), dev, ACCEPT)  # every trial's, in one draw
     path = [cur]
     for depth in range(max_depth):
         children = (prop.parents == cur[:, None]) & prop.valid & alive[:, None]  # (B, N)
@@ -99,7 +100,7 @@ def sample_verify(prop: DraftProposal, p: torch.Tensor, max_depth: int, max_chil
             x = prop.tokens[rows, child]  # (B,)
             q = prop.q[rows, cur] if prop.q is not None else torch.nn.functional.one_hot(x, v).to(p.dtype)  # (B, V)
             px, qx = residual[rows, x], q[rows, x]
-            u = uniform(generator, (b,), dev, ACCEPT + depth * max_children + r)
+            u = draws[:, depth * max_children + r]
             accept = has & (u * qx < px)  # u < min(1, p/q) without dividing by zero
             reject = has & ~accept
             left = (residual - q).clamp(min=0)
