@@ -57,12 +57,7 @@ for name in $servers; do
     --spec $spec $draft --log-level warning) &
   pids+=($!)
 done
-for spec in $servers; do
-  for i in $(seq 240); do  # model load and compile: up to 4 minutes
-    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:${PORT[$spec]}/health')" 2>/dev/null && break
-    sleep 1
-  done
-done
+for spec in $servers; do wait_health ${PORT[$spec]}; done
 bs() { python3 -m eaglet bench-serve --url http://127.0.0.1:${PORT[$1]} --prompts /tmp/sharegpt.json --max-tokens 128 \
          --ignore-eos --max-prompt-chars 600 --seed 0 --no-progress "${@:2}"; }
 for c in ${CONC:-1 4 16 64}; do

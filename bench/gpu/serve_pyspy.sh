@@ -14,10 +14,7 @@ mkdir -p "$out"
 python3 -m eaglet serve --model $GGUF --port 8033 --max-batch ${MAX_BATCH:-64} --max-model-len 1024 ${SERVE_ARGS:-} \
   --log-level warning &
 pid=$!
-for i in $(seq 240); do
-  python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8033/health')" 2>/dev/null && break
-  sleep 1
-done
+wait_health 8033
 bs() { python3 -m eaglet bench-serve --url http://127.0.0.1:8033 --prompts /tmp/sharegpt.json --max-tokens 128 \
          --ignore-eos --max-prompt-chars 600 --seed 0 --no-progress "$@"; }
 for c in ${CONC:-64}; do

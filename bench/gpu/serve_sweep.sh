@@ -29,12 +29,7 @@ for s in "${settings[@]}"; do
     --log-level warning &
   pids+=($!)
 done
-for p in $(cut -d' ' -f1 "$out/ports.txt"); do
-  for i in $(seq 240); do
-    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$p/health')" 2>/dev/null && break
-    sleep 1
-  done
-done
+for p in $(cut -d' ' -f1 "$out/ports.txt"); do wait_health $p; done
 c=${CONC:-1}; n=$(( c * 8 > 32 ? c * 8 : 32 ))
 bs() { python3 -m eaglet bench-serve --url http://127.0.0.1:$1 --prompts /tmp/sharegpt.json --max-tokens 128 \
          --ignore-eos --max-prompt-chars 600 --seed 0 --no-progress --num-requests $n --concurrency $c "${@:2}" < /dev/null; }

@@ -12,3 +12,10 @@ export PYTHONPATH=/tmp/site:$PWD
 GGUF=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
 [[ ${EAGLET_GIT_SHA:-} =~ ^[0-9a-f]{7,40}$ ]] ||
   echo "setup.sh: EAGLET_GIT_SHA=${EAGLET_GIT_SHA:-} is not a commit; records will not name the code that ran" >&2
+wait_health() {  # wait_health PORT: until the server on PORT answers /health (model load and compile: up to 4 min)
+  for _ in $(seq 240); do
+    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$1/health')" 2>/dev/null && return 0
+    sleep 1
+  done
+  return 1
+}
