@@ -238,7 +238,7 @@ def test_chain_drafting_uses_it_and_stays_lossless(half_model, tiny_tokenizer):
     head = random_head(model.config, kernels=CACHE_ATTENTION).to(device=DEV, dtype=torch.float16)
     sp = Speculator(SpecConfig("eagle3", steps=4), head=head)
     prompts = [tiny_tokenizer.encode(p) for p in ("the quick brown fox", "pack my box with five")]
-    gen = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    gen = GenerationConfig(max_new_tokens=12, ignore_eos=True)
     calls = []  # new tokens per row of each call
     inner = ca.cache_attention
     ca.cache_attention = lambda *a, **k: calls.append(a[0].shape[1]) or inner(*a, **k)
@@ -248,7 +248,7 @@ def test_chain_drafting_uses_it_and_stays_lossless(half_model, tiny_tokenizer):
         spec = Generator(model, tok, sp).generate(prompts, gen)
     finally:
         ca.cache_attention = inner
-    assert n_plain == 15 * model.config.num_layers and set(calls[:n_plain]) == {1}  # each decode step
+    assert n_plain == 11 * model.config.num_layers and set(calls[:n_plain]) == {1}  # each decode step
     by_size = {t: calls[n_plain:].count(t) for t in set(calls[n_plain:])}
     assert by_size.get(1, 0) > 0  # chain draft steps (the target never runs one token while speculating)
     assert by_size.get(5, 0) >= model.config.num_layers  # verify (a chain of 4 and its root), the drafter catching up

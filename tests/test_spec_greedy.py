@@ -283,9 +283,9 @@ def test_smollm2_batch_rows_equal_each_prompt_alone(smol):
     picks = (0, 6, 9, 10)
     batch = [prompts[i] for i in picks]
     assert len({len(p) for p in batch}) == 4
-    gen = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    gen = GenerationConfig(max_new_tokens=16, ignore_eos=True)
     alone = [Generator(model, None).generate([p], gen)[0].tokens for p in batch]
-    assert alone == [ref[i][:24] for i in picks]  # the batched plain reference agrees too
+    assert alone == [ref[i][:16] for i in picks]  # the batched plain reference agrees too
     outs, _ = run_checked(model, batch, alone, smol_speculator("ngram-tree", head), gen)
     assert len({c.spec.accepted_tokens for c in outs}) > 1
 
