@@ -15,6 +15,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .errors import InvalidInput
@@ -112,13 +113,14 @@ class Mode:
 class RowSampling:
     """Each row's sampling settings and random stream on the device, (B,) tensors: temperature
     (0: greedy), top_k (0: off), top_p, the stream key and the row's draws so far (`steps`: the
-    prefill and each step advance it). `params` keeps each row's SamplingParams on the host."""
+    prefill and each step advance it). On the host, `sampled` and `filtered` say per row whether it
+    samples and whether top-k or top-p cut its distribution (what `choose_mode` reads each step)."""
 
     def __init__(self, batch: int, device):
         z = lambda dtype: torch.zeros(batch, dtype=dtype, device=device)  # noqa: E731
         self.temperature, self.top_p = z(torch.float32), z(torch.float32) + 1
         self.top_k, self.key, self.steps = z(torch.long), z(torch.long), z(torch.long)
-        self.params: list[SamplingParams] = [SamplingParams()] * batch
+        self.sampled, self.filtered = np.zeros(batch, dtype=bool), np.zeros(batch, dtype=bool)
         self.mode = Mode()
 
     @property
@@ -129,7 +131,7 @@ class RowSampling:
         v = object.__new__(RowSampling)
         for name in ("temperature", "top_p", "top_k", "key", "steps"):
             setattr(v, name, pick(getattr(self, name)))
-        v.params, v.mode = self.params, self.mode
+        v.sampled, v.filtered, v.mode = self.sampled, self.filtered, self.mode
         return v
 
     def rows(self, k: int) -> "RowSampling":
@@ -146,8 +148,8 @@ class RowSampling:
         from .transfer import to_device
 
         dev = self.key.device
-        for r, p in zip(rows, params):
-            self.params[r] = p
+        self.sampled[rows] = [not p.greedy for p in params]
+        self.filtered[rows] = [p.filters for p in params]
         idx = to_device(rows, torch.long, dev)
         self.temperature.index_copy_(0, idx, to_device([float(p.temperature) for p in params], torch.float32, dev))
         self.top_p.index_copy_(0, idx, to_device([float(p.top_p) for p in params], torch.float32, dev))
@@ -157,9 +159,8 @@ class RowSampling:
 
     def choose_mode(self, rows) -> str:
         """Set the mode for a step over `rows` (host indices) from their settings; returns its key."""
-        ps = [self.params[r] for r in rows]
-        self.mode.sampled = any(not p.greedy for p in ps)
-        self.mode.filtered = any(p.filters for p in ps)
+        self.mode.sampled = bool(self.sampled[rows].any())
+        self.mode.filtered = bool(self.filtered[rows].any())
         return self.mode.key
 
     # ---- draws ----
