@@ -1,7 +1,8 @@
 """Logits -> probabilities (temperature, top-k, top-p) and sampling without a host sync.
 
-`target_probs` is also what lossless speculative acceptance compares drafts against, so plain
-sampling and speculative sampling draw from exactly the same distribution.
+`target_probs` is the distribution of one setting; `RowSampling.probs` computes it for every row
+with that row's setting, and both plain sampling and lossless speculative acceptance draw from it,
+so they follow exactly the same distribution.
 
 A decoder's rows each have their own settings: `RowSampling` holds every row's temperature,
 top-k, top-p and random stream as device tensors (B,), read inside the step graphs, so greedy and
@@ -44,13 +45,6 @@ class SamplingParams:
     def filters(self) -> bool:
         """Whether top-k or top-p cut the distribution (a sort of the vocabulary per row)."""
         return not self.greedy and (self.top_k > 0 or self.top_p < 1)
-
-    def generator(self, device) -> torch.Generator | None:
-        if self.seed is None:
-            return None
-        g = torch.Generator(device=device)
-        g.manual_seed(self.seed)
-        return g
 
     def stream(self, index: int = 0) -> int:
         """The random stream key of the index-th sequence of a call with these settings: derived from
@@ -227,9 +221,3 @@ def sample_probs(probs: torch.Tensor, source=None, salt: int = DECODE) -> torch.
         e = torch.empty_like(probs).exponential_(generator=source)
     return (probs / e).argmax(-1)
 
-
-def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
-    """(..., V) logits (any float dtype) -> (...) token ids."""
-    if p.greedy:
-        return logits.argmax(-1)
-    return sample_probs(target_probs(logits, p), generator)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eaglet.errors import InvalidInput
-from eaglet.sampling import SamplingParams, sample, sample_probs, target_probs
+from eaglet.sampling import DECODE, RowSampling, SamplingParams, sample_probs, target_probs
 
 # probabilities that are exact in float32, so top-p boundaries are exact too
 EXACT = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625])
@@ -124,21 +124,28 @@ def test_exponential_race_never_draws_zero_probability():
     assert math.isclose(counts[1] / N_DRAWS, 0.7, abs_tol=0.005)
 
 
+def rows(p: SamplingParams, n: int) -> RowSampling:
+    """n rows of one setting, each with the stream the i-th prompt of a call gets."""
+    rs = RowSampling(n, "cpu")
+    rs.set(list(range(n)), [p] * n, [p.stream(i) for i in range(n)])
+    rs.choose_mode(range(n))
+    return rs
+
+
 def test_seeded_sampling_is_repeatable():
-    probs = target_probs(rand_logits(64, 100), SamplingParams(temperature=1.0))
-    a = sample_probs(probs, SamplingParams(temperature=1.0, seed=7).generator("cpu"))
-    b = sample_probs(probs, SamplingParams(temperature=1.0, seed=7).generator("cpu"))
-    c = sample_probs(probs, SamplingParams(temperature=1.0, seed=8).generator("cpu"))
+    logits = rand_logits(64, 100)
+    a, b, c = (rows(SamplingParams(1.0, seed=s), 64).sample(logits, DECODE) for s in (7, 7, 8))
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
-    assert SamplingParams(temperature=1.0).generator("cpu") is None
+    assert SamplingParams(1.0).stream() != SamplingParams(1.0).stream()  # unseeded: a fresh stream each time
 
 
 def test_sample_greedy_and_masked():
     logits = rand_logits(8, 100, seed=2)
-    assert torch.equal(sample(logits, SamplingParams()), logits.argmax(-1))
+    assert torch.equal(rows(SamplingParams(), 8).sample(logits, DECODE), logits.argmax(-1))
     top2 = logits.topk(2, -1).indices
-    g = torch.Generator().manual_seed(3)
+    rs = rows(SamplingParams(temperature=5.0, top_k=2), 8)
     for _ in range(20):  # with top_k=2 every draw is one of the two best tokens
-        tok = sample(logits, SamplingParams(temperature=5.0, top_k=2), g)
+        tok = rs.sample(logits, DECODE)
+        rs.steps += 1
         assert ((top2 == tok[:, None]).any(-1)).all()
