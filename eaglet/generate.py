@@ -149,11 +149,11 @@ class Generator:
         max_len = min(room(max_len), self.context + 128)
         self._kept = None  # free the old caches first
         if self.speculator is None:
-            dec = Decoder(self.model, batch, max_len, self.graphs, self.lookahead, self.observer)
+            dec = Decoder(self.model, batch, max_len, self.graphs, self.lookahead, self.observer, self.eos_ids())
         else:
             drafter = self.speculator.make(self.model, batch, max_len)
             dec = spec_decoder(self.model, drafter, self.speculator.spec, batch, max_len, self.graphs, self.lookahead,
-                               self.observer)
+                               self.observer, self.eos_ids())
         self._kept = (batch, max_len, dec, dec.current if self.speculator else None)
         return dec
 
@@ -196,7 +196,7 @@ class Generator:
         eos = frozenset() if gen.ignore_eos else self.eos_ids()
         seqs = [SeqState(tokenizer, gen.stop, eos, b) for b in budget]
         rows = list(range(len(prompts)))
-        yield seqs, dec.admit(rows, prompts, *gen.rows(len(prompts)))
+        yield seqs, dec.admit(rows, prompts, *gen.rows(len(prompts)), [not gen.ignore_eos] * len(prompts))
         dec.set_rows(rows, [s.remaining for s in seqs])
         while True:
             stopped = [i for i, s in enumerate(seqs) if s.finish_reason and dec.live[i]]

@@ -13,6 +13,7 @@ batch or on how many there are. A seeded request therefore gives the same text w
 """
 from __future__ import annotations
 
+import random
 import secrets
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ import numpy as np
 import torch
 
 from .errors import InvalidInput
+
+_fresh = random.Random(secrets.randbits(128))  # unseeded streams' keys: one OS draw per process, not per request
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class SamplingParams:
         """The random stream key of the index-th sequence of a call with these settings: derived from
         the seed (the same seed and index, the same stream), else fresh."""
         if self.seed is None:
-            return secrets.randbits(62)
+            return _fresh.getrandbits(62)
         return (self.seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) % (1 << 62)
 
 
@@ -141,14 +144,18 @@ class RowSampling:
         draws start again at 0)."""
         from .transfer import to_device
 
-        dev = self.key.device
         self.sampled[rows] = [not p.greedy for p in params]
         self.filtered[rows] = [p.filters for p in params]
-        idx = to_device(rows, torch.long, dev)
-        self.temperature.index_copy_(0, idx, to_device([float(p.temperature) for p in params], torch.float32, dev))
-        self.top_p.index_copy_(0, idx, to_device([float(p.top_p) for p in params], torch.float32, dev))
-        self.top_k.index_copy_(0, idx, to_device([p.top_k for p in params], torch.long, dev))
-        self.key.index_copy_(0, idx, to_device(keys, torch.long, dev))
+        floats = np.array([[p.temperature, p.top_p] for p in params], dtype=np.float32).view(np.int32)
+        packed = np.empty((5, len(rows)), dtype=np.int64)  # one copy to the device, not five
+        packed[0], packed[1], packed[2], packed[3:] = rows, [p.top_k for p in params], keys, floats.T
+        rows_d, top_k, key, floats_d = to_device(packed, torch.long, self.key.device).split([1, 1, 1, 2])
+        idx = rows_d[0]
+        floats_d = floats_d.to(torch.int32).view(torch.float32)
+        self.temperature.index_copy_(0, idx, floats_d[0])
+        self.top_p.index_copy_(0, idx, floats_d[1])
+        self.top_k.index_copy_(0, idx, top_k[0])
+        self.key.index_copy_(0, idx, key[0])
         self.steps.index_fill_(0, idx, 0)
 
     def choose_mode(self, rows) -> str:

@@ -66,7 +66,8 @@ def test_greedy_accept_compiled_equals_eager(n, depth):
 def test_settle_compiled_equals_eager_in_place_updates_included():
     """The bookkeeping after acceptance, compiled: the same returns, and the same updates of each
     row's limit, cache length and root, made through views of larger buffers (a decoder over its
-    first rows slices its state)."""
+    first rows slices its state). Row 0 stops at EOS and emits one mid-step: cut there, limit 0;
+    row 1 emits an EOS but does not stop at it."""
     g = torch.Generator().manual_seed(1)
     fn = compiled(settle)
     bsz, n, d1 = 3, 7, 4
@@ -74,21 +75,23 @@ def test_settle_compiled_equals_eager_in_place_updates_included():
     path[:, 0] = 0
     count = torch.tensor([4, 2, 3])
     tokens = torch.randint(0, 50, (bsz, d1), generator=g)
+    tokens[0], tokens[1] = torch.tensor([5, 7, 8, 9]), torch.tensor([7, 3, 4, 6])
+    eos, stops = torch.tensor([7, 99]), torch.tensor([True, False, True])
     valid = torch.rand(bsz, n, generator=g) < 0.8
     valid[:, 0] = True
     depth = torch.randint(0, d1, (bsz, n), generator=g)
     state = {}
     for name, f in (("eager", settle), ("compiled", fn)):
         limit, lens, roots = torch.tensor([9, 1, 0, 5]), torch.tensor([10, 20, 30, 40]), torch.zeros(4, dtype=torch.long)
-        out = f(path, count, tokens, limit[:bsz], lens[:bsz], roots[:bsz], valid, depth)
+        out = f(path, count, tokens, limit[:bsz], lens[:bsz], roots[:bsz], valid, depth, eos, stops)
         state[name] = (out, limit, lens, roots)
     (want, *want_state), (got, *got_state) = state["eager"], state["compiled"]
     flat = lambda o: [t for x in o for t in (x if isinstance(x, tuple) else (x,))]  # noqa: E731
     assert all(torch.equal(a, b) for a, b in zip(flat(got), flat(want)))
     assert all(torch.equal(a, b) for a, b in zip(got_state, want_state))
     limit, lens, roots = want_state
-    assert limit.tolist() == [5, 0, 0, 5] and lens.tolist() == [14, 21, 30, 40]  # row 2 frozen: limit 0
-    assert roots[:3].tolist() == [tokens[0, 3], tokens[1, 0], tokens[2, 0]] and roots[3] == 0
+    assert limit.tolist() == [0, 0, 0, 5] and lens.tolist() == [12, 21, 30, 40]  # row 2 frozen: limit 0
+    assert roots[:3].tolist() == [7, tokens[1, 0], tokens[2, 0]] and roots[3] == 0
 
 
 def test_rope_module_compiled_equals_eager():

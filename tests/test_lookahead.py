@@ -73,6 +73,11 @@ def test_same_tokens_and_stops_as_sync(target, prompts, name, perfect):
     host = dec.cache.host_lens.copy()
     dec.cache.sync_host()
     assert host.tolist() == dec.cache.host_lens.tolist()  # the host mirror kept up with the device
+    # the device stopped each row at its EOS: nothing past the stop in its cache (the stopping
+    # token itself is emitted, not yet fed back)
+    stopped = [i for i, c in enumerate(got) if c.finish_reason == "stop"]
+    assert [int(dec.cache.host_lens[i]) for i in stopped] == [len(prompts[i]) + len(got[i].tokens) - 1
+                                                             for i in stopped]
     if name != "plain":
         assert [c.spec.drafts for c in got] == [c.spec.drafts for c in want]
         assert [c.spec.accepted_per_pos for c in got] == [c.spec.accepted_per_pos for c in want]
@@ -100,16 +105,18 @@ class Logged(batcher_mod.Sequence):
         return text, n
 
 
-@pytest.mark.parametrize("name", ["plain", "chain4"])
-def test_batcher_rows_change_while_a_step_is_in_flight(target, prompts, name, monkeypatch):
-    """Two rows, five requests: finished and cancelled rows are refilled while a step is in
-    flight; every request gets exactly the tokens it gets alone (the cancelled one a prefix)."""
+@pytest.mark.parametrize("name,trip", [("plain", 1), ("chain4", 1), ("plain", 3), ("chain4", 3)])
+def test_batcher_rows_change_while_a_step_is_in_flight(target, prompts, name, trip, monkeypatch):
+    """Two rows, five requests: finished and cancelled rows are refilled while a step (a trip of
+    `trip` steps: the server's --multi-step) is in flight; every request gets exactly the tokens it
+    gets alone (the cancelled one a prefix)."""
     monkeypatch.setattr(batcher_mod, "Sequence", Logged)
     budgets = [14, 6, 9, 11, 7]
     alone = Generator(target, None, lookahead=False)
     want = [alone.generate([p], GenerationConfig(max_new_tokens=n, ignore_eos=True))[0].tokens
             for p, n in zip(prompts, budgets)]
     b = Batcher.of(Generator(target, None, speculator(target, name), lookahead=True), 2, 64)
+    b.dec.trip = trip
     reqs = [Request(p, n, SamplingParams(), ignore_eos=True) for p, n in zip(prompts, budgets)]
     seqs, waiting, in_flight, steps = {}, list(reqs), [], 0
 
@@ -129,7 +136,7 @@ def test_batcher_rows_change_while_a_step_is_in_flight(target, prompts, name, mo
         steps += 1
         if steps == 3:  # request 0's client goes away mid-stream: its row is freed and refilled
             b.release(reqs[0].row)
-    assert max(in_flight) == 1  # a step was in flight while rows were released and admitted
+    assert max(in_flight) == trip  # a trip was in flight while rows were released and admitted
     cut = seqs[id(reqs[0])].log
     assert 0 < len(cut) < budgets[0] and cut == want[0][:len(cut)]
     for r, w in zip(reqs[1:], want[1:]):

@@ -291,9 +291,10 @@ def test_smollm2_batch_rows_equal_each_prompt_alone(smol):
 
 
 def test_row_counters_are_per_row_spec_metrics():
-    """RowCounters (a batch's draft counters as arrays, one update a step) hold, for every row, the
-    sums over the drafts it made since its last reset, and each step's record returns that step's
-    sums over its rows; per-position lists run to the deepest position any draft reached."""
+    """RowCounters (a batch's draft counters as arrays, steps' records folded in when read) hold,
+    for every row, the sums over the drafts it made since its last reset, and `take` the sums over
+    all rows of the steps recorded since the last take; per-position lists run to the deepest
+    position any draft reached."""
     import numpy as np
 
     from eaglet.spec.metrics import RowCounters, SpecMetrics
@@ -306,7 +307,7 @@ def test_row_counters_are_per_row_spec_metrics():
 
     rng = np.random.default_rng(0)
     rows, depth = 8, 5
-    counters, made = RowCounters(rows, depth), [[] for _ in range(rows)]
+    counters, made, since = RowCounters(rows, depth), [[] for _ in range(rows)], []
     for step in range(40):
         if step == 20:  # rows 1 and 3 taken by new requests
             counters.reset([1, 3])
@@ -318,7 +319,12 @@ def test_row_counters_are_per_row_spec_metrics():
         this = [(int(a), int(d), int(m)) for a, d, m in zip(accepted, drafted, reach)]
         for r, t in zip(drew, this):
             made[r].append(t)
-        assert counters.record(drew, accepted, drafted, reach) == expect(this)
+        counters.record(drew, accepted, drafted, reach)
+        since += this
+        if step % 3 == 2:  # several steps' records folded at once, as a trip of steps is
+            assert counters.take() == expect(since)
+            since = []
     assert [counters.of(r) for r in range(rows)] == counters.every() == [expect(m) for m in made]
+    assert counters.take() == expect(since)
     counters.reset([2])
     assert counters.every()[2] == counters.of(2) == SpecMetrics()

@@ -135,7 +135,7 @@ def always_accept(prop, p, *args, **kw):
     return sample_verify(replace(prop, q=torch.zeros_like(p)), p, *args, **kw)
 
 
-def bonus_from_p(prop, p, max_depth, max_children, generator=None):
+def bonus_from_p(prop, p, max_depth, max_children, generator=None, kernels=None):
     """Wrong: when the children of the last accepted node were all rejected, draw the bonus from p
     itself instead of the residual max(p - q, 0)."""
     res = sample_verify(prop, p, max_depth, max_children, generator)
@@ -221,7 +221,7 @@ def test_sample_verify_with_one_hot_p_is_greedy(sampled_q):
     assert_same(res, ref)
 
 
-@pytest.mark.parametrize("kind", ["sampled-draft", "three-siblings"])
+@pytest.mark.parametrize("kind", ["sampled-draft", "three-siblings", "repeated-sibling"])
 def test_sample_verify_first_token_follows_p(kind):
     """One node, 200k rows: the first emitted token must follow p, whatever was drafted. A sampled
     draft x ~ q is kept with min(1, p/q); deterministic siblings are tried in turn (SpecInfer)."""
@@ -232,10 +232,14 @@ def test_sample_verify_first_token_follows_p(kind):
         x = sample_probs(q0.expand(b, 4), g)
         prop = chain(torch.stack([torch.zeros_like(x), x], 1), q=torch.stack([q0, torch.zeros(4)]).expand(b, 2, 4))
         accept = p0.minimum(q0).sum()  # P(accept) = sum min(p, q) = 0.5
-    else:  # the root's children are tokens 2, 0, 1, in that order
+    elif kind == "three-siblings":  # the root's children are tokens 2, 0, 1, in that order
         p0 = torch.tensor([0.1, 0.2, 0.3, 0.4])
         prop = DraftProposal.from_parents(torch.tensor([[0, 2, 0, 1]] * b), torch.tensor([[-1, 0, 0, 0]] * b))
         accept = p0[[2, 0, 1]].sum()  # some child is kept unless the target's draw is token 3
+    else:  # tokens 2, 2, 1: a token rejected once is not tried again
+        p0 = torch.tensor([0.1, 0.2, 0.3, 0.4])
+        prop = DraftProposal.from_parents(torch.tensor([[0, 2, 2, 1]] * b), torch.tensor([[-1, 0, 0, 0]] * b))
+        accept = p0[[2, 1]].sum()
     p = p0.expand(b, prop.num_nodes, 4)
     res = sample_verify(prop, p, 1, 3, g)
     first = torch.bincount(res.tokens[:, 0], minlength=4) / b

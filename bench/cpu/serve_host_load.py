@@ -32,7 +32,6 @@ from eaglet.runtime.plain import PlainStep  # noqa: E402
 from eaglet.spec.loop import SpecStep  # noqa: E402
 from eaglet.perf.record import write_record  # noqa: E402
 from eaglet.runtime.graphs import GraphRunner  # noqa: E402
-from eaglet.sampling import SamplingParams  # noqa: E402
 from eaglet.server.app import build_app  # noqa: E402
 from eaglet.server.policy import setting_spec  # noqa: E402
 from eaglet.spec.speculator import bundled_drafter, load_speculator  # noqa: E402
@@ -110,24 +109,31 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens-per-step", type=int, default=3, help="what each speculating row emits a step "
                     "(the served τ on the H200 was ~3)")
+    ap.add_argument("--multi-step", type=int, nargs="+", default=[1], help="serve each system with each "
+                    "(steps a host round trip)")
     ap.add_argument("--pyspy", action="store_true")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     loaded, base = model_without_cost(args.tokens_per_step)
     results = {"decode_us": decode_cost(loaded.tokenizer)}
     print("decode of a 1-4 token window, µs a call: " + ", ".join(f"{k} {v:.2f}" for k, v in results["decode_us"].items()))
-    for port, name in enumerate(args.systems, start=8091):
-        gen = Generator(loaded.model, loaded.tokenizer, system(base, name))
-        app = build_app(gen, "m", max_batch=args.concurrency, max_len=1024)
+    runs = [(s, m) for s in args.systems for m in args.multi_step]
+    for port, (sysname, multi) in enumerate(runs, start=8091):
+        name = sysname if args.multi_step == [1] else f"{sysname} x{multi}"
+        gen = Generator(loaded.model, loaded.tokenizer, system(base, sysname))
+        app = build_app(gen, "m", max_batch=args.concurrency, max_len=1024, multi_step=multi)
         with torch.inference_mode():  # every row bucket's one real step before any timing (the engine reuses it)
-            dec = gen.decoder(args.concurrency, 1024, SamplingParams())
-            dec.graphs.enabled = True  # warmup() is for graphs; replay_any_shape keeps what it makes
-            dec.warmup(prompt_tokens=16)
-            dec.graphs.enabled = False
+            engine = app.state.engine
+            for setting in engine.settings():
+                dec = engine.decoder()
+                dec.use(engine.step(setting))
+                dec.graphs.enabled = True  # warmup() is for graphs; replay_any_shape keeps what it makes
+                dec.warmup(prompt_tokens=16)
+                dec.graphs.enabled = False
         with serving(app, port):
             rounds = [bench(port, args) for _ in range(args.rounds + 1)][1:]  # the first warms up
             if args.pyspy:
-                raw = Path(args.out) / f"serve-host-load-{name.replace(':', '-').replace(',', '-')}.pyspy.txt"
+                raw = Path(args.out) / f"serve-host-load-{name.replace(':', '-').replace(',', '-').replace(' ', '-')}.pyspy.txt"
                 spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(os.getpid()),
                                         "--threads", "-r", "200", "-d", "8", "-f", "raw", "-o", str(raw)],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

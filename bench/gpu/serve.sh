@@ -21,7 +21,10 @@
 # SPEC_ARGS: the speculating server's setting (EAGLE-3 on the GPU defaults to tree 5,4,16,
 # i.e. "--spec-steps 5 --spec-topk 4 --spec-draft-tokens 16"; "--spec-steps 5": chain 5).
 # ALT=DIR: a third server, speculating like the first but run from another eaglet package in DIR (e.g. a
-# branch's eaglet/*.py, git-ignored and carried), beside it in every round: an A/B of two versions.
+# branch's eaglet/*.py, git-ignored and carried), beside it in every round: an A/B of two versions;
+# ALT_NONE=1 with ALT: a fourth, `--spec none` from DIR (the side by side with a previous commit,
+# plain and speculating: `git archive SHA eaglet | tar -x -C .prev`, carry .prev, ALT=.prev ALT_NONE=1).
+# SERVE_ARGS: more flags for this checkout's servers (e.g. --multi-step 1).
 # With $OUT set (the GPU machine) the records come back as one tar, $OUT/serve-records.tar.
 if [ "${1:-}" = prepare ]; then  # HERE, not on the GPU: ShareGPT first turns (<= 600 chars) into .gpudata/
   mkdir -p .gpudata && .venv/bin/python - <<'PY'
@@ -39,8 +42,8 @@ set +e
 out=${OUT:-/tmp}/records
 mkdir -p "$out"
 gunzip -c /tmp/stage/sharegpt_first_turns.json.gz > /tmp/sharegpt.json
-declare -A PORT=([eagle3]=8031 [none]=8032 [alt]=8033)
-servers="eagle3 none"; [ -n "${ALT:-}" ] && servers="eagle3 alt none"
+declare -A PORT=([eagle3]=8031 [none]=8032 [alt]=8033 [altnone]=8034)
+servers="eagle3 none"; [ -n "${ALT:-}" ] && servers="eagle3 alt none"; [ -n "${ALT_NONE:-}" ] && servers="$servers altnone"
 policy=${SPEC_POLICY-bench/results/profile-gpu-20261130-225722.json}
 if [ -n "${PROFILE:-}" ]; then  # profile this machine on the served prompts first (~2.5 min), and follow that
   python3 -m eaglet profile --model $GGUF --draft eaglet/drafters/smollm2-135m-instruct-eagle3 --prompts /tmp/sharegpt.json \
@@ -50,11 +53,12 @@ if [ -n "${PROFILE:-}" ]; then  # profile this machine on the served prompts fir
 fi
 pids=()
 for name in $servers; do
-  spec=$name draft= dir=$PWD
-  [ $name = alt ] && spec=eagle3 dir=$ALT  # python -m puts the working directory first on the path
+  spec=$name draft= dir=$PWD extra=${SERVE_ARGS:-}
+  [ $name = alt ] && spec=eagle3 dir=$ALT extra=  # python -m puts the working directory first on the path
+  [ $name = altnone ] && spec=none dir=$ALT extra=
   [ $spec = eagle3 ] && draft="--draft $PWD/eaglet/drafters/smollm2-135m-instruct-eagle3 ${SPEC_MAX_BATCH:+--spec-max-batch $SPEC_MAX_BATCH} ${policy:+--spec-policy $(realpath $policy)} ${SPEC_ARGS:-}"
   (cd $dir && exec python3 -m eaglet serve --model $GGUF --port ${PORT[$name]} --max-batch ${MAX_BATCH:-64} --max-model-len 1024 \
-    --spec $spec $draft --log-level warning) &
+    --spec $spec $draft $extra --log-level warning) &
   pids+=($!)
 done
 for spec in $servers; do wait_health ${PORT[$spec]}; done

@@ -10,14 +10,18 @@ The per-row state every step shares is `Slots`: the cache, each row's token limi
 (the tokens it may still emit) and its last emitted token (the next step's input). A step emits at
 most a row's limit and subtracts what it emitted, so the host sets a limit only when it changes
 (`set_rows`: a new request's budget, 0 once the host sees it stop); 0 freezes the row, its cache
-does not move.
+does not move. A row that stops on EOS (`admit(stops=...)`) gets limit 0 from the step that emits
+one (`stop_at_eos`): the device stops it within a trip, before the host has seen the token.
 
 `launch()` enqueues one step and starts its packed output on its way to the host; `collect()` waits
 for the oldest step in flight and returns each row's emitted tokens. Nothing else in a step needs the
 host, so on the GPU a caller may launch step t+1 before it collects step t (`lookahead`, where the
 step allows it): the host's work on step t (streaming, stopping, bookkeeping) then overlaps the
-GPU's work on t+1 instead of leaving the GPU idle. A row that stops on EOS or a stop string runs
-one step past it; those tokens are dropped. A row released or re-admitted while a step was in
+GPU's work on t+1 instead of leaving the GPU idle. `advance` launches the steps of a trip
+(`trip` steps, default 1) back to back and hands the host their tokens together: one wait, one pass
+over the rows, one chunk a request for several steps, so a loaded server's per-step host work
+(bookkeeping, detokenizing, streaming) is paid once a trip. A row that stops on EOS or a stop
+string runs on to the end of its trip (and the one in flight); those tokens are dropped. A row released or re-admitted while a step was in
 flight gets nothing from that step (`epoch`). `step(limit)` is the synchronous form: set every
 row's limit, launch, collect.
 
@@ -61,6 +65,8 @@ class Slots:
     limit: torch.Tensor  # (B,) tokens row b may still emit; 0 freezes it
     last: torch.Tensor  # (B,) each row's last emitted token: the next step's input
     sampling: RowSampling  # each row's sampling settings and random stream
+    stops: torch.Tensor  # (B,) bool: the row stops at an EOS token
+    eos: torch.Tensor  # (E,) the EOS token ids (shared by every row)
 
     @property
     def batch(self) -> int:
@@ -68,7 +74,8 @@ class Slots:
 
     def rows(self, k: int) -> "Slots":
         """Rows 0..k-1 (views: writes land in this storage)."""
-        return Slots(self.cache.view(0, k), self.limit[:k], self.last[:k], self.sampling.rows(k))
+        return Slots(self.cache.view(0, k), self.limit[:k], self.last[:k], self.sampling.rows(k), self.stops[:k],
+                     self.eos)
 
 
 class Step(Protocol):
@@ -131,17 +138,21 @@ def row_buckets(batch: int) -> list[int]:
 
 class Decoder:
     def __init__(self, model: CausalLM, batch: int, max_len: int, graphs: bool = True, lookahead: bool | None = None,
-                 observer: StepObserver | None = None):
+                 observer: StepObserver | None = None, eos: frozenset[int] = frozenset()):
+        """`eos`: the token ids a row admitted with stops=True stops at on the device."""
         p = next(model.parameters())
         self.device = p.device
         cache = KVCache.for_model(model.config, batch, max_len, p.dtype, p.device)
         zeros = lambda: torch.zeros(batch, dtype=torch.long, device=p.device)  # noqa: E731
-        self.slots = Slots(cache, zeros(), zeros(), RowSampling(batch, p.device))
+        eos_d = torch.tensor(sorted(eos), dtype=torch.long, device=p.device)
+        self.slots = Slots(cache, zeros(), zeros(), RowSampling(batch, p.device), zeros().bool(), eos_d)
         self.graphs = GraphRunner(p.device, graphs)
         self.observer = observer or StepObserver()
         self.epoch = np.zeros(batch, dtype=np.int64)  # bumped when a row is admitted or released
         self.live = np.zeros(batch, dtype=bool)  # rows the host last gave a limit > 0
         self.in_flight: deque[InFlight] = deque()
+        self.trip = 1  # steps `advance` launches back to back and collects together
+        self.trips: deque[int] = deque()  # the steps of each trip in flight not yet collected, oldest first
         self._views: dict[tuple[int, int], Step] = {}  # (id of a step, k) -> that step over rows 0..k-1
         self._prompts: dict[tuple[int, int], PromptBatch] = {}  # each prefill graph's input buffers
         # launch ahead of collect: on the GPU by default (on the CPU a step runs while it is launched)
@@ -190,12 +201,8 @@ class Decoder:
         if not rows:
             return
         self.live[rows] = np.asarray(limits) > 0
-        mask, value = [False] * self.batch, [0] * self.batch
-        for r, n in zip(rows, limits):
-            mask[r], value[r] = True, n
-        mask_d, value_d = to_device(mask, torch.bool, self.device), to_device(value, torch.long, self.device)
-        limit = self.slots.limit
-        limit.copy_(torch.where(mask_d, value_d, limit))
+        rows_d, value_d = to_device(np.array([rows, limits], dtype=np.int64), torch.long, self.device)
+        self.slots.limit.index_copy_(0, rows_d, value_d)
 
     def spans(self, room: list[tuple[KVCache, int]]) -> tuple[int, ...]:
         """Fix the attention span of this step's caches (part of every graph key): each (cache, r)
@@ -253,6 +260,10 @@ class Decoder:
         for one released or re-admitted since the launch). A row the host has frozen since the
         launch still gets its tokens (the caches hold them); `live` says whether they count."""
         f = self.in_flight.popleft()
+        if self.trips:
+            self.trips[0] -= 1
+            if not self.trips[0]:
+                self.trips.popleft()
         if f.done is not None:
             t = time.perf_counter()
             f.done.synchronize()  # sync: the one per step
@@ -263,18 +274,26 @@ class Decoder:
 
     def advance(self, remaining: list[int]) -> list[list[int]] | None:
         """One turn of a decode loop, given the tokens each row still wants (0: stopped or free).
-        Launches a step if some row may want one beyond the steps in flight (each brings at least
-        one token to every running row), then collects the oldest step once the lookahead allows,
-        or at once when nothing was launched. Returns that step's tokens per row, an empty list
-        per row while the pipeline fills, and None when nothing is left to run."""
-        launched = any(n > len(self.in_flight) for n in remaining)
-        if launched:
+        Launches a trip of up to `trip` steps, as many as some row may still want beyond the steps
+        in flight (each brings at least one token to every running row), then collects the oldest
+        trip once the lookahead allows, or at once when nothing was launched. Returns that trip's
+        tokens per row (its steps' in order), an empty list per row while the pipeline fills, and
+        None when nothing is left to run."""
+        n = min(self.trip, max(remaining, default=0) - len(self.in_flight))
+        for _ in range(n):
             self.launch()
+        if n > 0:
+            self.trips.append(n)
         if not self.in_flight:
             return None
-        if launched and len(self.in_flight) <= (1 if self.lookahead else 0):
+        if n > 0 and len(self.trips) <= (1 if self.lookahead else 0):
             return [[] for _ in range(self.batch)]
-        return self.collect()
+        steps = self.trips[0] if self.trips else 1
+        out = self.collect()
+        for _ in range(steps - 1):  # the rest of the trip
+            for row, toks in zip(out, self.collect()):
+                row += toks
+        return out
 
     def drain(self) -> None:
         """Collect and drop every step in flight."""
@@ -289,16 +308,18 @@ class Decoder:
         return self.collect()
 
     def admit(self, rows: list[int], prompts: list[list[int]], sampling: list[SamplingParams] | None = None,
-              streams: list[int] | None = None) -> list[list[int]]:
+              streams: list[int] | None = None, stops: list[bool] | None = None) -> list[list[int]]:
         """Prefill prompts into the given free rows, each with its sampling settings (default:
-        greedy) and random stream (default: SamplingParams.stream: its seed's, else a fresh one);
-        returns each one's first token."""
+        greedy), random stream (default: SamplingParams.stream: its seed's, else a fresh one) and
+        whether the device stops it at EOS (default: no); returns each one's first token."""
         if self.cache.host_lens[rows].any():
             raise RuntimeError(f"admit: rows {rows} are not free")
         sampling = sampling or [SamplingParams()] * len(rows)
         streams = streams or [p.stream() for p in sampling]
         self.epoch[rows] += 1
         self.sampling.set(rows, sampling, streams)
+        flags = to_device(np.array([rows, stops or [False] * len(rows)], dtype=np.int64), torch.long, self.device)
+        self.slots.stops.index_copy_(0, flags[0], flags[1].bool())
         mode = self.sampling.choose_mode(rows)
         step = self.current
         shape = (len(rows), prompt_bucket(max(map(len, prompts)), self.cache.max_len))

@@ -20,6 +20,15 @@ if TYPE_CHECKING:
     from .observer import StepObserver
 
 
+def eos_reach(tokens: torch.Tensor, eos: torch.Tensor, stops: torch.Tensor) -> torch.Tensor:
+    """(B, M) tokens a step may emit -> (B,) how many it may emit up to and with the first EOS of a
+    row that stops at EOS (M + 1 where there is none). A step cuts a row's tokens there and, when
+    it emits exactly that many, sets the row's limit to 0: the device stops it (graph-safe)."""
+    m = tokens.shape[1]
+    hit = (tokens[..., None] == eos).any(-1) & stops[:, None]  # (B, M)
+    return torch.where(hit.any(1), hit.int().argmax(1) + 1, m + 1)
+
+
 def first_tokens(logits: torch.Tensor, slots: "Slots", batch: PromptBatch) -> torch.Tensor:
     """The first token of each admitted prompt (b,) from its last position's logits (b, V), drawn
     with its row's settings; it becomes the row's last token (graph-safe)."""
@@ -70,6 +79,7 @@ class PlainStep:
         last.copy_(torch.where(on, tok, last))
         c.lens += active
         limit -= active
+        limit.masked_fill_(on & (eos_reach(tok[:, None], self.slots.eos, self.slots.stops) == 1), 0)
         rs.steps += 1
         return torch.stack([last, active], 1)
 

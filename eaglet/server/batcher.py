@@ -85,7 +85,7 @@ class Batcher:
         try:
             # a request's stream is its seed's (as the seed's first prompt in Generator.generate)
             new = self.dec.admit(rows, [req.prompt for req in requests], [req.sampling for req in requests],
-                                 [req.sampling.stream() for req in requests])
+                                 [req.sampling.stream() for req in requests], [not req.ignore_eos for req in requests])
         except Exception:
             for r in rows:
                 self.release(r)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..args import add_model_args, add_spec_args, model_kernels, spec_config
 from ..errors import EagletError
-from . import MAX_BODY
+from . import MAX_BODY, MULTI_STEP
 
 
 def add_serve_parsers(sub) -> None:
@@ -42,6 +42,11 @@ def add_serve_parsers(sub) -> None:
                          "stay open); default: $EAGLET_API_KEY")
     sv.add_argument("--max-body-bytes", type=int, default=MAX_BODY,
                     help=f"request bodies over this get 413 (default {MAX_BODY})")
+    sv.add_argument("--multi-step", type=int, metavar="N",
+                    help=f"decoder steps launched back to back per host round trip: the host's work on the rows "
+                         f"(stopping, text, streaming) is done once per N steps, so under load the GPU, not Python, "
+                         f"sets the pace; a request's text comes N steps at a time (default {MULTI_STEP} on the "
+                         f"GPU, 1 on the CPU)")
     sv.add_argument("--eager", action="store_true", help="no CUDA graphs")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -89,6 +94,8 @@ def cmd_serve(args) -> int:
 
     if args.max_batch < 1 or args.max_queue < 1 or (args.max_model_len is not None and args.max_model_len < 2):
         raise InvalidInput("--max-batch and --max-queue must be >= 1, --max-model-len >= 2")
+    if args.multi_step is not None and args.multi_step < 1:
+        raise InvalidInput(f"--multi-step must be >= 1, got {args.multi_step}")
     if args.max_body_bytes < 1024:
         raise InvalidInput(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
     if args.spec_max_batch is not None and args.spec_max_batch < 0:
@@ -118,7 +125,8 @@ def cmd_serve(args) -> int:
                                       path.stem if path.is_file() else path.resolve().name)
     policy = SpecPolicy(speculator, table, max_spec, args.spec_policy)
     app = build_app(Generator(loaded.model, loaded.tokenizer, speculator, graphs=not args.eager), name,
-                    args.max_batch, args.max_queue, args.max_model_len, policy, args.api_key, args.max_body_bytes)
+                    args.max_batch, args.max_queue, args.max_model_len, policy, args.api_key, args.max_body_bytes,
+                    args.multi_step)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     print(f"[eaglet] serving {name} ({policy.describe()}, {args.max_batch} rows, context "
           f"{app.state.engine.max_len}) at http://{args.host}:{args.port}/v1", file=sys.stderr)

@@ -64,6 +64,7 @@ from ..runtime.decoder import Decoder, Step
 from ..spec.loop import SpecStep
 from ..sampling import SamplingParams
 from ..spec.metrics import SpecMetrics
+from . import MULTI_STEP
 from .batcher import Batcher, Output
 from .metrics import ENGINE_PARTS, ServerMetrics
 from .policy import PLAIN, SpecPolicy, setting_name
@@ -145,10 +146,12 @@ class Chunk:
 
 class Engine:
     def __init__(self, generator: Generator, slots: int, max_queue: int, max_len: int, metrics: ServerMetrics,
-                 policy: SpecPolicy | None = None):
+                 policy: SpecPolicy | None = None, multi_step: int | None = None):
         """`generator` decodes with its own speculator (or plain); `policy` (default: always that)
-        picks plain or a setting of its base speculator per batch."""
+        picks plain or a setting of its base speculator per batch; `multi_step`: decoder steps a
+        host round trip (Decoder.trip; default MULTI_STEP on the GPU, 1 on the CPU)."""
         self.generator, self.slots, self.max_queue, self.max_len = generator, slots, max_queue, max_len
+        self.multi_step = multi_step
         self.metrics = metrics
         self.policy = policy or SpecPolicy(generator.speculator)
         own = generator.speculator
@@ -199,7 +202,8 @@ class Engine:
             g = self.generator
             drafted = [self.policy.speculator(s).spec.draft_tokens for s in self.settings() if s is not None]
             self.dec = Decoder(g.model, self.slots, self.max_len + max(drafted, default=0), g.graphs, g.lookahead,
-                               g.observer)
+                               g.observer, g.eos_ids())
+            self.dec.trip = self.multi_step or (MULTI_STEP if self.dec.device.type == "cuda" else 1)
         return self.dec
 
     def step(self, setting: str | None) -> Step:

@@ -30,7 +30,7 @@ from ..kernels import fusable
 from ..runtime.decoder import Decoder, Slots
 from ..runtime.graphs import GraphRunner
 from ..runtime.observer import StepObserver
-from ..runtime.plain import first_tokens
+from ..runtime.plain import eos_reach, first_tokens
 from .drafters.base import Drafter
 from .metrics import RowCounters, SpecMetrics
 from .tree import DraftProposal
@@ -48,15 +48,18 @@ def store(dst: DraftProposal | None, src: DraftProposal) -> DraftProposal:
 
 
 @fusable
-def settle(path, count, tokens, limit, lens, roots, valid, depth):
+def settle(path, count, tokens, limit, lens, roots, valid, depth, eos, stops):
     """What follows acceptance, one compiled region on the GPU (a dozen small kernels otherwise):
-    each row cut to its limit (never past its budget; 0 freezes it) and the tokens taken off it,
-    the cache moves that keep the accepted path and its new length, the next roots, and the packed
-    output for the host, (B, 3 + 2(D+1)): count, drafted nodes, deepest drafted position, tokens,
-    path. Updates limit, lens and roots in place; returns count, bonus, moves, packed."""
-    count, bonus = cut(count, tokens, limit)
+    each row cut to its limit (never past its budget; 0 freezes it) and to its first EOS if it
+    stops there (then its limit drops to 0: eos_reach) and the tokens taken off it, the cache
+    moves that keep the accepted path and its new length, the next roots, and the packed output for
+    the host, (B, 3 + 2(D+1)): count, drafted nodes, deepest drafted position, tokens, path.
+    Updates limit, lens and roots in place; returns count, bonus, moves, packed."""
+    to_eos = eos_reach(tokens, eos, stops)
+    count, bonus = cut(count, tokens, torch.minimum(limit, to_eos))
     moves = keep_slots(lens, path, count)  # from the length before this step's
     limit.sub_(count)
+    limit.masked_fill_(count == to_eos, 0)
     lens.add_(count)
     roots.copy_(bonus)
     drafted = valid.sum(1, keepdim=True) - 1  # (B, 1)
@@ -89,7 +92,6 @@ class SpecStep:
         self.tokens_per_step = spec.steps + 1
         self.pipelines = drafter.graphable  # a host drafter proposes from the emitted tokens
         self.counters = RowCounters(slots.batch, spec.steps)  # each row's draft counters since its admission
-        self.drafted = SpecMetrics()  # the draft counters of the steps collected since take_drafted()
         self.prop: DraftProposal | None = None  # the verify graph's input
 
     @property
@@ -99,8 +101,7 @@ class SpecStep:
 
     def take_drafted(self) -> SpecMetrics:
         """The draft counters of the steps collected since the last call, over all rows."""
-        d, self.drafted = self.drafted, SpecMetrics()
-        return d
+        return self.counters.take()
 
     def rows(self, k: int) -> "SpecStep":
         return SpecStep(self.model, self.slots.rows(k), self.drafter.rows(k), self.spec, self.name)
@@ -166,12 +167,12 @@ class SpecStep:
         """Accept, cut to each row's limit, commit to both caches; pack what the host needs."""
         prop, s = self.prop, self.slots
         if s.sampling.mode.sampled:
-            res = sample_verify(prop, target, self.spec.steps, self.spec.topk, s.sampling)
+            res = sample_verify(prop, target, self.spec.steps, self.spec.topk, s.sampling, self.kernels)
         else:
             res = greedy_verify(prop, target, self.spec.steps, self.kernels)
         s.sampling.steps += 1
         count, bonus, moves, packed = self.settle(res.path, res.count, res.tokens, s.limit, s.cache.lens, s.last,
-                                                  prop.valid, prop.depth)
+                                                  prop.valid, prop.depth, s.eos, s.stops)
         s.cache.keep(*moves)  # only the accepted path stays
         self.drafter.commit(prop, VerifyResult(res.path, count, res.tokens, bonus), taps)
         return packed
@@ -184,15 +185,16 @@ class SpecStep:
         drew = [i for i, n in enumerate(counts) if n > 0 and live[i]]  # not a step past a stop the host has seen
         if drew:
             head = np.array([rows[i][:3] for i in drew])  # count, drafted nodes, deepest drafted position
-            self.drafted.merge(self.counters.record(drew, head[:, 0] - 1, head[:, 1], head[:, 2]))
+            self.counters.record(drew, head[:, 0] - 1, head[:, 1], head[:, 2])
         observer.on_collect(Collected(self.prop, rows, counts, self.slots.limit))
         return emitted
 
 
 def spec_decoder(model: CausalLM, drafter: Drafter, spec: SpecConfig, batch: int, max_len: int, graphs: bool = True,
-                 lookahead: bool | None = None, observer: StepObserver | None = None) -> Decoder:
+                 lookahead: bool | None = None, observer: StepObserver | None = None,
+                 eos: frozenset[int] = frozenset()) -> Decoder:
     """A decoder of `batch` rows, room for `max_len` tokens each (and a step's drafted nodes),
-    speculating with `drafter`."""
-    dec = Decoder(model, batch, max_len + spec.draft_tokens, graphs, lookahead, observer)
+    speculating with `drafter`; rows admitted to stop at EOS stop at `eos` on the device."""
+    dec = Decoder(model, batch, max_len + spec.draft_tokens, graphs, lookahead, observer, eos)
     dec.use(SpecStep(model, dec.slots, drafter, spec))
     return dec

@@ -41,40 +41,61 @@ class SpecMetrics:
 
 
 class RowCounters:
-    """The SpecMetrics of every row of a batch, as arrays, so one step's records for all its rows
+    """The SpecMetrics of every row of a batch, as arrays, so a step's records for all its rows
     are a few array operations instead of a Python update of each row's lists (the server's host
-    path at 64 rows). A row's counters start at 0 when a request takes it (`reset`)."""
+    path at 64 rows). A step's record is kept as it came and folded into the arrays, with the
+    records of the other steps since, when something reads them. A row's counters start at 0 when
+    a request takes it (`reset`)."""
 
     def __init__(self, batch: int, depth: int):
         self.totals = np.zeros((batch, 3), dtype=np.int64)  # drafts, draft tokens, accepted tokens
         self.accepted = np.zeros((batch, depth), dtype=np.int64)  # [row, i]: accepted at depth i + 1
         self.reaching = np.zeros((batch, depth), dtype=np.int64)  # [row, i]: drafts that proposed depth i + 1
         self.pos = np.arange(depth)
+        self.pending: list[np.ndarray] = []  # records not folded yet: (n, 4) rows, accepted, drafted, depth
+        self.since = np.zeros(3, dtype=np.int64)  # sums since `take`: drafts, draft tokens, accepted tokens
+        self.since_pos = np.zeros((2, depth), dtype=np.int64)  # and per position: accepted, reaching
 
     def reset(self, rows: list[int]) -> None:
+        self._fold()
         for a in (self.totals, self.accepted, self.reaching):
             a[rows] = 0
 
-    def record(self, rows: list[int], accepted: np.ndarray, draft_tokens: np.ndarray, max_depth: np.ndarray
-               ) -> SpecMetrics:
+    def record(self, rows: list[int], accepted: np.ndarray, draft_tokens: np.ndarray, max_depth: np.ndarray) -> None:
         """One draft of each of `rows`: `accepted` drafted tokens taken (so positions 1..accepted
-        count one), `draft_tokens` drafted, positions 1..max_depth reached. Returns their sum."""
+        count one), `draft_tokens` drafted, positions 1..max_depth reached."""
+        self.pending.append(np.stack([np.asarray(rows), accepted, draft_tokens, max_depth], 1))
+
+    def _fold(self) -> None:
+        if not self.pending:
+            return
+        rows, accepted, draft_tokens, max_depth = np.concatenate(self.pending).T
+        self.pending.clear()
         acc = accepted[:, None] > self.pos  # (n, depth)
         reach = max_depth[:, None] > self.pos
-        self.totals[rows] += np.stack([np.ones_like(accepted), draft_tokens, accepted], 1)
-        self.accepted[rows] += acc
-        self.reaching[rows] += reach
-        return SpecMetrics(len(rows), int(draft_tokens.sum()), int(accepted.sum()),
-                           *trimmed(acc.sum(0), reach.sum(0)))
+        np.add.at(self.totals, rows, np.stack([np.ones_like(accepted), draft_tokens, accepted], 1))
+        np.add.at(self.accepted, rows, acc.astype(np.int64))
+        np.add.at(self.reaching, rows, reach.astype(np.int64))
+        self.since += len(rows), draft_tokens.sum(), accepted.sum()
+        self.since_pos += acc.sum(0), reach.sum(0)
+
+    def take(self) -> SpecMetrics:
+        """The sum of every draft recorded since the last call, over all rows."""
+        self._fold()
+        out = SpecMetrics(*self.since.tolist(), *trimmed(*self.since_pos))
+        self.since[:], self.since_pos[:] = 0, 0
+        return out
 
     def of(self, row: int) -> SpecMetrics:
         """One row's counters."""
+        self._fold()
         drafts, tokens, accepted = (int(x) for x in self.totals[row])
         return SpecMetrics(drafts, tokens, accepted, *trimmed(self.accepted[row], self.reaching[row]))
 
     def every(self) -> list[SpecMetrics]:
         """Every row's counters, as `of` gives them, from a few array operations (a batch of 20k
         rows would spend seconds in `of` row by row)."""
+        self._fold()
         nz = (self.accepted != 0) | (self.reaching != 0)
         depth = np.where(nz.any(1), nz.shape[1] - np.argmax(nz[:, ::-1], axis=1), 0).tolist()
         acc, reach = self.accepted.tolist(), self.reaching.tolist()

@@ -76,10 +76,70 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tens
 
 
 def sample_verify(prop: DraftProposal, p: torch.Tensor, max_depth: int, max_children: int,
-                  generator=None) -> VerifyResult:
+                  generator=None, kernels: Kernels = EAGER) -> VerifyResult:
     """p (B, N, V): the target's (temperature/top-k/top-p adjusted) distribution at every node.
     generator: where the random numbers come from (sampling.uniform: a RowSampling's per-row
     streams, a torch.Generator, or None)."""
+    b, n, v = p.shape
+    draws = uniform(generator, (b, max_depth * max_children), p.device, ACCEPT)  # every trial's, in one draw
+    if prop.q is not None:
+        return _sample_verify_q(prop, p, max_depth, max_children, generator, draws)
+    # deterministic drafts: each trial needs only its token's probability under its parent's p
+    pc = p.reshape(b, n * v).gather(1, prop.parents.clamp(min=0) * v + prop.tokens)  # (B, N)
+    path, count, cur, dropped = kernels.fuse(tree_sample_accept)(prop.tokens, prop.parents, prop.valid, pc, draws,
+                                                                 max_depth, max_children)
+    last = p[torch.arange(b, device=p.device), cur]  # (B, V) p at the last accepted node
+    bad = torch.zeros_like(last).scatter_add_(1, prop.tokens, dropped.to(last.dtype)) > 0
+    left = last.masked_fill(bad, 0)  # its rejected children's tokens zeroed (the race needs no normalizing)
+    left = torch.where(left.sum(-1, keepdim=True) > 0, left, last)
+    return VerifyResult(*emitted_path(prop.tokens, path, count, sample_probs(left, generator, BONUS)))
+
+
+@fusable
+def tree_sample_accept(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, pc: torch.Tensor,
+                       draws: torch.Tensor, max_depth: int, max_children: int):
+    """The acceptance walk over a deterministic draft (q one-hot): at the current node its children
+    are tried in order, child x accepted with probability p(x) / (1 - the mass of the children
+    rejected before it) (what is left of p, renormalized: Leviathan et al. with q = one-hot(x)),
+    a token already rejected there counting 0. pc (B, N): each node's token's probability under
+    its parent's p; draws (B, max_depth * max_children) uniforms. Returns the path (B, D+1), the
+    count (B,), the last accepted node (B,) and the nodes rejected there (B, N) bool."""
+    b, n = tokens.shape
+    dev = tokens.device
+    cur = torch.zeros(b, dtype=torch.long, device=dev)
+    alive = torch.ones(b, dtype=torch.bool, device=dev)
+    count = torch.ones(b, dtype=torch.long, device=dev)
+    rejected = torch.zeros(b, n, dtype=torch.bool, device=dev)
+    path = [cur]
+    for depth in range(max_depth):
+        here = parents == cur[:, None]  # (B, N)
+        children = here & valid & alive[:, None]
+        rank = children.long().cumsum(1) - 1
+        moved = torch.zeros(b, dtype=torch.bool, device=dev)
+        mass = torch.zeros(b, dtype=pc.dtype, device=dev)  # of the children rejected at this node
+        for r in range(max_children):
+            sel = children & (rank == r)
+            has = sel.any(1) & ~moved
+            child = sel.to(torch.uint8).argmax(1)  # (B,)
+            x = tokens.gather(1, child[:, None])  # (B, 1)
+            seen = (rejected & here & (tokens == x)).any(1)  # its token was rejected here already
+            px = torch.where(seen, torch.zeros_like(mass), pc.gather(1, child[:, None])[:, 0])
+            accept = has & (draws[:, depth * max_children + r] * (1 - mass) < px)
+            reject = has & ~accept
+            mass = mass + torch.where(reject, px, torch.zeros_like(px))
+            rejected = rejected | (sel & reject[:, None])
+            moved = moved | accept
+            cur = torch.where(accept, child, cur)
+        path.append(torch.where(moved, cur, torch.zeros_like(cur)))
+        count = count + moved
+        alive = moved
+    return torch.stack(path, 1), count, cur, rejected & (parents == cur[:, None])
+
+
+def _sample_verify_q(prop: DraftProposal, p: torch.Tensor, max_depth: int, max_children: int, generator,
+                     draws: torch.Tensor) -> VerifyResult:
+    """sample_verify for a draft sampled from the drafter's q (prop.q (B, N, V)): the residual
+    max(p - q, 0), renormalized, carried over the vocabulary."""
     b, n, v = p.shape
     dev = p.device
     rows = torch.arange(b, device=dev)
@@ -87,7 +147,6 @@ def sample_verify(prop: DraftProposal, p: torch.Tensor, max_depth: int, max_chil
     alive = torch.ones(b, dtype=torch.bool, device=dev)
     count = torch.ones(b, dtype=torch.long, device=dev)
     residual = p[:, 0].clone()  # (B, V) what is left of p at the current node
-    draws = uniform(generator, (b, max_depth * max_children), dev, ACCEPT)  # every trial's, in one draw
     path = [cur]
     for depth in range(max_depth):
         children = (prop.parents == cur[:, None]) & prop.valid & alive[:, None]  # (B, N)
@@ -98,7 +157,7 @@ def sample_verify(prop: DraftProposal, p: torch.Tensor, max_depth: int, max_chil
             has = sel.any(1) & ~moved
             child = sel.to(torch.uint8).argmax(1)  # (B,)
             x = prop.tokens[rows, child]  # (B,)
-            q = prop.q[rows, cur] if prop.q is not None else torch.nn.functional.one_hot(x, v).to(p.dtype)  # (B, V)
+            q = prop.q[rows, cur]  # (B, V)
             px, qx = residual[rows, x], q[rows, x]
             u = draws[:, depth * max_children + r]
             accept = has & (u * qx < px)  # u < min(1, p/q) without dividing by zero
