@@ -152,6 +152,7 @@ class Decoder:
         self.live = np.zeros(batch, dtype=bool)  # rows the host last gave a limit > 0
         self.in_flight: deque[InFlight] = deque()
         self.trip = 1  # steps `advance` launches back to back and collects together
+        self.rate = 1.0  # tokens a running row has emitted a step, lately (how many steps a budget needs)
         self.trips: deque[int] = deque()  # the steps of each trip in flight not yet collected, oldest first
         self._views: dict[tuple[int, int], Step] = {}  # (id of a step, k) -> that step over rows 0..k-1
         self._prompts: dict[tuple[int, int], PromptBatch] = {}  # each prefill graph's input buffers
@@ -270,16 +271,22 @@ class Decoder:
             self._device_wait += time.perf_counter() - t
         rows = f.out.tolist()
         rows += [[0] * len(rows[0])] * (self.batch - len(rows))  # rows past the step's prefix: frozen
-        return self.current.collect(rows, (self.epoch == f.epoch).tolist(), self.live, self.observer)
+        out = self.current.collect(rows, (self.epoch == f.epoch).tolist(), self.live, self.observer)
+        running = [len(t) for t, on in zip(out, self.live) if on and t]
+        if running:
+            self.rate = 0.8 * self.rate + 0.2 * sum(running) / len(running)
+        return out
 
     def advance(self, remaining: list[int]) -> list[list[int]] | None:
         """One turn of a decode loop, given the tokens each row still wants (0: stopped or free).
-        Launches a trip of up to `trip` steps, as many as some row may still want beyond the steps
-        in flight (each brings at least one token to every running row), then collects the oldest
+        Launches a trip of up to `trip` steps, as many as the largest budget is expected to need
+        beyond the steps in flight (at `rate` tokens a step: a speculating row's budget ends in
+        fewer steps than tokens, and a step launched past the end is wasted), then collects the oldest
         trip once the lookahead allows, or at once when nothing was launched. Returns that trip's
         tokens per row (its steps' in order), an empty list per row while the pipeline fills, and
         None when nothing is left to run."""
-        n = min(self.trip, max(remaining, default=0) - len(self.in_flight))
+        need = -(-max(remaining, default=0) // max(self.rate, 1.0))  # steps the longest budget needs, expected
+        n = min(self.trip, int(need) - len(self.in_flight))
         for _ in range(n):
             self.launch()
         if n > 0:
