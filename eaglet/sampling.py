@@ -1,15 +1,12 @@
-"""Logits -> probabilities (temperature, top-k, top-p) and sampling without a host sync.
+"""Sampling without a host sync: each row's own settings and random stream (RowSampling).
 
-`target_probs` is the distribution of one setting; `RowSampling.probs` computes it for every row
-with that row's setting, and both plain sampling and lossless speculative acceptance draw from it,
-so they follow exactly the same distribution.
-
-A decoder's rows each have their own settings: `RowSampling` holds every row's temperature,
-top-k, top-p and random stream as device tensors (B,), read inside the step graphs, so greedy and
-sampled requests with different settings and seeds share one batch. Its random numbers are
-counter-based: a draw is a hash of the row's stream key, the row's step count, what the draw is
-for (`salt`) and the element's index, so what a row draws never depends on the other rows of the
-batch or on how many there are. A seeded request therefore gives the same text wherever it runs.
+`target_probs` is the distribution of one setting (temperature, top-k, top-p), the reference the
+tests hold the engine to. A decoder's rows each have their own settings: `RowSampling` holds every
+row's temperature, top-k, top-p and random stream as device tensors (B,), read inside the step
+graphs, so greedy and sampled requests with different settings and seeds share one batch. A row's
+draw at a position is the Gumbel-max of its scaled logits with noise hashed from its stream key and
+the position (counter-based), so plain and speculative decoding draw the same tokens, and what a
+row draws never depends on the other rows of the batch.
 """
 from __future__ import annotations
 
@@ -21,6 +18,7 @@ import numpy as np
 import torch
 
 from .errors import InvalidInput
+from .kernels import fusable
 
 _fresh = random.Random(secrets.randbits(128))  # unseeded streams' keys: one OS draw per process, not per request
 
@@ -79,6 +77,7 @@ def target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 _MASK = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # a 32-bit integer hash's multiplier; below 2**27, so products stay inside int64
+_VOCAB_SALT = 0x632BE5AB
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
@@ -88,8 +87,15 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
-# what a draw is for: draws of one row and step with different salts are independent
-FIRST, DECODE, BONUS, DRAFT, ACCEPT = 1, 2, 3, 16, 64
+@fusable
+def gumbel_argmax(x: torch.Tensor, seed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """argmax(x + Gumbel noise) over the last dimension: x (..., V) scaled logits, seed (...) the
+    noise's key per row and position, ids (V,) each entry's hashed token id. The noise of token v is
+    -log(-log(u)), u a hash of (seed, v) in (0, 1): a sample of softmax(x) (the Gumbel-max trick),
+    in one pass over the logits (one kernel compiled)."""
+    u = mix32(seed[..., None] ^ ids)
+    u = ((u >> 8).float() + 0.5) / float(1 << 24)
+    return (x - torch.log(-torch.log(u))).argmax(-1)
 
 
 class Mode:
@@ -109,16 +115,29 @@ class Mode:
 
 class RowSampling:
     """Each row's sampling settings and random stream on the device, (B,) tensors: temperature
-    (0: greedy), top_k (0: off), top_p, the stream key and the row's draws so far (`steps`: the
-    prefill and each step advance it). On the host, `sampled` and `filtered` say per row whether it
-    samples and whether top-k or top-p cut its distribution (what `choose_mode` reads each step)."""
+    (0: greedy), top_k (0: off), top_p and the stream key; `base` is each row's position (the
+    target cache's committed length, whose storage it shares). On the host, `sampled` and
+    `filtered` say per row whether it samples and whether top-k or top-p cut its distribution
+    (what `choose_mode` reads each step).
 
-    def __init__(self, batch: int, device):
+    A sampled row's token at position t is argmax(logits / T + g), g Gumbel noise hashed from the
+    row's key and t alone (`pick`): a sample of its distribution, fresh at every position, and the
+    same whoever computes it. A plain step and a verify that reach position t draw the same token
+    there, so a speculating row emits exactly what plain sampling emits with the same key: the
+    verify accepts a drafted child when it equals the target's draw at its parent (greedy
+    acceptance against the draws), which is lossless, and the drafter, drawing its chain with the
+    same noise, proposes what the target will likely draw. Nothing a row draws depends on the other
+    rows of the batch or on how many there are: a seeded request gives the same text wherever it
+    runs, speculating or not."""
+
+    def __init__(self, batch: int, device, base: torch.Tensor | None = None):
         z = lambda dtype: torch.zeros(batch, dtype=dtype, device=device)  # noqa: E731
         self.temperature, self.top_p = z(torch.float32), z(torch.float32) + 1
-        self.top_k, self.key, self.steps = z(torch.long), z(torch.long), z(torch.long)
+        self.top_k, self.key = z(torch.long), z(torch.long)
+        self.base = z(torch.long) if base is None else base
         self.sampled, self.filtered = np.zeros(batch, dtype=bool), np.zeros(batch, dtype=bool)
         self.mode = Mode()
+        self._ids: dict[tuple, torch.Tensor] = {}  # hashed token ids per vocabulary (shared by views)
 
     @property
     def batch(self) -> int:
@@ -126,9 +145,9 @@ class RowSampling:
 
     def _like(self, pick) -> "RowSampling":
         v = object.__new__(RowSampling)
-        for name in ("temperature", "top_p", "top_k", "key", "steps"):
+        for name in ("temperature", "top_p", "top_k", "key", "base"):
             setattr(v, name, pick(getattr(self, name)))
-        v.sampled, v.filtered, v.mode = self.sampled, self.filtered, self.mode
+        v.sampled, v.filtered, v.mode, v._ids = self.sampled, self.filtered, self.mode, self._ids
         return v
 
     def rows(self, k: int) -> "RowSampling":
@@ -140,8 +159,7 @@ class RowSampling:
         return self._like(lambda t: t.index_select(0, rows))
 
     def set(self, rows: list[int], params: list[SamplingParams], keys: list[int]) -> None:
-        """Give these rows their settings and streams (on the device without a sync; each row's
-        draws start again at 0)."""
+        """Give these rows their settings and streams (on the device without a sync)."""
         from .transfer import to_device
 
         self.sampled[rows] = [not p.greedy for p in params]
@@ -156,7 +174,6 @@ class RowSampling:
         self.top_p.index_copy_(0, idx, floats_d[1])
         self.top_k.index_copy_(0, idx, top_k[0])
         self.key.index_copy_(0, idx, key[0])
-        self.steps.index_fill_(0, idx, 0)
 
     def choose_mode(self, rows) -> str:
         """Set the mode for a step over `rows` (host indices) from their settings; returns its key."""
@@ -165,31 +182,13 @@ class RowSampling:
         return self.mode.key
 
     # ---- draws ----
-    def uniform(self, shape: tuple[int, ...], salt: int) -> torch.Tensor:
-        """(B, *shape) float32 uniform in (0, 1): element i of row b is a hash of (b's key, b's
-        draws so far, salt, i)."""
-        b = self.key.shape[0]
-        k = self.key
-        h = mix32(mix32(k & _MASK) ^ ((k >> 32) & _MASK))
-        h = mix32(h ^ mix32((self.steps * 0x9E37 + salt) & _MASK))  # (B,)
-        n = 1
-        for s in shape:
-            n *= s
-        idx = mix32(torch.arange(n, device=k.device, dtype=torch.long) + 0x632BE5AB)
-        u = mix32(h[:, None] ^ idx[None])  # (B, n)
-        return (((u >> 8).float() + 0.5) / float(1 << 24)).view(b, *shape)
-
-    def exponential(self, shape: tuple[int, ...], salt: int) -> torch.Tensor:
-        return -torch.log(self.uniform(shape, salt))
-
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """(B, ..., V) logits -> each row's probabilities under its own settings, as target_probs
-        computes them (greedy rows: the one-hot argmax)."""
+    def scaled(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B, ..., V) logits -> float32 logits / temperature (greedy rows: as they are), with what
+        top-k and top-p cut at -inf: softmax of it is target_probs of each row's settings."""
         x = logits.float()
         shape = (x.shape[0],) + (1,) * (x.dim() - 1)
         t = self.temperature.view(shape)
-        greedy = t == 0
-        x = x / torch.where(greedy, torch.ones_like(t), t)
+        x = x / torch.where(t == 0, torch.ones_like(t), t)
         if self.mode.filtered:
             v = x.shape[-1]
             sx, order = x.sort(-1, descending=True)
@@ -200,31 +199,31 @@ class RowSampling:
             top_p = self.top_p.view(shape)
             sx = sx.masked_fill((sp.cumsum(-1) - sp >= top_p) & (top_p < 1), float("-inf"))
             x = torch.empty_like(x).scatter_(-1, order, sx)
-        p = x.softmax(-1)
-        onehot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-        return torch.where(greedy, onehot, p)
+        return x
 
-    def sample(self, logits: torch.Tensor, salt: int) -> torch.Tensor:
-        """(B, V) logits -> (B,) each row's token (the argmax while no row in use samples)."""
+    def seeds(self, offset) -> torch.Tensor:
+        """(B, ...) the noise key of each row at position base + offset (offset an int or (B, ...))."""
+        k = self.key
+        h = mix32(mix32(k & _MASK) ^ ((k >> 32) & _MASK))  # (B,)
+        pos = self.base.view(-1, *([1] * (offset.dim() - 1))) + offset if torch.is_tensor(offset) else self.base + offset
+        return mix32(h.view(pos.shape[:1] + (1,) * (pos.dim() - 1)) ^ mix32(pos & _MASK))
+
+    def vocab_ids(self, v: int, vocab: torch.Tensor | None = None) -> torch.Tensor:
+        """(v,) the hashed token id of each logit: index i is token i, or vocab[i] (a drafter's own
+        vocabulary mapped to the target's, so its noise is the target's)."""
+        key = (v, None if vocab is None else vocab.data_ptr())
+        if key not in self._ids:
+            ids = torch.arange(v, device=self.key.device) if vocab is None else vocab.long()
+            self._ids[key] = mix32(ids + _VOCAB_SALT)
+        return self._ids[key]
+
+    def pick(self, logits: torch.Tensor, offset, kernels=None, vocab: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, ..., V) logits of the tokens at positions base + offset (offset an int or (B, ...))
+        -> (B, ...) each row's token: greedy rows the argmax, sampled rows their draw there."""
+        best = logits.argmax(-1)
         if not self.mode.sampled:
-            return logits.argmax(-1)
-        return sample_probs(self.probs(logits), self, salt)
-
-
-def uniform(source, shape: tuple[int, ...], device, salt: int) -> torch.Tensor:
-    """Uniform (0, 1) draws of shape (B, ...) from `source`: a RowSampling (per-row streams), a
-    torch.Generator or None (torch's default)."""
-    if isinstance(source, RowSampling):
-        return source.uniform(shape[1:], salt)
-    return torch.rand(shape, device=device, generator=source)
-
-
-def sample_probs(probs: torch.Tensor, source=None, salt: int = DECODE) -> torch.Tensor:
-    """Draw one token per row by the exponential race argmax(p / Exp(1)): no host sync. `source` is
-    a RowSampling (probs (B, ..., V), each row its own stream), a torch.Generator or None."""
-    if isinstance(source, RowSampling):
-        e = source.exponential(tuple(probs.shape[1:]), salt)
-    else:
-        e = torch.empty_like(probs).exponential_(generator=source)
-    return (probs / e).argmax(-1)
-
+            return best
+        fn = gumbel_argmax if kernels is None else kernels.fuse(gumbel_argmax)
+        drawn = fn(self.scaled(logits), self.seeds(offset), self.vocab_ids(logits.shape[-1], vocab))
+        greedy = (self.temperature == 0).view((-1,) + (1,) * (best.dim() - 1))
+        return torch.where(greedy, best, drawn)

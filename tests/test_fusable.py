@@ -219,3 +219,17 @@ def test_ngram_lookup_and_trie_compiled_equal_eager():
         assert all(torch.equal(a, b) for a, b in zip(got, want_))
         got = merge(*want_, steps + want)
         assert all(torch.equal(a, b) for a, b in zip(got, trie(*want_, steps + want)))
+
+
+def test_gumbel_argmax_compiled_equals_eager():
+    """A sampled row's draw (sampling.gumbel_argmax: hash, Gumbel noise and argmax over the
+    vocabulary), compiled as on the GPU: the same tokens, for a (B,) and a (B, N) set of positions."""
+    from eaglet.sampling import RowSampling, SamplingParams, gumbel_argmax
+
+    rs = RowSampling(3, "cpu")
+    rs.set([0, 1, 2], [SamplingParams(1.0)] * 3, [5, 6, 7])
+    rs.base[:] = torch.tensor([4, 9, 2])
+    x = torch.randn(3, 4, 300, generator=torch.Generator().manual_seed(3))
+    ids = rs.vocab_ids(300)
+    for seed, logits in ((rs.seeds(1), x[:, 0]), (rs.seeds(torch.arange(4).expand(3, 4)), x)):
+        assert torch.equal(compiled(gumbel_argmax)(logits, seed, ids), gumbel_argmax(logits, seed, ids))

@@ -28,31 +28,31 @@ def rows_of(settings, keys=None) -> RowSampling:
 
 
 def test_each_row_gets_the_distribution_of_its_settings():
-    """RowSampling.probs of a batch of mixed settings equals target_probs row by row (greedy: the
-    one-hot argmax), over the node dimension of a verify too."""
+    """RowSampling.scaled of a batch of mixed settings, softmaxed, equals target_probs row by row
+    (greedy rows: their argmax is the logits'), over the node dimension of a verify too."""
     logits = torch.randn(len(SETTINGS), 3, 50, generator=torch.Generator().manual_seed(0)) * 3
-    got = rows_of(SETTINGS).probs(logits)
+    got = rows_of(SETTINGS).scaled(logits)
     for b, p in enumerate(SETTINGS):
-        torch.testing.assert_close(got[b], target_probs(logits[b], p), atol=1e-6, rtol=1e-5)
+        if p.greedy:
+            assert torch.equal(got[b].argmax(-1), logits[b].argmax(-1))
+        else:
+            torch.testing.assert_close(got[b].softmax(-1), target_probs(logits[b], p), atol=1e-6, rtol=1e-5)
     greedy_only = rows_of([SamplingParams()] * 2)
     assert not greedy_only.mode.sampled and greedy_only.mode.key == "g"
     assert rows_of(SETTINGS[:2]).mode.key == "s" and rows_of(SETTINGS).mode.key == "f"
 
 
 def test_a_rows_draws_do_not_depend_on_the_other_rows():
-    """A row's uniforms are a function of its key, its step count and the salt alone: the same in a
-    batch of three as alone, different for another key, step or salt; and uniform."""
-    three = rows_of([SamplingParams(1.0)] * 3, keys=[11, 22, 33])
-    alone = rows_of([SamplingParams(1.0)], keys=[22])
-    u3, u1 = three.uniform((1000,), 5), alone.uniform((1000,), 5)
-    assert torch.equal(u3[1], u1[0])
-    assert not torch.equal(u3[0], u3[1]) and not torch.equal(alone.uniform((1000,), 6), u1)
-    alone.steps += 1
-    assert not torch.equal(alone.uniform((1000,), 5), u1)
-    big = rows_of([SamplingParams(1.0)], keys=[7]).uniform((200_000,), 1)[0]
-    assert 0 < float(big.min()) and float(big.max()) < 1
-    hist = torch.histc(big, bins=20, min=0, max=1) / len(big)
-    assert (hist - 0.05).abs().max() < 0.004  # 200k draws: 0.05 ± 5 standard deviations
+    """A row's draws are a function of its key, its position and its logits alone: the same in a
+    batch of three as alone, different for another key."""
+    logits = torch.randn(1, 3, 500, generator=torch.Generator().manual_seed(1))
+    three = rows_of([SamplingParams(1.0), SamplingParams(0.5, top_k=9), SamplingParams(1.0)], keys=[11, 22, 33])
+    alone = rows_of([SamplingParams(0.5, top_k=9)], keys=[22])
+    offsets = torch.tensor([[1, 2, 2]])
+    assert torch.equal(three.pick(logits.expand(3, -1, -1), offsets.expand(3, -1))[1], alone.pick(logits, offsets)[0])
+    other = rows_of([SamplingParams(0.5, top_k=9)], keys=[23])
+    many = [other.pick(logits, offsets + 3 * i) for i in range(8)] + [alone.pick(logits, offsets + 3 * i) for i in range(8)]
+    assert len({tuple(m[0].tolist()) for m in many}) > 8
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,13 @@
-"""Sampling: parameter validation, the target distribution (temperature, top-k, top-p) and the
-exponential-race sampler, which must draw from exactly that distribution."""
+"""Sampling: parameter validation, the target distribution (temperature, top-k, top-p) and each
+row's draws (RowSampling.pick: Gumbel-max with counter-based noise), which must follow exactly that
+distribution."""
 import math
 
 import pytest
 import torch
 
 from eaglet.errors import InvalidInput
-from eaglet.sampling import DECODE, RowSampling, SamplingParams, sample_probs, target_probs
+from eaglet.sampling import RowSampling, SamplingParams, target_probs
 
 # probabilities that are exact in float32, so top-p boundaries are exact too
 EXACT = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625])
@@ -96,32 +97,9 @@ def test_top_k_then_top_p():
     assert torch.allclose(probs, want, atol=1e-6)
 
 
-# ---- sampling -----------------------------------------------------------------------------------
+# ---- sampling ----------------------------------------------------------------------------------
 
 N_DRAWS = 200_000
-
-
-def draw_counts(probs: torch.Tensor, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    toks = sample_probs(probs.expand(N_DRAWS, -1).contiguous(), g)
-    return torch.bincount(toks, minlength=probs.shape[-1]).double()
-
-
-def test_exponential_race_matches_distribution():
-    probs = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25])
-    counts = draw_counts(probs, seed=0)
-    expected = N_DRAWS * probs.double()
-    chi2 = float(((counts - expected) ** 2 / expected).sum())
-    assert chi2 < 18.47  # chi-square, 4 degrees of freedom, p = 0.001
-    tv = 0.5 * float((counts / N_DRAWS - probs.double()).abs().sum())
-    assert tv < 0.005
-
-
-def test_exponential_race_never_draws_zero_probability():
-    probs = torch.tensor([0.0, 0.7, 0.0, 0.3, 0.0])
-    counts = draw_counts(probs, seed=1)
-    assert counts[[0, 2, 4]].sum() == 0
-    assert math.isclose(counts[1] / N_DRAWS, 0.7, abs_tol=0.005)
 
 
 def rows(p: SamplingParams, n: int) -> RowSampling:
@@ -132,20 +110,65 @@ def rows(p: SamplingParams, n: int) -> RowSampling:
     return rs
 
 
+def draw_counts(logits: torch.Tensor, p: SamplingParams, position: int = 0) -> torch.Tensor:
+    """The tokens N_DRAWS rows (each its own stream) draw from the same logits."""
+    toks = rows(p, N_DRAWS).pick(logits.expand(N_DRAWS, -1), position)
+    return torch.bincount(toks, minlength=logits.shape[-1]).double()
+
+
+@pytest.mark.parametrize("p", [SamplingParams(1.0, seed=0), SamplingParams(0.6, seed=1),
+                               SamplingParams(1.0, top_k=3, top_p=0.9, seed=2)])
+def test_draws_match_the_distribution(p):
+    logits = torch.tensor([0.3, -1.0, 1.2, 0.0, 0.8])
+    probs = target_probs(logits, p).double()
+    counts = draw_counts(logits, p)
+    live = probs > 0
+    expected = N_DRAWS * probs[live]
+    chi2 = float(((counts[live] - expected) ** 2 / expected).sum())
+    assert chi2 < 18.47  # chi-square, at most 4 degrees of freedom, p = 0.001
+    assert counts[~live].sum() == 0  # what top-k and top-p cut is never drawn
+    assert 0.5 * float((counts / N_DRAWS - probs).abs().sum()) < 0.005
+
+
+def test_draws_never_take_a_zero_probability_token():
+    logits, order = shuffled_exact()
+    counts = draw_counts(logits, SamplingParams(1.0, top_p=0.75, seed=3))  # keeps EXACT's first two
+    assert counts[order[2:]].sum() == 0
+    assert math.isclose(counts[order[0]] / N_DRAWS, 2 / 3, abs_tol=0.005)
+
+
 def test_seeded_sampling_is_repeatable():
     logits = rand_logits(64, 100)
-    a, b, c = (rows(SamplingParams(1.0, seed=s), 64).sample(logits, DECODE) for s in (7, 7, 8))
+    a, b, c = (rows(SamplingParams(1.0, seed=s), 64).pick(logits, 0) for s in (7, 7, 8))
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
     assert SamplingParams(1.0).stream() != SamplingParams(1.0).stream()  # unseeded: a fresh stream each time
 
 
-def test_sample_greedy_and_masked():
+def test_a_draw_is_keyed_by_the_stream_and_the_position_alone():
+    """The same row draws alike in a batch of three and alone, and afresh at every position: the
+    noise is a function of (key, position, token) only."""
+    logits = rand_logits(1, 1000, seed=4) * 0  # uniform: the draw is the noise's argmax
+    three, alone = RowSampling(3, "cpu"), RowSampling(1, "cpu")
+    three.set([0, 1, 2], [SamplingParams(1.0)] * 3, [11, 22, 33])
+    alone.set([0], [SamplingParams(1.0)], [22])
+    for rs in (three, alone):
+        rs.choose_mode([0])
+    three.base[:], alone.base[:] = 5, 5
+    assert three.pick(logits.expand(3, -1), 2)[1] == alone.pick(logits, 2)[0]
+    at = [int(alone.pick(logits, t)[0]) for t in range(20)]
+    assert len(set(at)) > 15  # a fresh draw at each position (1000 equally likely tokens)
+    alone.base[:] = 7
+    assert int(alone.pick(logits, 0)[0]) == at[2]  # position 7 whether reached as 5 + 2 or 7 + 0
+    nodes = alone.pick(logits.expand(1, 4, -1), torch.tensor([[0, 1, 1, 2]]))  # a verify's (B, N) positions
+    assert nodes[0].tolist() == [at[2], at[3], at[3], at[4]]
+
+
+def test_pick_greedy_and_masked():
     logits = rand_logits(8, 100, seed=2)
-    assert torch.equal(rows(SamplingParams(), 8).sample(logits, DECODE), logits.argmax(-1))
+    assert torch.equal(rows(SamplingParams(), 8).pick(logits, 0), logits.argmax(-1))
     top2 = logits.topk(2, -1).indices
     rs = rows(SamplingParams(temperature=5.0, top_k=2), 8)
-    for _ in range(20):  # with top_k=2 every draw is one of the two best tokens
-        tok = rs.sample(logits, DECODE)
-        rs.steps += 1
+    for t in range(20):  # with top_k=2 every draw is one of the two best tokens
+        tok = rs.pick(logits, t)
         assert ((top2 == tok[:, None]).any(-1)).all()

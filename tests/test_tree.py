@@ -53,11 +53,10 @@ def test_ancestor_mask_and_depth_exact():
 
 def test_chain_and_from_parents():
     tokens = torch.tensor([[7, 8, 9, 10]])
-    q = torch.rand(1, 4, 11)
-    prop = chain(tokens, q=q)
+    prop = chain(tokens)
     assert prop.parents.tolist() == [[-1, 0, 1, 2]] and prop.depth.tolist() == [[0, 1, 2, 3]]
     assert torch.equal(prop.mask[0], torch.ones(4, 4, dtype=torch.bool).tril())
-    assert prop.valid.all() and prop.q is q and prop.num_nodes == 4
+    assert prop.valid.all() and prop.num_nodes == 4
     # the closed form equals what ancestor_mask derives from the same parents, at several lengths
     for n in (1, 2, 6, 9):
         p = chain(torch.zeros(3, n, dtype=torch.long))
@@ -82,7 +81,7 @@ def test_select_tree_keeps_best_and_remaps_parents():
     assert prop.tokens.tolist() == [[100, 10, 11, 13, 15, 17], [200, 10, 11, 12, 15, 18]]
     assert prop.parents.tolist() == [[-1, 0, 0, 1, 2, 3], [-1, 0, 0, 0, 2, 4]]
     assert prop.depth.tolist() == [[0, 1, 1, 2, 2, 3], [0, 1, 1, 1, 2, 3]]
-    assert prop.valid.all() and prop.q is None
+    assert prop.valid.all()
     assert torch.equal(prop.mask, ancestor_mask(prop.parents)[0])
 
 

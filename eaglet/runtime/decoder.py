@@ -145,7 +145,7 @@ class Decoder:
         cache = KVCache.for_model(model.config, batch, max_len, p.dtype, p.device)
         zeros = lambda: torch.zeros(batch, dtype=torch.long, device=p.device)  # noqa: E731
         eos_d = torch.tensor(sorted(eos), dtype=torch.long, device=p.device)
-        self.slots = Slots(cache, zeros(), zeros(), RowSampling(batch, p.device), zeros().bool(), eos_d)
+        self.slots = Slots(cache, zeros(), zeros(), RowSampling(batch, p.device, cache.lens), zeros().bool(), eos_d)
         self.graphs = GraphRunner(p.device, graphs)
         self.observer = observer or StepObserver()
         self.epoch = np.zeros(batch, dtype=np.int64)  # bumped when a row is admitted or released

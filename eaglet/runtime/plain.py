@@ -12,7 +12,6 @@ import torch
 from ..models.attention import AttnMeta
 from ..models.llama import CausalLM
 from ..models.prefill import PromptBatch, prefill
-from ..sampling import DECODE, FIRST
 
 if TYPE_CHECKING:
     from .decoder import Slots
@@ -31,11 +30,10 @@ def eos_reach(tokens: torch.Tensor, eos: torch.Tensor, stops: torch.Tensor) -> t
 
 def first_tokens(logits: torch.Tensor, slots: "Slots", batch: PromptBatch) -> torch.Tensor:
     """The first token of each admitted prompt (b,) from its last position's logits (b, V), drawn
-    with its row's settings; it becomes the row's last token (graph-safe)."""
-    rs = slots.sampling.select(batch.rows)
-    first = rs.sample(logits, FIRST)
+    with its row's settings at the position after the prompt (the cache's length once prefilled);
+    it becomes the row's last token (graph-safe)."""
+    first = slots.sampling.select(batch.rows).pick(logits, 0)
     slots.last.index_copy_(0, batch.rows, first)
-    slots.sampling.steps.index_fill_(0, batch.rows, 1)
     return first
 
 
@@ -72,15 +70,13 @@ class PlainStep:
         meta = AttnMeta.build(c.lens, positions, c.kv_len(1), sliding_window=model.config.sliding_window,
                               kernels=model.kernels)
         hidden, _ = model(last[:, None], positions, c, meta)
-        rs = self.slots.sampling
-        tok = rs.sample(model.logits(hidden[:, -1]), DECODE)  # (B,)
+        tok = self.slots.sampling.pick(model.logits(hidden[:, -1]), 1, model.kernels)  # (B,) after `last`
         on = limit > 0
         active = on.long()
         last.copy_(torch.where(on, tok, last))
         c.lens += active
         limit -= active
         limit.masked_fill_(on & (eos_reach(tok[:, None], self.slots.eos, self.slots.stops) == 1), 0)
-        rs.steps += 1
         return torch.stack([last, active], 1)
 
     def collect(self, rows: list[list[int]], same: list[bool], live: np.ndarray,

@@ -34,7 +34,7 @@ from ..runtime.plain import eos_reach, first_tokens
 from .drafters.base import Drafter
 from .metrics import RowCounters, SpecMetrics
 from .tree import DraftProposal
-from .verify import VerifyResult, cut, greedy_verify, sample_verify
+from .verify import VerifyResult, cut, greedy_verify
 
 
 def store(dst: DraftProposal | None, src: DraftProposal) -> DraftProposal:
@@ -152,25 +152,22 @@ class SpecStep:
 
     def verify(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every node in one target forward: tree mask, per-node positions. Returns the target's
-        argmax (B, N) while no row samples, else each row's distribution (B, N, V), and the
-        drafter's taps."""
+        token after every node (B, N): its argmax, or a sampled row's draw at that position
+        (RowSampling.pick), and the drafter's taps."""
         prop, c = self.prop, self.slots.cache
         positions = c.lens[:, None] + prop.depth  # (B, N)
         meta = AttnMeta.build(c.lens, positions, c.kv_len(prop.num_nodes), tree_mask=prop.mask, kernels=self.kernels,
                               sliding_window=self.model.config.sliding_window)
         hidden, taps = self.model(prop.tokens, positions, c, meta, capture=self.drafter.taps)
         logits = self.model.logits(hidden)  # (B, N, V); no float copy for an argmax
-        rs = self.slots.sampling
-        return (rs.probs(logits) if rs.mode.sampled else logits.argmax(-1)), taps
+        return self.slots.sampling.pick(logits, prop.depth + 1, self.kernels), taps
 
     def accept(self, target: torch.Tensor, taps: torch.Tensor | None) -> torch.Tensor:
-        """Accept, cut to each row's limit, commit to both caches; pack what the host needs."""
+        """Accept (the longest path of drafts equal to the target's tokens: lossless for sampled
+        rows too, whose target tokens are their draws), cut to each row's limit, commit to both
+        caches; pack what the host needs."""
         prop, s = self.prop, self.slots
-        if s.sampling.mode.sampled:
-            res = sample_verify(prop, target, self.spec.steps, self.spec.topk, s.sampling, self.kernels)
-        else:
-            res = greedy_verify(prop, target, self.spec.steps, self.kernels)
-        s.sampling.steps += 1
+        res = greedy_verify(prop, target, self.spec.steps, self.kernels)
         count, bonus, moves, packed = self.settle(res.path, res.count, res.tokens, s.limit, s.cache.lens, s.last,
                                                   prop.valid, prop.depth, s.eos, s.stops)
         s.cache.keep(*moves)  # only the accepted path stays

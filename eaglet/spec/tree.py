@@ -21,8 +21,6 @@ class DraftProposal:
     depth: torch.Tensor  # (B, N) 0 for the root
     mask: torch.Tensor  # (B, N, N) bool: node i attends to node j (j is i or an ancestor of i)
     valid: torch.Tensor  # (B, N) bool: False for padding nodes (never accepted)
-    q: torch.Tensor | None = None  # (B, N, V) drafter's distribution over each node's children,
-    #                                 when the draft was sampled from it (chains); None = deterministic
     score: torch.Tensor | None = None  # (B, N) cumulative draft log-probability (trees; the profiler
     #                                     predicts smaller budgets from it)
 
@@ -32,12 +30,11 @@ class DraftProposal:
 
     @staticmethod
     def from_parents(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor | None = None,
-                     q: torch.Tensor | None = None, max_depth: int | None = None,
-                     kernels: Kernels = EAGER) -> "DraftProposal":
+                     max_depth: int | None = None, kernels: Kernels = EAGER) -> "DraftProposal":
         mask, depth = kernels.fuse(ancestor_mask)(parents, max_depth)
         if valid is None:
             valid = torch.ones_like(tokens, dtype=torch.bool)
-        return DraftProposal(tokens, parents, depth, mask, valid, q)
+        return DraftProposal(tokens, parents, depth, mask, valid)
 
 
 @fusable
@@ -56,14 +53,14 @@ def ancestor_mask(parents: torch.Tensor, max_depth: int | None = None) -> tuple[
     return mask, depth
 
 
-def chain(tokens: torch.Tensor, q: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> DraftProposal:
+def chain(tokens: torch.Tensor, valid: torch.Tensor | None = None) -> DraftProposal:
     """A chain root -> d1 -> ... -> dk from tokens (B, k+1) (column 0 = root). Node i's ancestors
     are 0..i-1 and its depth is i, so no ancestor_mask loop: a few kernels in each graphed draft
     phase instead of ~50."""
     b, n = tokens.shape
     ar = torch.arange(n, device=tokens.device)
     valid = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid
-    return DraftProposal(tokens, (ar - 1).expand(b, n), ar.expand(b, n), (ar[:, None] >= ar).expand(b, n, n), valid, q)
+    return DraftProposal(tokens, (ar - 1).expand(b, n), ar.expand(b, n), (ar[:, None] >= ar).expand(b, n, n), valid)
 
 
 def select_tree(roots: torch.Tensor, cand_tokens: torch.Tensor, cand_parents: torch.Tensor,

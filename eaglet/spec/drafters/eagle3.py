@@ -41,12 +41,6 @@ class Eagle3Drafter(NeuralDrafter):
     def to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self.full_vocab else self.d2t_ids[ids]
 
-    def q_to_target(self, q: torch.Tensor) -> torch.Tensor:
-        if self.full_vocab:
-            return q
-        out = q.new_zeros(*q.shape[:-1], self.vocab_size)
-        return out.index_copy_(-1, self.d2t_ids, q)
-
     def prompt_inputs(self, batch, taps, first):
         # the token at t+1 for each position t, the first sample at the last (the rest is padding)
         ids = torch.cat([batch.ids[:, 1:], batch.ids[:, :1]], 1).scatter(1, (batch.lens - 1)[:, None], first[:, None])

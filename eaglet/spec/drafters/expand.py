@@ -24,7 +24,7 @@ from ...kvcache import KVCache
 from ...models.attention import AttnMeta
 from ...models.prefill import FreshRows, PromptBatch, fresh_meta
 from ...kernels import EAGER, fusable
-from ...sampling import DRAFT, RowSampling, sample_probs
+from ...sampling import RowSampling
 from ..topk import topk
 from .base import row_view
 from ..tree import DraftProposal, chain, select_tree
@@ -45,6 +45,7 @@ class NeuralDrafter:
         self.root_h = torch.zeros(b, hidden_size, dtype=cache.k.dtype, device=dev)  # last absorbed position
         self.pend_ids = torch.zeros(b, spec.steps + 1, dtype=torch.long, device=dev)  # committed, not absorbed
         self.pend_count = torch.zeros(b, dtype=torch.long, device=dev)
+        self._vocab: torch.Tensor | None = None  # the target id of each drafter logit (made when first sampled)
 
     # ---- provided by subclasses ----
     def absorb(self, cache: KVCache, ids: torch.Tensor, feats: torch.Tensor | None, positions: torch.Tensor,
@@ -72,9 +73,6 @@ class NeuralDrafter:
     def to_target(self, ids: torch.Tensor) -> torch.Tensor:
         """Drafter-vocabulary ids -> target ids (identity unless a draft vocabulary is used)."""
         return ids
-
-    def q_to_target(self, q: torch.Tensor) -> torch.Tensor:
-        return q
 
     # ---- state ----
     def rows(self, k: int) -> "NeuralDrafter":
@@ -145,29 +143,26 @@ class NeuralDrafter:
             return self._chain(roots, logits, state, sampling)
         return self._tree(roots, logits, state)
 
-    def _pick(self, logits: torch.Tensor, rs: RowSampling, depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One child per node: argmax, or a sample from q with each row's settings while any row
-        samples (q returned in target vocab; a greedy row's q is its one-hot argmax)."""
+    def _pick(self, logits: torch.Tensor, rs: RowSampling, depth: int) -> torch.Tensor:
+        """The child of a chain node at `depth` (0: the root): the argmax, or for a sampled row its
+        draw from the drafter's logits with the noise the target draws the same position with
+        (RowSampling.pick), so that it proposes what the target will draw when the two agree."""
         if not rs.mode.sampled:
-            return logits.argmax(-1), None
-        q = rs.probs(logits)
-        return sample_probs(q, rs, DRAFT + depth), self.q_to_target(q)
+            return logits.argmax(-1)
+        if self._vocab is None:
+            self._vocab = self.to_target(torch.arange(logits.shape[-1], device=logits.device))
+        return rs.pick(logits, depth + 1, self.kernels, self._vocab)
 
     def _chain(self, roots, logits, state, rs: RowSampling) -> DraftProposal:
-        ids, q = self._pick(logits, rs, 0)  # (B,)
-        picked, qs = [ids], [q]
+        ids = self._pick(logits, rs, 0)  # (B,)
+        picked = [ids]
         for d in range(1, self.spec.steps):  # mask None: a chain node sees every pending node
             logits, state = self.draft_step(ids[:, None], None if state is None else state[:, None], d, None,
                                             pending=d - 1)
             logits, state = logits[:, 0], None if state is None else state[:, 0]  # (B, Vd), (B, H)
-            ids, q = self._pick(logits, rs, d)
+            ids = self._pick(logits, rs, d)
             picked.append(ids)
-            qs.append(q)
-        tokens = torch.cat([roots[:, None], self.to_target(torch.stack(picked, 1))], 1)  # (B, steps+1)
-        qt = None
-        if rs.mode.sampled:
-            qt = torch.stack(qs + [torch.zeros_like(qs[0])], 1)  # (B, steps+1, V); the leaf has no children
-        return chain(tokens, q=qt)
+        return chain(torch.cat([roots[:, None], self.to_target(torch.stack(picked, 1))], 1))  # (B, steps+1)
 
     def _tree(self, roots, logits, state) -> DraftProposal:
         k, steps = self.spec.topk, self.spec.steps
