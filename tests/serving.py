@@ -155,12 +155,12 @@ def gate_steps(monkeypatch, gate: threading.Event, sampled_only: bool) -> thread
     held = threading.Event()
 
     class Gated(batcher_mod.Batcher):
-        def step(self):
+        def step(self, trip=None):
             sampled = any(s is not None and not s.request.sampling.greedy for s in self.rows)
             if sampled or not sampled_only:
                 held.set()
                 gate.wait(10)
-            return super().step()
+            return super().step(trip)
 
     monkeypatch.setattr(engine_mod, "Batcher", Gated)
     return held

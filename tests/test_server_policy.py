@@ -277,6 +277,11 @@ def test_a_running_batch_admits_in_groups(running, free, waiting, age, admitted)
     eng.waiting = deque(Request([1, 2], 4, SamplingParams(), arrival=now - age) for _ in range(waiting))
     new, admit, setting, n = eng.next_admission()
     assert not new and len(admit) == admitted and len(eng.waiting) == waiting - admitted
+    # the step before an admission that comes next is one step, not a trip (its prefill waits for
+    # the steps in flight): after a group is taken, the rest wait for the next group
+    assert not eng.admits_next(len(admit)) or len(eng.waiting) * ADMIT_SHARE >= running + len(admit)
+    eng.waiting.extend(Request([1, 2], 4, SamplingParams(), arrival=now - ADMIT_WAIT) for _ in range(free))
+    assert eng.admits_next(0) == (free > 0)  # a request that has waited long is admitted next
 
 
 def test_one_cache_for_the_servers_life(tiny, drafter_dir, monkeypatch):

@@ -277,16 +277,17 @@ class Decoder:
             self.rate = 0.8 * self.rate + 0.2 * sum(running) / len(running)
         return out
 
-    def advance(self, remaining: list[int]) -> list[list[int]] | None:
+    def advance(self, remaining: list[int], trip: int | None = None) -> list[list[int]] | None:
         """One turn of a decode loop, given the tokens each row still wants (0: stopped or free).
         Launches a trip of up to `trip` steps, as many as the largest budget is expected to need
         beyond the steps in flight (at `rate` tokens a step: a speculating row's budget ends in
         fewer steps than tokens, and a step launched past the end is wasted), then collects the oldest
         trip once the lookahead allows, or at once when nothing was launched. Returns that trip's
         tokens per row (its steps' in order), an empty list per row while the pipeline fills, and
-        None when nothing is left to run."""
+        None when nothing is left to run. `trip` overrides the trip's length (a caller about to
+        admit prompts, whose prefill waits for the steps in flight, launches a short one)."""
         need = -(-max(remaining, default=0) // max(self.rate, 1.0))  # steps the longest budget needs, expected
-        n = min(self.trip, int(need) - len(self.in_flight))
+        n = min(trip or self.trip, int(need) - len(self.in_flight))
         for _ in range(n):
             self.launch()
         if n > 0:

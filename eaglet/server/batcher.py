@@ -94,10 +94,11 @@ class Batcher:
         self.dec.set_rows(rows, [self.rows[r].remaining for r in rows])
         return out
 
-    def step(self) -> list[Output]:
-        """Launch one decoder step for every running row, and hand out the tokens of the oldest
-        step in flight (with lookahead, the step launched before this one)."""
-        new = self.dec.advance([s.remaining if s is not None else 0 for s in self.rows]) or []
+    def step(self, trip: int | None = None) -> list[Output]:
+        """Launch a trip of decoder steps for every running row (Decoder.advance; `trip` steps, or
+        the decoder's own count), and hand out the tokens of the oldest trip in flight (with
+        lookahead, the trip launched before this one)."""
+        new = self.dec.advance([s.remaining if s is not None else 0 for s in self.rows], trip) or []
         return self._emit({r: toks for r, toks in enumerate(new) if toks and self.rows[r] is not None})
 
     def to_plain(self) -> list[Output]:

@@ -322,6 +322,7 @@ class Engine:
                 cancels, self.cancels = self.cancels, []
                 self.load.note(len(self.waiting) + (self.batcher.running if self.batcher else 0))
                 new, admit, setting, n = self.next_admission()
+                short = self.admits_next(len(admit))
                 switch, self.switch = self.switch, False
                 self.metrics.waiting.labels(self.metrics.name).set(len(self.waiting))
             for req in cancels:
@@ -342,7 +343,7 @@ class Engine:
             if stepped:
                 t0 = clock()
                 running = [s.request for s in self.batcher.rows if s is not None]
-                self._guarded(self.batcher.step, running, drop_batch=True)
+                self._guarded(partial(self.batcher.step, 1 if short else None), running, drop_batch=True)
                 t["step"] = clock() - t0
             t0 = clock()
             self._gauges()  # before the chunks go out: a client that saw its last chunk sees its row free
@@ -407,6 +408,17 @@ class Engine:
                 and (setting is not None or not self.batcher.speculative))
         free = len(self.batcher.free_rows) if keep else self.slots
         return not keep, [self.waiting.popleft() for _ in range(min(free, run))], setting, n
+
+    def admits_next(self, admitting: int) -> bool:
+        """Under the lock: whether the requests still waiting, once `admitting` more rows are
+        taken, will be admitted at the next iteration (a group is ready, or the oldest has waited
+        half of ADMIT_WAIT). Its prefill waits for the steps in flight, so the step before it is one
+        step, not a trip."""
+        b = self.batcher
+        if not self.waiting or b is None or len(b.free_rows) <= admitting:
+            return False
+        enough = -(-(b.running + admitting) // ADMIT_SHARE)
+        return len(self.waiting) >= enough or time.perf_counter() - self.waiting[0].arrival > ADMIT_WAIT / 2
 
     def _admit(self, new: bool, admit: list[Request], setting: str | None, n: int) -> list[Output]:
         if new:
