@@ -280,7 +280,7 @@ def test_a_running_batch_admits_in_groups(running, free, waiting, age, admitted)
     # the step before an admission that comes next is one step, not a trip (its prefill waits for
     # the steps in flight): after a group is taken, the rest wait for the next group
     assert not eng.admits_next(len(admit)) or len(eng.waiting) * ADMIT_SHARE >= running + len(admit)
-    eng.waiting.extend(Request([1, 2], 4, SamplingParams(), arrival=now - ADMIT_WAIT) for _ in range(free))
+    eng.waiting = deque([Request([1, 2], 4, SamplingParams(), arrival=now - ADMIT_WAIT)])
     assert eng.admits_next(0) == (free > 0)  # a request that has waited long is admitted next
 
 
