@@ -108,8 +108,8 @@ class Logged(batcher_mod.Sequence):
 @pytest.mark.parametrize("name,trip", [("plain", 1), ("chain4", 1), ("plain", 3), ("chain4", 3)])
 def test_batcher_rows_change_while_a_step_is_in_flight(target, prompts, name, trip, monkeypatch):
     """Two rows, five requests: finished and cancelled rows are refilled while a step (a trip of
-    `trip` steps: the server's --multi-step) is in flight; every request gets exactly the tokens it
-    gets alone (the cancelled one a prefix)."""
+    `trip` steps: the server's --multi-step) is in flight, their first tokens coming with the next
+    step's; every request gets exactly the tokens it gets alone (the cancelled one a prefix)."""
     monkeypatch.setattr(batcher_mod, "Sequence", Logged)
     budgets = [14, 6, 9, 11, 7]
     alone = Generator(target, None, lookahead=False)
@@ -118,7 +118,7 @@ def test_batcher_rows_change_while_a_step_is_in_flight(target, prompts, name, tr
     b = Batcher.of(Generator(target, None, speculator(target, name), lookahead=True), 2, 64)
     b.dec.trip = trip
     reqs = [Request(p, n, SamplingParams(), ignore_eos=True) for p, n in zip(prompts, budgets)]
-    seqs, waiting, in_flight, steps = {}, list(reqs), [], 0
+    seqs, waiting, in_flight, steps, deferred = {}, list(reqs), [], 0, 0
 
     def take(outputs):
         for o in outputs:
@@ -129,7 +129,10 @@ def test_batcher_rows_change_while_a_step_is_in_flight(target, prompts, name, tr
     while waiting or b.running:
         if waiting and b.free_rows:
             n = len(b.free_rows)
-            take(b.add(waiting[:n]))
+            ahead = bool(b.dec.in_flight)
+            out = b.add(waiting[:n])
+            deferred += ahead and not out  # admitted beside steps in flight: first tokens come with a step
+            take(out)
             del waiting[:n]
         take(b.step())
         in_flight.append(len(b.dec.in_flight))
@@ -137,6 +140,7 @@ def test_batcher_rows_change_while_a_step_is_in_flight(target, prompts, name, tr
         if steps == 3:  # request 0's client goes away mid-stream: its row is freed and refilled
             b.release(reqs[0].row)
     assert max(in_flight) == trip  # a trip was in flight while rows were released and admitted
+    assert deferred > 0
     cut = seqs[id(reqs[0])].log
     assert 0 < len(cut) < budgets[0] and cut == want[0][:len(cut)]
     for r, w in zip(reqs[1:], want[1:]):

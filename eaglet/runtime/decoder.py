@@ -115,12 +115,27 @@ class Step(Protocol):
 
 
 @dataclass
+class Firsts:
+    """An admission's first tokens on their way to the host: its rows, the pinned copy, each row's
+    epoch at admission (a row released since gets nothing) and the copy's event."""
+    rows: list[int]
+    host: torch.Tensor
+    epoch: np.ndarray
+    done: torch.cuda.Event | None
+
+    def tokens(self, epoch: np.ndarray) -> list[tuple[int, int]]:
+        """(row, first token) of the rows still holding the admitted sequence (after `done`)."""
+        return [(r, t) for r, t, e in zip(self.rows, self.host.tolist(), self.epoch) if epoch[r] == e]
+
+
+@dataclass
 class InFlight:
-    """A launched step: its packed output (on the host once `done` has passed) and each row's epoch
-    when it was launched."""
+    """A launched step: its packed output (on the host once `done` has passed), each row's epoch
+    when it was launched, and the admissions enqueued before it whose first tokens come with it."""
     out: torch.Tensor
     done: torch.cuda.Event | None
     epoch: np.ndarray
+    firsts: list[Firsts]
 
 
 def warm_prompt(n: int) -> list[int]:
@@ -154,6 +169,7 @@ class Decoder:
         self.trip = 1  # steps `advance` launches back to back and collects together
         self.rate = 1.0  # tokens a running row has emitted a step, lately (how many steps a budget needs)
         self.trips: deque[int] = deque()  # the steps of each trip in flight not yet collected, oldest first
+        self.firsts: list[Firsts] = []  # admissions since the last launch whose first tokens did not wait
         self._views: dict[tuple[int, int], Step] = {}  # (id of a step, k) -> that step over rows 0..k-1
         self._prompts: dict[tuple[int, int], PromptBatch] = {}  # each prefill graph's input buffers
         # launch ahead of collect: on the GPU by default (on the CPU a step runs while it is launched)
@@ -254,7 +270,8 @@ class Decoder:
             done.record()
         else:
             host, done = out.clone(), None
-        self.in_flight.append(InFlight(host, done, self.epoch.copy()))
+        self.in_flight.append(InFlight(host, done, self.epoch.copy(), self.firsts))
+        self.firsts = []
 
     def collect(self) -> list[list[int]]:
         """Wait for the oldest step in flight; each row's emitted tokens ([] for a frozen row, and
@@ -275,6 +292,20 @@ class Decoder:
         running = [len(t) for t, on in zip(out, self.live) if on and t]
         if running:
             self.rate = 0.8 * self.rate + 0.2 * sum(running) / len(running)
+        for firsts in f.firsts:  # admitted before this step: their first tokens come first
+            for r, tok in firsts.tokens(self.epoch):
+                out[r] = [tok] + out[r]
+        return out
+
+    def _take_firsts(self) -> list[list[int]]:
+        """The first tokens of admissions no step has carried (nothing was launched after them)."""
+        out = [[] for _ in range(self.batch)]
+        for firsts in self.firsts:
+            if firsts.done is not None:
+                firsts.done.synchronize()  # sync: the first tokens
+            for r, tok in firsts.tokens(self.epoch):
+                out[r].append(tok)
+        self.firsts = []
         return out
 
     def advance(self, remaining: list[int], trip: int | None = None) -> list[list[int]] | None:
@@ -293,7 +324,7 @@ class Decoder:
         if n > 0:
             self.trips.append(n)
         if not self.in_flight:
-            return None
+            return self._take_firsts() if self.firsts else None
         if n > 0 and len(self.trips) <= (1 if self.lookahead else 0):
             return [[] for _ in range(self.batch)]
         steps = self.trips[0] if self.trips else 1
@@ -316,10 +347,14 @@ class Decoder:
         return self.collect()
 
     def admit(self, rows: list[int], prompts: list[list[int]], sampling: list[SamplingParams] | None = None,
-              streams: list[int] | None = None, stops: list[bool] | None = None) -> list[list[int]]:
+              streams: list[int] | None = None, stops: list[bool] | None = None,
+              wait: bool = True) -> list[list[int]] | None:
         """Prefill prompts into the given free rows, each with its sampling settings (default:
         greedy), random stream (default: SamplingParams.stream: its seed's, else a fresh one) and
-        whether the device stops it at EOS (default: no); returns each one's first token."""
+        whether the device stops it at EOS (default: no); returns each one's first token. With
+        wait=False and lookahead, nothing waits for the device: the first tokens come with the
+        next step's (`advance`: first in their rows' lists), and None is returned (a server
+        admitting beside running rows keeps the steps in flight on their way)."""
         if self.cache.host_lens[rows].any():
             raise RuntimeError(f"admit: rows {rows} are not free")
         sampling = sampling or [SamplingParams()] * len(rows)
@@ -336,13 +371,22 @@ class Decoder:
         batch = self._prompts[shape].fill(prompts, rows)
         with self.observer.phase("prefill"):
             first = self.graphs.run(("prefill", *shape, step.name, mode), lambda: step.prefill(batch))
-            t = time.perf_counter()
-            first = first.tolist()  # sync: first tokens
-            if self.device.type == "cuda":
-                self._device_wait += time.perf_counter() - t
+            if not wait and self.lookahead:
+                host = torch.empty(first.shape, dtype=first.dtype, pin_memory=first.is_cuda)
+                host.copy_(first, non_blocking=True)
+                done = torch.cuda.Event() if first.is_cuda else None
+                if done is not None:
+                    done.record()
+                self.firsts.append(Firsts(list(rows), host, self.epoch[rows].copy(), done))
+                first = None
+            else:
+                t = time.perf_counter()
+                first = first.tolist()  # sync: first tokens
+                if self.device.type == "cuda":
+                    self._device_wait += time.perf_counter() - t
         self.cache.host_lens[rows] = [len(p) for p in prompts]
         step.admitted(rows, prompts, first)
-        return [[t] for t in first]
+        return None if first is None else [[t] for t in first]
 
     def release(self, rows: list[int]) -> None:
         """Free rows at once: their cache length drops to 0 and they are frozen."""
@@ -355,6 +399,7 @@ class Decoder:
     def free_all(self) -> None:
         """Drop the steps in flight and free every row."""
         self.drain()
+        self.firsts = []
         self.release(list(range(self.batch)))
 
     # ---- warm-up ----

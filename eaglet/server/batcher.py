@@ -83,13 +83,19 @@ class Batcher:
             self.rows[r] = Sequence(req, self.tokenizer, self.eos)
             req.row = r
         try:
-            # a request's stream is its seed's (as the seed's first prompt in Generator.generate)
+            # a request's stream is its seed's (as the seed's first prompt in Generator.generate);
+            # beside steps in flight the first tokens come with the next step's, not waiting for
+            # the device (Decoder.admit)
             new = self.dec.admit(rows, [req.prompt for req in requests], [req.sampling for req in requests],
-                                 [req.sampling.stream() for req in requests], [not req.ignore_eos for req in requests])
+                                 [req.sampling.stream() for req in requests], [not req.ignore_eos for req in requests],
+                                 wait=not self.dec.in_flight)
         except Exception:
             for r in rows:
                 self.release(r)
             raise
+        if new is None:  # the device may emit all but the first token, which the prefill drew
+            self.dec.set_rows(rows, [self.rows[r].remaining - 1 for r in rows])
+            return []
         out = self._emit(dict(zip(rows, new)))
         self.dec.set_rows(rows, [self.rows[r].remaining for r in rows])
         return out
