@@ -9,7 +9,6 @@ import torch
 from eaglet.config import SpecConfig
 from eaglet.kvcache import AppendKV, KVCache
 from eaglet.models.attention import AttnMeta
-from eaglet.sampling import SamplingParams
 from eaglet.spec.drafters.base import start_rows
 from eaglet.spec.drafters.eagle3 import Eagle3Drafter
 from eaglet.spec.drafters.eagle3_head import Eagle3Config, Eagle3Head

@@ -9,7 +9,6 @@ from eaglet import load_model
 from eaglet.config import SpecConfig
 from eaglet.models.prefill import prompt_bucket
 from eaglet.runtime.decoder import Decoder
-from eaglet.sampling import SamplingParams
 from eaglet.spec.loop import spec_decoder
 from eaglet.spec.speculator import Speculator
 

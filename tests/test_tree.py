@@ -6,7 +6,6 @@ import torch
 
 from eaglet.config import SpecConfig
 from eaglet.models.attention import AttnMeta
-from eaglet.sampling import SamplingParams
 from eaglet.spec.drafters.base import start_rows
 from eaglet.spec.drafters.ngram import NgramDrafter, continuations, trie
 from eaglet.spec.loop import spec_decoder
