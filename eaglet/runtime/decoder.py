@@ -317,6 +317,7 @@ class Decoder:
         tokens per row (its steps' in order), an empty list per row while the pipeline fills, and
         None when nothing is left to run. `trip` overrides the trip's length (a caller about to
         admit prompts, whose prefill waits for the steps in flight, launches a short one)."""
+        early = self._ready_firsts()  # admissions whose first tokens are on the host already
         need = -(-max(remaining, default=0) // max(self.rate, 1.0))  # steps the longest budget needs, expected
         n = min(trip or self.trip, int(need) - len(self.in_flight))
         for _ in range(n):
@@ -324,14 +325,30 @@ class Decoder:
         if n > 0:
             self.trips.append(n)
         if not self.in_flight:
-            return self._take_firsts() if self.firsts else None
-        if n > 0 and len(self.trips) <= (1 if self.lookahead else 0):
-            return [[] for _ in range(self.batch)]
-        steps = self.trips[0] if self.trips else 1
-        out = self.collect()
-        for _ in range(steps - 1):  # the rest of the trip
-            for row, toks in zip(out, self.collect()):
-                row += toks
+            out = self._take_firsts() if self.firsts else None
+        elif n > 0 and len(self.trips) <= (1 if self.lookahead else 0):
+            out = [[] for _ in range(self.batch)]
+        else:
+            steps = self.trips[0] if self.trips else 1
+            out = self.collect()
+            for _ in range(steps - 1):  # the rest of the trip
+                for row, toks in zip(out, self.collect()):
+                    row += toks
+        if early:
+            out = out or [[] for _ in range(self.batch)]
+            for r, tok in early:
+                out[r].insert(0, tok)
+        return out
+
+    def _ready_firsts(self) -> list[tuple[int, int]]:
+        """(row, first token) of the admissions not yet handed out whose copy to the host is done
+        (a query, no wait): a first token goes out as soon as it is there, not with its step."""
+        out = []
+        for held in [self.firsts] + [f.firsts for f in self.in_flight]:
+            for firsts in list(held):
+                if firsts.done is None or firsts.done.query():
+                    out += firsts.tokens(self.epoch)
+                    held.remove(firsts)
         return out
 
     def drain(self) -> None:
@@ -352,9 +369,10 @@ class Decoder:
         """Prefill prompts into the given free rows, each with its sampling settings (default:
         greedy), random stream (default: SamplingParams.stream: its seed's, else a fresh one) and
         whether the device stops it at EOS (default: no); returns each one's first token. With
-        wait=False and lookahead, nothing waits for the device: the first tokens come with the
-        next step's (`advance`: first in their rows' lists), and None is returned (a server
-        admitting beside running rows keeps the steps in flight on their way)."""
+        wait=False and lookahead, nothing waits for the device: `advance` hands the first tokens
+        out once their copy to the host is done (first in their rows' lists), at the latest with
+        the next step's, and None is returned (a server admitting beside running rows keeps the
+        steps in flight on their way)."""
         if self.cache.host_lens[rows].any():
             raise RuntimeError(f"admit: rows {rows} are not free")
         sampling = sampling or [SamplingParams()] * len(rows)
