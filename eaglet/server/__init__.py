@@ -4,4 +4,4 @@ thread, its bounded queue and cancellation), policy.py (speculate or not per bat
 (Prometheus), guard.py (API key, body size), app.py (FastAPI routes, SSE), commands.py (`eaglet serve`, `eaglet bench-serve`)."""
 
 MAX_BODY = 8 << 20  # request body limit (bytes, `serve --max-body-bytes`): a 128k-token context is ~0.5 MB of text
-MULTI_STEP = 4  # decoder steps a host round trip on the GPU (serve --multi-step; engine.py)
+MULTI_STEP = 4  # plain decoding steps a host round trip on the GPU (serve --multi-step; engine.py)

@@ -43,10 +43,10 @@ def add_serve_parsers(sub) -> None:
     sv.add_argument("--max-body-bytes", type=int, default=MAX_BODY,
                     help=f"request bodies over this get 413 (default {MAX_BODY})")
     sv.add_argument("--multi-step", type=int, metavar="N",
-                    help=f"decoder steps launched back to back per host round trip: the host's work on the rows "
-                         f"(stopping, text, streaming) is done once per N steps, so under load the GPU, not Python, "
-                         f"sets the pace; a request's text comes N steps at a time (default {MULTI_STEP} on the "
-                         f"GPU, 1 on the CPU)")
+                    help=f"plain decoding steps launched back to back per host round trip: the host's work on "
+                         f"the rows (stopping, text, streaming) is done once per N steps, so under load the GPU, not "
+                         f"Python, sets the pace; a request's text comes N steps at a time (default {MULTI_STEP} on "
+                         f"the GPU, 1 on the CPU; speculating batches take one step a trip)")
     sv.add_argument("--eager", action="store_true", help="no CUDA graphs")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
