@@ -148,8 +148,8 @@ class Engine:
     def __init__(self, generator: Generator, slots: int, max_queue: int, max_len: int, metrics: ServerMetrics,
                  policy: SpecPolicy | None = None, multi_step: int | None = None):
         """`generator` decodes with its own speculator (or plain); `policy` (default: always that)
-        picks plain or a setting of its base speculator per batch; `multi_step`: decoder steps a
-        host round trip (Decoder.trip; default MULTI_STEP on the GPU, 1 on the CPU)."""
+        picks plain or a setting of its base speculator per batch; `multi_step`: plain decoding
+        steps a host round trip (Decoder.trip; default MULTI_STEP on the GPU, 1 on the CPU)."""
         self.generator, self.slots, self.max_queue, self.max_len = generator, slots, max_queue, max_len
         self.multi_step = multi_step
         self.metrics = metrics
