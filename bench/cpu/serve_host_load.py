@@ -9,7 +9,7 @@ loaded server's step is not the GPU's (BENCHMARKS.md, Serving); this is the host
 part alone, plain against speculation settings. A probe, CPU; its host is not the GPU machine's.
 With --pyspy, py-spy samples the server through one more run of each system (raw stacks in --out).
 
-  .venv/bin/python bench/cpu/serve_host_load.py [--systems plain tree:4,4,16 chain:4] [--concurrency 64]
+  .venv/bin/python bench/cpu/serve_host_load.py [--systems plain tree:4,4,16 chain:4] [--concurrency 64] [--multi-step 1 4]
 """
 import argparse
 import dataclasses
