@@ -69,13 +69,20 @@ class RowCounters:
     def _fold(self) -> None:
         if not self.pending:
             return
-        rows, accepted, draft_tokens, max_depth = np.concatenate(self.pending).T
+        one = len(self.pending) == 1  # one step's record: each row once
+        rows, accepted, draft_tokens, max_depth = (self.pending[0] if one else np.concatenate(self.pending)).T
         self.pending.clear()
         acc = accepted[:, None] > self.pos  # (n, depth)
         reach = max_depth[:, None] > self.pos
-        np.add.at(self.totals, rows, np.stack([np.ones_like(accepted), draft_tokens, accepted], 1))
-        np.add.at(self.accepted, rows, acc.astype(np.int64))
-        np.add.at(self.reaching, rows, reach.astype(np.int64))
+        totals = np.stack([np.ones_like(accepted), draft_tokens, accepted], 1)
+        if one:  # rows unique: plain indexing (np.add.at, for repeated rows, is many times slower)
+            self.totals[rows] += totals
+            self.accepted[rows] += acc
+            self.reaching[rows] += reach
+        else:
+            np.add.at(self.totals, rows, totals)
+            np.add.at(self.accepted, rows, acc.astype(np.int64))
+            np.add.at(self.reaching, rows, reach.astype(np.int64))
         self.since += len(rows), draft_tokens.sum(), accepted.sum()
         self.since_pos += acc.sum(0), reach.sum(0)
 
