@@ -4,13 +4,15 @@
 # written as a record to bench/results/. After each round the server's KV cache must be empty
 # (free tokens == total, nothing running or waiting); its resident memory is printed after both.
 # MIX=1: each request its own sampling settings and length (`bench-serve --mix`, max_tokens up to
-# MAX_TOKENS), the soak of mixed traffic; REQUESTS, MAX_TOKENS and OUT (the records' directory) override.
+# MAX_TOKENS), the soak of mixed traffic, and after each round CHECK_SEEDED (default 40) of its seeded
+# requests sent again alone must get the text they got under load (`--check-seeded`); REQUESTS,
+# MAX_TOKENS and OUT (the records' directory) override.
 #   bash bench/cpu_serve_load.sh          (about 10 min on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PORT=${PORT:-8011}
 ROUND=(--url http://127.0.0.1:$PORT --num-requests ${REQUESTS:-200} --concurrency 32 --max-tokens ${MAX_TOKENS:-24}
-       --max-prompt-chars 300 --seed 0 --no-progress --out ${OUT:-bench/results} ${MIX:+--mix})
+       --max-prompt-chars 300 --seed 0 --no-progress --out ${OUT:-bench/results} ${MIX:+--mix --check-seeded ${CHECK_SEEDED:-40}})
 .venv/bin/eaglet serve --port $PORT --max-batch 16 --max-model-len 1024 --log-level warning &
 server=$!
 trap 'kill $server' EXIT

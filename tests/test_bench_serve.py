@@ -223,11 +223,27 @@ def test_mixed_settings_run(server, prompts_file, tmp_path, capsys):
     assert all(d.keys() == {"temperature", "max_tokens", "stream"} and d["temperature"] == 0 for d in same)
     rc, out = run(capsys, "--url", server.url, "--prompts", str(prompts_file), "--num-requests", "24",
                   "--concurrency", "8", "--mix", "--max-tokens", "100", "--endpoint", "completions",
-                  "--out", str(tmp_path))
+                  "--check-seeded", "3", "--out", str(tmp_path))
     assert rc == 0, out
     r = record(tmp_path)["results"]
+    # sent again alone (speculating: the policy's choice for one request) each seeded request gets
+    # the text it got among seven others (decoded plain)
+    assert r["seeded_check"] == {"checked": 3, "differ": []} and "3 of 3 seeded requests" in out
     asked = mixed_settings(24, 0, hi=100)
     assert r["completed"] == 24 and r["mix"]["streamed"] == sum(d["stream"] for d in asked)
     assert r["mix"]["max_tokens"] == sum(d["max_tokens"] for d in asked) >= r["output_tokens"] > 0
     assert 0 < r["mix"]["streamed"] < 24 and 0 < r["ttft_ms"]["median"] <= r["e2e_ms"]["max"]
     assert "server memory" in out and "mixed settings" in out
+
+
+def test_check_seeded_fails_when_seeds_do_not_hold(server, prompts_file, tmp_path, capsys, monkeypatch):
+    """--check-seeded notices a server whose seeded text changes from one send to the next (here:
+    every request a fresh random stream, its seed ignored): exit status 1 and the requests named."""
+    from eaglet.sampling import SamplingParams, _fresh
+
+    monkeypatch.setattr(SamplingParams, "stream", lambda self, index=0: _fresh.getrandbits(62))
+    rc, out = run(capsys, "--url", server.url, "--prompts", str(prompts_file), "--num-requests", "12",
+                  "--concurrency", "4", "--mix", "--max-tokens", "40", "--endpoint", "completions",
+                  "--check-seeded", "3", "--out", str(tmp_path))
+    chk = record(tmp_path)["results"]["seeded_check"]
+    assert rc == 1 and chk["checked"] >= 2 and chk["differ"], out  # (a greedy seeded request still repeats)

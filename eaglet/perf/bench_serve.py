@@ -40,6 +40,7 @@ class RequestResult:
     prompt_tokens: int | None = None
     spec: dict | None = None  # usage.spec_decode
     error: str | None = None
+    text: str = ""  # the reply
 
     @property
     def tpot(self) -> float | None:
@@ -99,7 +100,10 @@ async def one_request(session, url: str, payload: dict, chat: bool) -> RequestRe
                     pass
                 return RequestResult(ok=False, error=f"HTTP {r.status}: {body}"[:300])
             if not payload.get("stream"):
-                usage = (await r.json()).get("usage")
+                body = await r.json()
+                usage = body.get("usage")
+                choice = (body.get("choices") or [{}])[0]
+                res.text = ((choice.get("message") or {}).get("content") if chat else choice.get("text")) or ""
             async for raw in r.content:  # one SSE line at a time (nothing left of a whole response)
                 if not raw.startswith(b"data:"):
                     continue
@@ -119,6 +123,7 @@ async def one_request(session, url: str, payload: dict, chat: bool) -> RequestRe
                         else:
                             res.itl.append(now - last)
                         last, pieces = now, pieces + 1
+                        res.text += text
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
         return RequestResult(ok=False, error=f"{type(e).__name__}: {e}"[:300])
     res.latency = time.perf_counter() - t0
@@ -350,6 +355,9 @@ def render(res: dict, head: str) -> str:
     rss = [(srv.get(k) or {}).get("process_resident_memory_bytes") for k in ("metrics_before", "metrics_after")]
     if None not in rss:
         lines.append(f"server memory {rss[0] / 2**20:.0f} MB resident before the run, {rss[1] / 2**20:.0f} MB after")
+    if (chk := res.get("seeded_check")) is not None:
+        lines.append(f"seeded alone  {chk['checked'] - len(chk['differ'])} of {chk['checked']} seeded requests sent "
+                     f"again alone gave the text they gave under load")
     eng = res.get("engine")
     if eng and eng.get("share"):
         sh = eng["share"]
@@ -426,7 +434,22 @@ def run_bench_serve(args) -> int:
                       "seeded": sum("seed" in p for p in payloads),
                       "max_tokens": sum(p["max_tokens"] for p in payloads)}
     tokens = f"mixed settings (--mix {args.mix})" if args.mix else f"max_tokens={args.max_tokens}"
+    if args.check_seeded:
+        res["seeded_check"] = check_seeded(base, payloads, results, chat, args.check_seeded, args.timeout, args.api_key)
     print(render(res, f"bench-serve {root} model={model} endpoint={args.endpoint} {' '.join(mode)} {tokens}"))
     path = write_record("bench-serve", vars(args), res, args.out)
     print(f"record: {path}")
-    return 0 if res["failed"] == 0 else 1
+    differ = (res.get("seeded_check") or {}).get("differ")
+    return 0 if res["failed"] == 0 and not differ else 1
+
+
+def check_seeded(base: str, payloads: list[dict], results: list[RequestResult], chat: bool, most: int,
+                 timeout: float, api_key: str | None) -> dict:
+    """Send up to `most` of the run's seeded requests again, one at a time, after the run: a server
+    whose seeded sampling does not depend on what runs beside it gives each the text it gave under
+    load. Returns how many were checked and the indices of those whose text differs."""
+    picked = [i for i, (p, r) in enumerate(zip(payloads, results)) if "seed" in p and r.ok][:most]
+    run, _ = event_loop_runner()
+    alone = run(run_load(base, [payloads[i] for i in picked], chat, 1, None, 0, timeout, False, api_key))[0]
+    differ = [i for i, a in zip(picked, alone) if not a.ok or a.text != results[i].text]
+    return {"checked": len(picked), "differ": differ}

@@ -72,6 +72,9 @@ def add_serve_parsers(sub) -> None:
                          "top-p and top-k on some, a seed on a quarter, max_tokens log-uniform from 16 to "
                          "--max-tokens (e.g. 512), streamed or not (replaces --temperature); '--mix greedy': the "
                          "same requests all greedy, the load to compare the mix against")
+    bs.add_argument("--check-seeded", type=int, default=0, metavar="N",
+                    help="after the run, send up to N of its seeded requests again, one at a time, and check each "
+                         "gets the text it got under load (exit status 1 if not)")
     bs.add_argument("--max-prompt-chars", type=int, default=2000, help="skip longer prompts")
     bs.add_argument("--seed", type=int, default=0, help="prompt order and arrival times")
     bs.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
