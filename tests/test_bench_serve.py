@@ -226,8 +226,7 @@ def test_mixed_settings_run(server, prompts_file, tmp_path, capsys):
                   "--check-seeded", "3", "--out", str(tmp_path))
     assert rc == 0, out
     r = record(tmp_path)["results"]
-    # sent again alone (speculating: the policy's choice for one request) each seeded request gets
-    # the text it got among seven others (decoded plain)
+    # sent again alone each seeded request gets the text it got among seven others
     assert r["seeded_check"] == {"checked": 3, "differ": []} and "3 of 3 seeded requests" in out
     asked = mixed_settings(24, 0, hi=100)
     assert r["completed"] == 24 and r["mix"]["streamed"] == sum(d["stream"] for d in asked)
