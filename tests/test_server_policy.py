@@ -14,7 +14,8 @@ import uvicorn
 from eaglet.cli import main
 from eaglet.config import SpecConfig
 from eaglet.generate import Generator
-from eaglet.server.engine import ADMIT_SHARE, ADMIT_WAIT, LoadMeter
+from eaglet.server.engine import ADMIT_SHARE, ADMIT_WAIT
+from eaglet.server.load import LoadMeter
 from eaglet.server.policy import SpecPolicy, load_profile_policy
 from eaglet.spec.speculator import Speculator
 

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server (`eaglet serve`): protocol.py (request and response models, the
 OpenAI error shape), batcher.py (the decoding core: rows of one decoder), engine.py (the engine
-thread, its bounded queue and cancellation), policy.py (speculate or not per batch), metrics.py
+thread, its bounded queue and cancellation), policy.py (speculate or not per batch), load.py (the
+load it reads), metrics.py
 (Prometheus), guard.py (API key, body size), app.py (FastAPI routes, SSE), commands.py (`eaglet serve`, `eaglet bench-serve`)."""
 
 MAX_BODY = 8 << 20  # request body limit (bytes, `serve --max-body-bytes`): a 128k-token context is ~0.5 MB of text

@@ -66,12 +66,12 @@ from ..sampling import SamplingParams
 from ..spec.metrics import SpecMetrics
 from . import MULTI_STEP
 from .batcher import Batcher, Output
+from .load import LoadMeter
 from .metrics import ENGINE_PARTS, ServerMetrics
 from .policy import PLAIN, SpecPolicy, setting_name
 from .protocol import APIError
 
 log = logging.getLogger("eaglet.server")
-LOAD_WINDOW = 30.0  # seconds the policy remembers a load peak for (2 before 2026-12-01)
 ADMIT_SHARE = 8  # a running batch admits once 1/ADMIT_SHARE of its running count waits (or free rows' worth),
 ADMIT_WAIT = 0.02  # or once the oldest waiting request has waited this long (seconds)
 
@@ -85,28 +85,6 @@ def put_all(items: list[tuple[asyncio.Queue, "Chunk"]]) -> None:
 def graphs_on(generator: Generator) -> bool:
     """Whether the generator's decoders run CUDA graphs (on the GPU, unless --eager)."""
     return generator.graphs and next(generator.model.parameters()).device.type == "cuda"
-
-
-class LoadMeter:
-    """The most requests (running + waiting) seen at once over the last `window` seconds."""
-
-    def __init__(self, window: float = LOAD_WINDOW):
-        self.window = window
-        self.samples: deque[tuple[float, int]] = deque()  # (time, count), counts decreasing
-
-    def note(self, n: int, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        while self.samples and self.samples[-1][1] <= n:  # a later, larger count outlives smaller ones
-            self.samples.pop()
-        self.samples.append((now, n))
-        while self.samples[0][0] < now - self.window:
-            self.samples.popleft()
-
-    def peak(self, now: float | None = None) -> int:
-        now = time.monotonic() if now is None else now
-        while self.samples and self.samples[0][0] < now - self.window:
-            self.samples.popleft()
-        return self.samples[0][1] if self.samples else 0
 
 
 @dataclass(eq=False)
