@@ -15,7 +15,7 @@ def test_api_key_guards_the_api_not_health_or_metrics(tiny):
     """--api-key: no key, a wrong key, another scheme and a bare token each get 401 in the OpenAI
     shape; /health and /metrics stay open; the openai client with the key works."""
     with LiveServer(Generator(tiny.model, tiny.tokenizer), api_key="s3cret") as srv:
-        body = {"model": "tiny", "prompt": "the", "max_tokens": 2}
+        body = {"model": "tiny", "prompt": "the", "max_tokens": 2, "temperature": 0}
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"},
                         {"Authorization": "s3cret"}, {"Authorization": "Bearer"}):
             for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models")):

@@ -11,7 +11,7 @@ The per-row state every step shares is `Slots`: the cache, each row's token limi
 most a row's limit and subtracts what it emitted, so the host sets a limit only when it changes
 (`set_rows`: a new request's budget, 0 once the host sees it stop); 0 freezes the row, its cache
 does not move. A row that stops on EOS (`admit(stops=...)`) gets limit 0 from the step that emits
-one (`stop_at_eos`): the device stops it within a trip, before the host has seen the token.
+one (plain.eos_reach): the device stops it within a trip, before the host has seen the token.
 
 `launch()` enqueues one step and starts its packed output on its way to the host; `collect()` waits
 for the oldest step in flight and returns each row's emitted tokens. Nothing else in a step needs the
@@ -20,9 +20,9 @@ step allows it): the host's work on step t (streaming, stopping, bookkeeping) th
 GPU's work on t+1 instead of leaving the GPU idle. `advance` launches the steps of a trip
 (`trip` steps, default 1) back to back and hands the host their tokens together: one wait, one pass
 over the rows, one chunk a request for several steps, so a loaded server's per-step host work
-(bookkeeping, detokenizing, streaming) is paid once a trip. A row that stops on EOS or a stop
-string runs on to the end of its trip (and the one in flight); those tokens are dropped. A row released or re-admitted while a step was in
-flight gets nothing from that step (`epoch`). `step(limit)` is the synchronous form: set every
+(bookkeeping, detokenizing, streaming) is paid once a trip. A row that meets a stop string runs
+on to the end of its trip (and the one in flight); those tokens are dropped. A row released or
+re-admitted while a step was in flight gets nothing from that step (`epoch`). `step(limit)` is the synchronous form: set every
 row's limit, launch, collect.
 
 A step runs only over rows 0..k-1, k the smallest bucket (1, 2, 4, ..., batch) that holds every
