@@ -219,3 +219,20 @@ def test_batcher_turns_plain_mid_sequence(target, prompts, lookahead, monkeypatc
             if o.finished:
                 again.release(o.row)
     assert out[0].seq.spec.drafts > 0
+
+
+def test_first_token_of_an_admission_beside_steps_comes_first(target, prompts):
+    """Admitted while a step is in flight, a prompt's first token is not waited for (admit returns
+    None); it comes out before the row's tokens of the steps after it, also when those steps are
+    collected by a switch of step (use)."""
+    want = Generator(target, None, lookahead=False).generate(
+        [prompts[1]], GenerationConfig(max_new_tokens=6, ignore_eos=True))[0].tokens
+    dec = Generator(target, None, speculator(target, "chain4"), lookahead=True).decoder(2, 64)
+    dec.admit([0], [prompts[0]])
+    dec.set_rows([0], [10])
+    dec.launch()  # a step in flight
+    assert dec.admit([1], [prompts[1]], wait=False) is None
+    dec.set_rows([1], [5])
+    dec.launch()  # the step after the admission
+    row1 = [t for step in dec.use(dec.plain) for t in step[1]]
+    assert len(row1) >= 2 and row1 == want[:len(row1)]

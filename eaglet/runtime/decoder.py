@@ -114,7 +114,7 @@ class Step(Protocol):
         """These rows' sequences are gone."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Firsts:
     """An admission's first tokens on their way to the host: its rows, the pinned copy, each row's
     epoch at admission (a row released since gets nothing) and the copy's event."""
@@ -130,12 +130,11 @@ class Firsts:
 
 @dataclass
 class InFlight:
-    """A launched step: its packed output (on the host once `done` has passed), each row's epoch
-    when it was launched, and the admissions enqueued before it whose first tokens come with it."""
+    """A launched step: its packed output (on the host once `done` has passed) and each row's epoch
+    when it was launched."""
     out: torch.Tensor
     done: torch.cuda.Event | None
     epoch: np.ndarray
-    firsts: list[Firsts]
 
 
 def warm_prompt(n: int) -> list[int]:
@@ -169,7 +168,7 @@ class Decoder:
         self.trip = 1  # steps `advance` launches back to back and collects together
         self.rate = 1.0  # tokens a running row has emitted a step, lately (how many steps a budget needs)
         self.trips: deque[int] = deque()  # the steps of each trip in flight not yet collected, oldest first
-        self.firsts: list[Firsts] = []  # admissions since the last launch whose first tokens did not wait
+        self.firsts: list[Firsts] = []  # admissions whose first tokens are not handed out yet
         self._views: dict[tuple[int, int], Step] = {}  # (id of a step, k) -> that step over rows 0..k-1
         self._prompts: dict[tuple[int, int], PromptBatch] = {}  # each prefill graph's input buffers
         # launch ahead of collect: on the GPU by default (on the CPU a step runs while it is launched)
@@ -203,6 +202,8 @@ class Decoder:
         if step.slots is not self.slots:
             raise ValueError("use: the step runs over another decoder's rows")
         done = [self.collect() for _ in range(len(self.in_flight))]
+        if done:  # first tokens whose copy those steps followed go before their tokens
+            self._first_tokens_first(self._ready_firsts(), done[0])
         if all(s is not step for s in self._used):
             self._used.append(step)
         self.current = step
@@ -270,8 +271,7 @@ class Decoder:
             done.record()
         else:
             host, done = out.clone(), None
-        self.in_flight.append(InFlight(host, done, self.epoch.copy(), self.firsts))
-        self.firsts = []
+        self.in_flight.append(InFlight(host, done, self.epoch.copy()))
 
     def collect(self) -> list[list[int]]:
         """Wait for the oldest step in flight; each row's emitted tokens ([] for a frozen row, and
@@ -292,9 +292,6 @@ class Decoder:
         running = [len(t) for t, on in zip(out, self.live) if on and t]
         if running:
             self.rate = 0.8 * self.rate + 0.2 * sum(running) / len(running)
-        for firsts in f.firsts:  # admitted before this step: their first tokens come first
-            for r, tok in firsts.tokens(self.epoch):
-                out[r] = [tok] + out[r]
         return out
 
     def _take_firsts(self) -> list[list[int]]:
@@ -317,7 +314,7 @@ class Decoder:
         tokens per row (its steps' in order), an empty list per row while the pipeline fills, and
         None when nothing is left to run. `trip` overrides the trip's length (a caller about to
         admit prompts, whose prefill waits for the steps in flight, launches a short one)."""
-        early = self._ready_firsts()  # admissions whose first tokens are on the host already
+        early = self._ready_firsts()  # first tokens already on the host go out now
         need = -(-max(remaining, default=0) // max(self.rate, 1.0))  # steps the longest budget needs, expected
         n = min(trip or self.trip, int(need) - len(self.in_flight))
         for _ in range(n):
@@ -334,6 +331,11 @@ class Decoder:
             for _ in range(steps - 1):  # the rest of the trip
                 for row, toks in zip(out, self.collect()):
                     row += toks
+            early += self._ready_firsts()  # copies enqueued before the steps just collected are done
+        return self._first_tokens_first(early, out)
+
+    def _first_tokens_first(self, early: list[tuple[int, int]], out: list[list[int]] | None):
+        """Each (row, first token) put before the row's tokens of the steps after its admission."""
         if early:
             out = out or [[] for _ in range(self.batch)]
             for r, tok in early:
@@ -342,14 +344,11 @@ class Decoder:
 
     def _ready_firsts(self) -> list[tuple[int, int]]:
         """(row, first token) of the admissions not yet handed out whose copy to the host is done
-        (a query, no wait): a first token goes out as soon as it is there, not with its step."""
-        out = []
-        for held in [self.firsts] + [f.firsts for f in self.in_flight]:
-            for firsts in list(held):
-                if firsts.done is None or firsts.done.query():
-                    out += firsts.tokens(self.epoch)
-                    held.remove(firsts)
-        return out
+        (a query, no wait): a first token goes out as soon as it is there, at the latest with the
+        step after its admission (stream order)."""
+        ready = [f for f in self.firsts if f.done is None or f.done.query()]
+        self.firsts = [f for f in self.firsts if f not in ready]
+        return [t for f in ready for t in f.tokens(self.epoch)]
 
     def drain(self) -> None:
         """Collect and drop every step in flight."""

@@ -81,7 +81,8 @@ class Collected:
         return [r[3 + d1:] for r in self.packed]
 
     def limits(self) -> list[int]:
-        """Each row's token limit before the step."""
+        """Each row's token limit before the step (a row the step stopped at EOS reads as cut to
+        what it emitted, its limit being 0 after)."""
         return [n + r[0] for n, r in zip(self.limit.tolist(), self.packed)]  # sync: observers only
 
 
