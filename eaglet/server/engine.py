@@ -322,7 +322,7 @@ class Engine:
                 t0 = clock()
                 running = [s.request for s in self.batcher.rows if s is not None]
                 # speculating batches step one at a time: each step already brings several tokens a
-                # row, and trips of 4 measured no gain for them but 2.5-5x the time to first token
+                # row, and trips of 4 measured no gain for them but 2-7x the time to first token
                 one = short or self.batcher.speculative
                 self._guarded(partial(self.batcher.step, 1 if one else None), running, drop_batch=True)
                 t["step"] = clock() - t0
