@@ -93,9 +93,15 @@ def gumbel_argmax(x: torch.Tensor, seed: torch.Tensor, ids: torch.Tensor) -> tor
     noise's key per row and position, ids (V,) each entry's hashed token id. The noise of token v is
     -log(-log(u)), u a hash of (seed, v) in (0, 1): a sample of softmax(x) (the Gumbel-max trick),
     in one pass over the logits (one kernel compiled)."""
+    return gumbel_noised(x, seed, ids).argmax(-1)
+
+
+@fusable
+def gumbel_noised(x: torch.Tensor, seed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """x plus the Gumbel noise gumbel_argmax adds: token v's is -log(-log(u)), u a hash of (seed, v)."""
     u = mix32(seed[..., None] ^ ids)
     u = ((u >> 8).float() + 0.5) / float(1 << 24)
-    return (x - torch.log(-torch.log(u))).argmax(-1)
+    return x - torch.log(-torch.log(u))
 
 
 class Mode:
@@ -111,6 +117,11 @@ class Mode:
     @property
     def key(self) -> str:
         return "f" if self.filtered else "s" if self.sampled else "g"
+
+    def general(self) -> None:
+        """The path right for every row whatever its settings (the filtered one: top-k 0 and top-p
+        1 cut nothing, greedy rows take their argmax)."""
+        self.sampled = self.filtered = True
 
 
 class RowSampling:
@@ -216,6 +227,19 @@ class RowSampling:
             ids = torch.arange(v, device=self.key.device) if vocab is None else vocab.long()
             self._ids[key] = mix32(ids + _VOCAB_SALT)
         return self._ids[key]
+
+    def noised(self, logits: torch.Tensor, offset: int, kernels=None, vocab: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, ..., V) logits of tokens at position base + offset -> float32: a sampled row's scaled
+        logits plus the noise of its draw there (the argmax is `pick`'s draw; the top-k, a draft
+        tree's best guesses at it), a greedy row's logits as they are."""
+        x = logits.float()
+        if not self.mode.sampled:
+            return x
+        seed = self.seeds(offset)
+        fn = gumbel_noised if kernels is None else kernels.fuse(gumbel_noised)
+        drawn = fn(self.scaled(logits), seed.view(seed.shape + (1,) * (x.dim() - 2)),
+                   self.vocab_ids(x.shape[-1], vocab))
+        return torch.where((self.temperature == 0).view((-1,) + (1,) * (x.dim() - 1)), x, drawn)
 
     def pick(self, logits: torch.Tensor, offset, kernels=None, vocab: torch.Tensor | None = None) -> torch.Tensor:
         """(B, ..., V) logits of the tokens at positions base + offset (offset an int or (B, ...))

@@ -181,6 +181,21 @@ def test_speculation_emits_what_plain_sampling_emits(models, name):
     assert sum(c.spec.accepted_tokens for c in spec_out) > 0  # and drafts were taken
 
 
+@pytest.mark.parametrize("sp", [T1, TRUNC])
+def test_a_tree_ranks_sampled_children_with_the_targets_noise(models, sp):
+    """A draft tree whose drafter is the target itself: its best child at each level is the
+    target's own draw there (the same noise), so every draft is accepted whole (the tree keeps all
+    its 6 candidates). Ranked by the drafter's probabilities alone, a draw outside the top 2 of 8
+    would be rejected."""
+    target, _ = models
+    gen = Generator(target, None, Speculator(SpecConfig("draft", steps=2, topk=2, draft_tokens=7), draft_model=target))
+    cfg = GenerationConfig(max_new_tokens=13, sampling=replace(sp, seed=5), ignore_eos=True)
+    out = gen.generate([PROMPT, [3, 1, 4], [2], [6, 6, 0, 2]] * 4, cfg)
+    assert len({tuple(c.tokens) for c in out}) > 4  # rows drew apart
+    for c in out:  # the first token from the prefill, then 4 steps of 2 drafts and the bonus
+        assert c.spec.drafts == 4 and c.spec.accepted_tokens == 8, c.spec
+
+
 def test_seeded_speculation_repeats(models):
     target, drafters = models
     for name in ("chain-draft", "tree-eagle3"):

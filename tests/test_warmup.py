@@ -66,15 +66,17 @@ class Gen:
         return self.dec
 
 
-def serve(dec, plan: list[tuple[int, int]], at_most: int | None = None) -> None:
-    """Requests (prompt length, max tokens), each admitted alone as soon as a row is free (and
-    fewer than `at_most` run)."""
+def serve(dec, plan: list[tuple[int, int]], at_most: int | None = None, group: int = 1,
+          settings=(SamplingParams(),)) -> None:
+    """Requests (prompt length, max tokens), with the given settings in turn, admitted up to
+    `group` at a time as soon as rows are free (and fewer than `at_most` run)."""
     b = Batcher.of(Gen(dec), dec.batch, 300)
-    waiting = [Request([(7 * i + j) % 100 + 3 for j in range(n)], m, SamplingParams(), ignore_eos=True)
+    waiting = [Request([(7 * i + j) % 100 + 3 for j in range(n)], m, settings[i % len(settings)], ignore_eos=True)
                for i, (n, m) in enumerate(plan)]
     while waiting or b.running:
-        if waiting and b.free_rows and b.running < (at_most or dec.batch):
-            b.add([waiting.pop(0)])
+        room = min(len(b.free_rows), (at_most or dec.batch) - b.running, group)
+        if waiting and room > 0:
+            b.add([waiting.pop(0) for _ in range(min(room, len(waiting)))])
         for o in b.step():
             if o.finished:
                 b.release(o.row)
@@ -96,6 +98,39 @@ def test_warmup_covers_what_requests_meet(target, kind):
     serve(dec, PLAN)
     met = set(dec.graphs.calls)
     assert met and met <= warm, sorted(met - warm)
+
+
+@pytest.mark.parametrize("kind", ["plain", "eagle3"])
+def test_warmup_covers_groups_of_any_size_and_mixed_settings(target, kind):
+    """Requests admitted several at a time (prefills of 1, 2 and 3 prompts: a row bucket each) with
+    greedy, sampled and top-p settings beside each other meet only warmed graphs."""
+    dec = make(target, kind)
+    dec.warmup(plain_rows=4) if kind == "eagle3" else dec.warmup()
+    warm = {k for k, c in dec.graphs.calls.items() if c >= 2}
+    dec.graphs.calls.clear()
+    mixed = (SamplingParams(), SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=1.0, top_p=0.9))
+    serve(dec, PLAN + PLAN[::-1], group=3, settings=mixed)
+    met = set(dec.graphs.calls)
+    assert {k[1] for k in met if k[0] == "prefill"} >= {4}  # a group of 3 ran as a prefill of 4 rows
+    assert met <= warm, sorted(met - warm)
+
+
+def test_padded_prefill_changes_no_tokens(target):
+    """Three prompts admitted together (a prefill of 4 rows, the last prompt twice) give each row
+    the tokens it gets admitted alone."""
+    prompts, n = [[5, 9, 2, 7], [3] * 20, [11, 4] * 9], 12
+    dec = Decoder(target, 4, 300, graphs=False)
+    toks = dec.admit([0, 1, 2], prompts)
+    for _ in range(n):
+        for r, new in enumerate(dec.step([1, 1, 1, 0])[:3]):
+            toks[r] += new
+    for r, p in enumerate(prompts):
+        dec.free_all()
+        alone = dec.admit([r], [p])[0]
+        for _ in range(n):
+            alone += dec.step([int(i == r) for i in range(4)])[r]
+        assert alone == toks[r]
+    assert int(dec.cache.lens[3]) == 0  # the padding wrote no row of its own
 
 
 @pytest.mark.parametrize("rows", [3, 5])
@@ -150,7 +185,11 @@ def test_engine_warms_every_decoder_its_policy_can_choose(target, monkeypatch):
     assert {k[1] for k in warm(dec) if k[0] == "step" and k[-2] == "spec"} == {1}
     assert not {k for k in warm(dec) if k[0] in ("draft", "verify", "accept")}
     assert {k[1] for k in warm(dec) if k[0] == "decode"} == {1, 2, 4}
-    assert ("prefill", 1, 64, "plain", "g") in warm(dec) and ("prefill", 1, 64, "spec", "g") in warm(dec)
-    assert ("prefill", 1, 256, "plain", "g") in warm(dec)
+    assert {k[-1] for k in warm(dec) if k[0] == "decode"} == {"g", "s", "f"}  # every sampling mode
+    assert ("prefill", 1, 64, "plain") in warm(dec) and ("prefill", 1, 64, "spec") in warm(dec)
+    assert ("prefill", 1, 256, "plain") in warm(dec)
+    # prefills of several prompts: every row bucket of the batch plain, the speculating one's for one row
+    assert {k[1] for k in warm(dec) if k[0] == "prefill" and k[-1] == "plain"} == {1, 2, 4}
+    assert {k[1] for k in warm(dec) if k[0] == "prefill" and k[-1] == "spec"} == {1}
     # the batches the engine starts run on it, with the warmed steps: nothing new is made
     assert eng.step("chain:3") is eng.steps["chain:3"] and eng.step(None) is dec.plain and eng.decoder() is dec

@@ -172,6 +172,9 @@ def engine_time(before: dict | None, after: dict | None) -> dict | None:
     gc_keys = [k for k in after if "gc_pause_seconds{generation=" in k]
     if gc_keys:
         out["gc_seconds"] = {k.split("generation=")[1].rstrip("}"): after[k] - before.get(k, 0.0) for k in gc_keys}
+    graphs = [k for k in after if "cuda_graphs_captured{" in k]
+    if graphs:  # captured during the run: each stalls the steps in flight
+        out["graphs_captured"] = int(sum(after[k] - before.get(k, 0.0) for k in graphs))
     if admissions:
         out["admission_ms"] = delta.get("admit", 0.0) / admissions * 1000
     if steps:
@@ -368,7 +371,8 @@ def render(res: dict, head: str) -> str:
             lines.append(f"engine step   {ms['busy']:.2f} ms busy a step ({eng['steps']} steps): {ms['host']:.2f} ms "
                          f"host work, {ms['device_wait']:.2f} ms waiting on the device"
                          + (f"; {eng['admissions']} admissions, {eng['admission_ms']:.2f} ms each"
-                            if eng.get("admissions") else ""))
+                            if eng.get("admissions") else "")
+                         + (f"; {eng['graphs_captured']} CUDA graphs captured" if eng.get("graphs_captured") else ""))
         if eng.get("gc_seconds") is not None:
             gcs = eng["gc_seconds"]
             lines.append(f"gc pauses     {sum(gcs.values()) * 1000:.1f} ms over the run (full collections "

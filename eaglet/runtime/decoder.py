@@ -31,8 +31,10 @@ row, not 64. `prefix(k)` is the step in use over those rows (`Step.rows(k)`: the
 sliced, with buffers of its own for its graphs), made once per step and k.
 
 Admitting prompts is one graphed prefill of any set of free rows (models/prefill.py), keyed by the
-number of prompts and their padded length. `warmup()` runs the common keys twice before a server
-takes requests, so none meets a graph's eager first call.
+row bucket of the number of prompts (the last prompt fills the rest, written twice into its own
+row) and their padded length. `warmup()` runs the common keys twice before a server takes
+requests, so none meets a graph's eager first call (a capture waits for the device and stalls
+the steps in flight).
 
 An observer (runtime/observer.py: the phase timer, the profiler's trace) is handed in; the decoder
 and the steps call it, nothing else in a step knows who watches.
@@ -137,6 +139,12 @@ class InFlight:
     epoch: np.ndarray
 
 
+WARM_PREFILL_TOKENS = 16384  # warm-up captures prefills of several rows up to this many (padded) tokens
+# one request of each sampling mode (sampling.Mode: greedy, sampled, sampled with a cut), whose
+# steps' graphs differ
+WARM_SETTINGS = (SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=50))
+
+
 def warm_prompt(n: int) -> list[int]:
     """A prompt of n tokens for warm-up (what it says does not matter)."""
     return [(i % 50) + 1 for i in range(n)]
@@ -148,6 +156,13 @@ def row_buckets(batch: int) -> list[int]:
     while out[-1] * 2 < batch:
         out.append(out[-1] * 2)
     return out + [batch] if batch > 1 else out
+
+
+def prefill_shape(prompts: int, longest: int, batch: int, max_len: int) -> tuple[int, int]:
+    """(rows, padded length) of the prefill that admits `prompts` prompts, the longest `longest`
+    tokens: the row bucket that holds them and the length bucket, so a server meets a few dozen
+    prefill graphs, all captured at warm-up, not one per count of prompts admitted together."""
+    return next(b for b in row_buckets(batch) if b >= prompts), prompt_bucket(longest, max_len)
 
 
 class Decoder:
@@ -380,14 +395,15 @@ class Decoder:
         self.sampling.set(rows, sampling, streams)
         flags = to_device(np.array([rows, stops or [False] * len(rows)], dtype=np.int64), torch.long, self.device)
         self.slots.stops.index_copy_(0, flags[0], flags[1].bool())
-        mode = self.sampling.choose_mode(rows)
+        self.sampling.mode.general()  # a prefill draws its few first tokens on the one path right for any row
         step = self.current
-        shape = (len(rows), prompt_bucket(max(map(len, prompts)), self.cache.max_len))
+        shape = prefill_shape(len(rows), max(map(len, prompts)), self.batch, self.cache.max_len)
         if shape not in self._prompts:
             self._prompts[shape] = PromptBatch.alloc(*shape, self.device)
-        batch = self._prompts[shape].fill(prompts, rows)
+        pad = shape[0] - len(rows)  # the last prompt again into its own row: the same writes twice
+        batch = self._prompts[shape].fill(prompts + [prompts[-1]] * pad, rows + [rows[-1]] * pad)
         with self.observer.phase("prefill"):
-            first = self.graphs.run(("prefill", *shape, step.name, mode), lambda: step.prefill(batch))
+            first = self.graphs.run(("prefill", *shape, step.name), lambda: step.prefill(batch))[:len(rows)]
             if not wait and self.lookahead:
                 host = torch.empty(first.shape, dtype=first.dtype, pin_memory=first.is_cuda)
                 host.copy_(first, non_blocking=True)
@@ -441,30 +457,31 @@ class Decoder:
         return self.graphs.captured - before
 
     def _warm(self, rows: int | None, prompt_tokens: int, max_span: int) -> None:
-        """The step in use's graphs: a prefill of one prompt of every padded length up to
-        `prompt_tokens`, and for every row bucket that a batch of up to `rows` rows steps over, and
-        every attention span up to `max_span`, a prefill and two steps (longer spans, rarer and
-        costlier to warm, are captured when met)."""
+        """The step in use's graphs, for batches of up to `rows` rows: the prefill of every row
+        bucket they admit in with every padded length up to `prompt_tokens` (up to
+        WARM_PREFILL_TOKENS tokens a prefill past one row; bigger ones are captured when met); and
+        for every row bucket they step over, every attention span up to `max_span` (longer spans,
+        rarer and costlier to warm, are captured when met) and every sampling mode, two steps."""
         self.free_all()
         cap = self.cache.max_len - self.current.tokens_per_step * 3  # room for two steps and one in flight
-        t = MIN_BUCKET
-        while t <= min(prompt_tokens, cap):
-            for _ in range(2):
-                self.admit([0], [warm_prompt(t)])
-                self.release([0])
-            t *= 2
         buckets = row_buckets(self.batch)
         last = next(b for b in buckets if b >= min(rows or self.batch, self.batch))  # the one `rows` rows step in
-        for k in buckets:
-            if k > last:
-                break
+        for r in buckets[:buckets.index(last) + 1]:
+            t = MIN_BUCKET
+            while t <= min(prompt_tokens, cap) and (r == 1 or r * t <= WARM_PREFILL_TOKENS):
+                for _ in range(2):
+                    self.admit(list(range(r)), [warm_prompt(t)] * r)
+                    self.release(list(range(r)))
+                t *= 2
+        for k in buckets[:buckets.index(last) + 1]:
             for s in range(SPAN, min(self.cache.max_len, max_span) + 1, SPAN):
                 n = s - SPAN + 1  # the longest row's prompt: the steps' span is s
                 if n > cap:
                     break
-                self.admit([0], [warm_prompt(n)])
-                if k > 1:
-                    self.admit(list(range(1, k)), [warm_prompt(1)] * (k - 1))
-                for _ in range(2):
-                    self.step([2] * k + [0] * (self.batch - k))
-                self.free_all()
+                for params in WARM_SETTINGS:
+                    self.admit([0], [warm_prompt(n)], [params])
+                    if k > 1:
+                        self.admit(list(range(1, k)), [warm_prompt(1)] * (k - 1), [params] * (k - 1))
+                    for _ in range(2):
+                        self.step([2] * k + [0] * (self.batch - k))
+                    self.free_all()

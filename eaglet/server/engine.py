@@ -352,6 +352,8 @@ class Engine:
     def _push_time(self) -> None:
         """The engine time gathered since the last push, to its Prometheus counters."""
         self.metrics.engine(self.time, self.time_steps, self.time_admits)
+        if self.dec is not None:
+            self.metrics.graphs.labels(self.metrics.name).set(self.dec.graphs.captured)
         self.time, self.time_steps, self.time_admits = dict.fromkeys(ENGINE_PARTS, 0.0), 0, 0
         self.time_pushed = time.perf_counter()
 

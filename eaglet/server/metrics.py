@@ -17,7 +17,8 @@ work), `admit` (prefilling new requests: their first tokens), `step` (one decodi
 running rows, and turning its tokens into text), `output` (handing chunks to the event loop) and
 `other`; `device_wait` is the part of admit and step spent blocked on the device's results, so
 `step` less its share is host work. `engine_steps` counts decoding steps, `engine_admissions`
-prefills (each admits one or more requests). Whether a loaded server is bound by its host or by
+prefills (each admits one or more requests); `cuda_graphs_captured` counts the CUDA graphs captured
+(a capture while serving stalls the steps in flight: warm-up should leave none to capture). Whether a loaded server is bound by its host or by
 its device reads from these (`eaglet bench-serve` prints them).
 
 Garbage collection: `gc_pause_seconds{generation}` is the time the process spent in Python's cyclic
@@ -134,12 +135,14 @@ class ServerMetrics:
         self.engine_steps = Counter("eaglet:engine_steps", "Decoding steps of the running batch", labels, registry=r)
         self.engine_admissions = Counter("eaglet:engine_admissions", "Prefills of waiting requests into free rows "
                                          "(each admits one or more)", labels, registry=r)
+        self.graphs = Gauge("eaglet:cuda_graphs_captured", "CUDA graphs the engine has captured (warm-up and "
+                            "since: a capture while serving waits for the device)", labels, registry=r)
         self.name = model_name
         self.settings: set[str] = set()  # spec_setting labels shown so far
         for m in (self.request_aborted, self.request_failed, self.request_rejected, self.prompt_tokens,
                   self.generation_tokens, self.ttft, self.itl, self.tpot, self.e2e, self.running, self.waiting,
                   self.kv_usage, self.kv_free, self.kv_total, self.drafts, self.draft_tokens, self.accepted_tokens,
-                  self.spec_speculating, self.spec_batch):
+                  self.spec_speculating, self.spec_batch, self.graphs):
             m.labels(model_name)  # exported from the start, at 0
         for reason in ("stop", "length"):
             self.request_success.labels(model_name, reason)

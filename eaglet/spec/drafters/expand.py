@@ -9,7 +9,9 @@ committed but the drafter has not absorbed yet (`pend_ids`, `pend_count`; EAGLE-
 
 Tree expansion, level by level: each of the `topk` frontier nodes proposes its `topk` best
 children; every child becomes a candidate scored by cumulative log-probability; the best `topk`
-children form the next frontier. After `steps` levels the best `draft_tokens - 1` candidates are
+children form the next frontier. A sampled row ranks its children by its logits plus the noise the
+target draws each position with (sampling.RowSampling.noised): the best child is then the
+drafter's own draw there, the one that matches the target's draw when the two models agree. After `steps` levels the best `draft_tokens - 1` candidates are
 kept (tree.select_tree). What a level does besides the drafter's forward and its two top-k picks
 (the level's mask, the next frontier, the candidates) is `@fusable` functions: on the GPU one or
 two kernels each; 22 kernels of a tree 5,4,16 draft step instead of 101 (bench/cpu/step_ops.py). Nodes fed to the drafter sit in its cache's uncommitted block, each
@@ -141,7 +143,7 @@ class NeuralDrafter:
         logits, state = self.catch_up()
         if self.spec.is_chain:
             return self._chain(roots, logits, state, sampling)
-        return self._tree(roots, logits, state)
+        return self._tree(roots, logits, state, sampling)
 
     def _pick(self, logits: torch.Tensor, rs: RowSampling, depth: int) -> torch.Tensor:
         """The child of a chain node at `depth` (0: the root): the argmax, or for a sampled row its
@@ -149,9 +151,21 @@ class NeuralDrafter:
         (RowSampling.pick), so that it proposes what the target will draw when the two agree."""
         if not rs.mode.sampled:
             return logits.argmax(-1)
+        return rs.pick(logits, depth + 1, self.kernels, self._target_ids(logits))
+
+    def _guesses(self, logits: torch.Tensor, rs: RowSampling, depth: int) -> torch.Tensor:
+        """What a tree level at `depth` ranks its children by: the logits, or for a sampled row its
+        logits with the noise the target draws that position with (RowSampling.noised), so that the
+        best child is the drafter's draw there and the next ones the runners-up."""
+        if not rs.mode.sampled:
+            return logits
+        return rs.noised(logits, depth + 1, self.kernels, self._target_ids(logits))
+
+    def _target_ids(self, logits: torch.Tensor) -> torch.Tensor:
+        """The target's id of each of the drafter's logits (its vocabulary may be a subset)."""
         if self._vocab is None:
             self._vocab = self.to_target(torch.arange(logits.shape[-1], device=logits.device))
-        return rs.pick(logits, depth + 1, self.kernels, self._vocab)
+        return self._vocab
 
     def _chain(self, roots, logits, state, rs: RowSampling) -> DraftProposal:
         ids = self._pick(logits, rs, 0)  # (B,)
@@ -164,11 +178,11 @@ class NeuralDrafter:
             picked.append(ids)
         return chain(torch.cat([roots[:, None], self.to_target(torch.stack(picked, 1))], 1))  # (B, steps+1)
 
-    def _tree(self, roots, logits, state) -> DraftProposal:
+    def _tree(self, roots, logits, state, rs: RowSampling) -> DraftProposal:
         k, steps = self.spec.topk, self.spec.steps
         b, dev = roots.shape[0], roots.device
         fuse, kernel = self.kernels.fuse, self.kernels.topk
-        score, ids = topk(logits, k, log_softmax=True, kernel=kernel)  # (B, K)
+        score, ids = topk(self._guesses(logits, rs, 0), k, log_softmax=True, kernel=kernel)  # (B, K)
         c_tok, c_score, fronts = [ids], [score], []  # candidates level by level; each level's parents
         front_cand = torch.arange(k, device=dev).expand(b, k)  # candidate index of each frontier node
         front_state = None if state is None else state[:, None].expand(b, k, *state.shape[1:])
@@ -180,7 +194,8 @@ class NeuralDrafter:
                 mask, anc = fuse(level_mask)(anc, par_fed)
             logits, out_state = self.draft_step(ids, front_state, d, mask, pending=p)
             # each node's k best children, scored by cumulative log-probability
-            child_score, child_ids = topk(logits, k, log_softmax=True, offset=score, kernel=kernel)  # (B, K, K)
+            child_score, child_ids = topk(self._guesses(logits, rs, d), k, log_softmax=True, offset=score,
+                                          kernel=kernel)  # (B, K, K)
             c_tok.append(child_ids.flatten(1))
             c_score.append(child_score.flatten(1))
             fronts.append(front_cand)
