@@ -65,7 +65,7 @@ def attend_masked(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, meta)
     b, hkv, gt, d = q.shape
     t = meta.slots.shape[1]
     o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=meta.bias(q.dtype, gt // t))  # (B, Hkv, G*T, D)
-    return o.view(b, hkv * (gt // t), t, d)
+    return o.reshape(b, hkv * (gt // t), t, d)  # some SDPA backends return another layout
 
 
 class KVCache:

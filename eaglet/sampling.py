@@ -104,6 +104,13 @@ def gumbel_noised(x: torch.Tensor, seed: torch.Tensor, ids: torch.Tensor) -> tor
     return x - torch.log(-torch.log(u))
 
 
+@fusable
+def tempered_noise(x: torch.Tensor, t: torch.Tensor, seed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """x / t plus gumbel_argmax's noise where t > 0, x where t == 0 (float32; t broadcast to x)."""
+    x = x.float()
+    return torch.where(t == 0, x, gumbel_noised(x / torch.where(t == 0, 1.0, t), seed, ids))
+
+
 class Mode:
     """What the rows in use ask of a step (host, shared by a RowSampling and its views): whether
     any samples (otherwise the argmax path, as fast as a greedy-only engine), and whether any cuts
@@ -229,17 +236,16 @@ class RowSampling:
         return self._ids[key]
 
     def noised(self, logits: torch.Tensor, offset: int, kernels=None, vocab: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, ..., V) logits of tokens at position base + offset -> float32: a sampled row's scaled
-        logits plus the noise of its draw there (the argmax is `pick`'s draw; the top-k, a draft
-        tree's best guesses at it), a greedy row's logits as they are."""
-        x = logits.float()
+        """(B, ..., V) logits of tokens at position base + offset -> float32: a sampled row's logits
+        over its temperature plus the noise of its draw there, a greedy row's as they are. Without
+        the top-k / top-p cut, so its argmax is `pick`'s draw unless that falls outside the cut: a
+        draft tree's guesses at the draw, for one fused kernel instead of a sort of the vocabulary."""
         if not self.mode.sampled:
-            return x
+            return logits.float()
         seed = self.seeds(offset)
-        fn = gumbel_noised if kernels is None else kernels.fuse(gumbel_noised)
-        drawn = fn(self.scaled(logits), seed.view(seed.shape + (1,) * (x.dim() - 2)),
-                   self.vocab_ids(x.shape[-1], vocab))
-        return torch.where((self.temperature == 0).view((-1,) + (1,) * (x.dim() - 1)), x, drawn)
+        fn = tempered_noise if kernels is None else kernels.fuse(tempered_noise)
+        return fn(logits, self.temperature.view((-1,) + (1,) * (logits.dim() - 1)),
+                  seed.view(seed.shape + (1,) * (logits.dim() - 2)), self.vocab_ids(logits.shape[-1], vocab))
 
     def pick(self, logits: torch.Tensor, offset, kernels=None, vocab: torch.Tensor | None = None) -> torch.Tensor:
         """(B, ..., V) logits of the tokens at positions base + offset (offset an int or (B, ...))

@@ -160,6 +160,11 @@ def test_engine_time_from_counters():
     eng = engine_time(server_metrics(text(1.0, 0.5, 2.0, 0.5, 100, 5) + gc(0.1)),
                       server_metrics(text(2.0, 0.7, 4.8, 1.5, 1100, 15) + gc(0.3)))
     assert eng["gc_seconds"] == pytest.approx({"0": 0.2, "1": 0.4, "2": 0.6})
+    assert "graphs_captured" not in eng  # a server without the gauge
+    graphs = lambda n: f'eaglet:cuda_graphs_captured{{model_name="m"}} {n}\n'  # noqa: E731
+    eng = engine_time(server_metrics(text(1.0, 0.5, 2.0, 0.5, 100, 5) + graphs(921)),
+                      server_metrics(text(2.0, 0.7, 4.8, 1.5, 1100, 15) + graphs(924)))
+    assert eng["graphs_captured"] == 3  # captured while the run went on
     assert engine_time(before, before) is None and engine_time(None, after) is None
     assert engine_time({}, server_metrics("vllm:spec_decode_num_drafts_total 3\n")) is None  # not eaglet
 

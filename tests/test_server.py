@@ -40,10 +40,12 @@ from .serving import (
 
 # ---- the OpenAI client --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["plain", "ngram", "eagle3"])
+@pytest.mark.parametrize("kind", ["plain", "ngram", "eagle3", "eagle3-trips"])
 def test_greedy_through_the_server_equals_generator(tiny, drafter_dir, plain, kind):
-    sp = speculator(tiny, drafter_dir, kind)
-    live = nullcontext(plain) if kind == "plain" else LiveServer(Generator(tiny.model, tiny.tokenizer, sp), max_batch=4)
+    """Also with speculation steps 3 a host round trip (--spec-multi-step 3)."""
+    sp = speculator(tiny, drafter_dir, kind.removesuffix("-trips"))
+    live = nullcontext(plain) if kind == "plain" else LiveServer(
+        Generator(tiny.model, tiny.tokenizer, sp), max_batch=4, spec_multi_step=3 if "trips" in kind else 1)
     with live as srv:
         c = srv.client()
         for prompt in PROMPTS[:3]:
@@ -408,6 +410,8 @@ def test_eaglet_serve_equals_eaglet_generate(model_dir, capsys, monkeypatch):
 def test_serve_flags_are_checked(capsys):
     assert main(["serve", "--max-batch", "0"]) == 1
     assert "--max-batch" in capsys.readouterr().err
+    assert main(["serve", "--spec-multi-step", "0"]) == 1
+    assert "--spec-multi-step must be >= 1" in capsys.readouterr().err
 
 
 def test_queued_chunks_go_out_as_one(tiny):

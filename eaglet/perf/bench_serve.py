@@ -136,7 +136,7 @@ async def one_request(session, url: str, payload: dict, chat: bool) -> RequestRe
 SERVER_METRICS = ("spec_decode_num_", "spec_accept_length", "kv_cache_", "num_requests_running",
                   "num_requests_waiting", "process_resident_memory_bytes",
                   "time_to_first_token_seconds_sum", "time_to_first_token_seconds_count", "eaglet:engine_",
-                  "eaglet:gc_pause_seconds")
+                  "eaglet:gc_pause_seconds", "eaglet:cuda_graphs_captured")
 
 
 def server_ttft_ms(before: dict | None, after: dict | None) -> float | None:
@@ -172,9 +172,8 @@ def engine_time(before: dict | None, after: dict | None) -> dict | None:
     gc_keys = [k for k in after if "gc_pause_seconds{generation=" in k]
     if gc_keys:
         out["gc_seconds"] = {k.split("generation=")[1].rstrip("}"): after[k] - before.get(k, 0.0) for k in gc_keys}
-    graphs = [k for k in after if "cuda_graphs_captured{" in k]
-    if graphs:  # captured during the run: each stalls the steps in flight
-        out["graphs_captured"] = int(sum(after[k] - before.get(k, 0.0) for k in graphs))
+    if "eaglet:cuda_graphs_captured" in after:  # captured during the run: each stalls the steps in flight
+        out["graphs_captured"] = int(after["eaglet:cuda_graphs_captured"] - before.get("eaglet:cuda_graphs_captured", 0))
     if admissions:
         out["admission_ms"] = delta.get("admit", 0.0) / admissions * 1000
     if steps:
@@ -372,7 +371,7 @@ def render(res: dict, head: str) -> str:
                          f"host work, {ms['device_wait']:.2f} ms waiting on the device"
                          + (f"; {eng['admissions']} admissions, {eng['admission_ms']:.2f} ms each"
                             if eng.get("admissions") else "")
-                         + (f"; {eng['graphs_captured']} CUDA graphs captured" if eng.get("graphs_captured") else ""))
+                         + (f"; {eng['graphs_captured']} CUDA graphs captured" if "graphs_captured" in eng else ""))
         if eng.get("gc_seconds") is not None:
             gcs = eng["gc_seconds"]
             lines.append(f"gc pauses     {sum(gcs.values()) * 1000:.1f} ms over the run (full collections "

@@ -126,11 +126,6 @@ class Batcher:
             if not self.running:
                 self.dec.drain()  # an idle batch keeps no step in flight
 
-    def take_drafted(self) -> SpecMetrics | None:
-        """The draft counters of the steps handed out since the last call, over all rows (None for a
-        plain batch)."""
-        return self.spec.take_drafted() if self.speculative else None
-
     def _emit(self, new: dict[int, list[int]]) -> list[Output]:
         out = []
         for r, toks in new.items():

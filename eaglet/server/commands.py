@@ -46,7 +46,10 @@ def add_serve_parsers(sub) -> None:
                     help=f"plain decoding steps launched back to back per host round trip: the host's work on "
                          f"the rows (stopping, text, streaming) is done once per N steps, so under load the GPU, not "
                          f"Python, sets the pace; a request's text comes N steps at a time (default {MULTI_STEP} on "
-                         f"the GPU, 1 on the CPU; speculating batches take one step a trip)")
+                         f"the GPU, 1 on the CPU; speculating batches: --spec-multi-step)")
+    sv.add_argument("--spec-multi-step", type=int, default=1, metavar="N",
+                    help="speculation steps launched back to back per host round trip (default 1: each step "
+                         "already brings several tokens a row, and a trip delays the next admission)")
     sv.add_argument("--eager", action="store_true", help="no CUDA graphs")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -99,6 +102,8 @@ def cmd_serve(args) -> int:
         raise InvalidInput("--max-batch and --max-queue must be >= 1, --max-model-len >= 2")
     if args.multi_step is not None and args.multi_step < 1:
         raise InvalidInput(f"--multi-step must be >= 1, got {args.multi_step}")
+    if args.spec_multi_step < 1:
+        raise InvalidInput(f"--spec-multi-step must be >= 1, got {args.spec_multi_step}")
     if args.max_body_bytes < 1024:
         raise InvalidInput(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
     if args.spec_max_batch is not None and args.spec_max_batch < 0:
@@ -129,7 +134,7 @@ def cmd_serve(args) -> int:
     policy = SpecPolicy(speculator, table, max_spec, args.spec_policy)
     app = build_app(Generator(loaded.model, loaded.tokenizer, speculator, graphs=not args.eager), name,
                     args.max_batch, args.max_queue, args.max_model_len, policy, args.api_key, args.max_body_bytes,
-                    args.multi_step)
+                    args.multi_step, args.spec_multi_step)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     print(f"[eaglet] serving {name} ({policy.describe()}, {args.max_batch} rows, context "
           f"{app.state.engine.max_len}) at http://{args.host}:{args.port}/v1", file=sys.stderr)

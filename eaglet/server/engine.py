@@ -124,12 +124,13 @@ class Chunk:
 
 class Engine:
     def __init__(self, generator: Generator, slots: int, max_queue: int, max_len: int, metrics: ServerMetrics,
-                 policy: SpecPolicy | None = None, multi_step: int | None = None):
+                 policy: SpecPolicy | None = None, multi_step: int | None = None, spec_multi_step: int = 1):
         """`generator` decodes with its own speculator (or plain); `policy` (default: always that)
         picks plain or a setting of its base speculator per batch; `multi_step`: plain decoding
-        steps a host round trip (Decoder.trip; default MULTI_STEP on the GPU, 1 on the CPU)."""
+        steps a host round trip (Decoder.trip; default MULTI_STEP on the GPU, 1 on the CPU), and
+        `spec_multi_step` speculation steps."""
         self.generator, self.slots, self.max_queue, self.max_len = generator, slots, max_queue, max_len
-        self.multi_step = multi_step
+        self.multi_step, self.spec_multi_step = multi_step, spec_multi_step
         self.metrics = metrics
         self.policy = policy or SpecPolicy(generator.speculator)
         own = generator.speculator
@@ -321,10 +322,10 @@ class Engine:
             if stepped:
                 t0 = clock()
                 running = [s.request for s in self.batcher.rows if s is not None]
-                # speculating batches step one at a time: each step already brings several tokens a
-                # row, and trips of 4 measured no gain for them but 2-7x the time to first token
-                one = short or self.batcher.speculative
-                self._guarded(partial(self.batcher.step, 1 if one else None), running, drop_batch=True)
+                # speculating batches take spec_multi_step steps a trip (default 1: each step already
+                # brings several tokens a row; trips of 4 measured no gain but 2-7x the time to first token)
+                trip = 1 if short else self.spec_multi_step if self.batcher.speculative else None
+                self._guarded(partial(self.batcher.step, trip), running, drop_batch=True)
                 t["step"] = clock() - t0
             t0 = clock()
             self._gauges()  # before the chunks go out: a client that saw its last chunk sees its row free
@@ -352,6 +353,10 @@ class Engine:
     def _push_time(self) -> None:
         """The engine time gathered since the last push, to its Prometheus counters."""
         self.metrics.engine(self.time, self.time_steps, self.time_admits)
+        drafted = SpecMetrics()  # the draft counters of every speculating step since the last push
+        for step in self.steps.values():
+            drafted.merge(step.take_drafted())
+        self.metrics.drafted(drafted)
         if self.dec is not None:
             self.metrics.graphs.labels(self.metrics.name).set(self.dec.graphs.captured)
         self.time, self.time_steps, self.time_admits = dict.fromkeys(ENGINE_PARTS, 0.0), 0, 0
@@ -436,7 +441,6 @@ class Engine:
         t = time.perf_counter()
         m, name = self.metrics, self.metrics.name
         tokens = 0  # this step's, over all rows: one metrics update
-        drafted = (self.batcher.take_drafted() if self.batcher is not None else None) or SpecMetrics()
         for o in outputs:
             req = o.seq.request
             if o.error is not None:
@@ -463,7 +467,7 @@ class Engine:
                 if o.seq.count > 1:
                     m.tpot.labels(name).observe((t - req.first_at) / (o.seq.count - 1))
             self._send(req, chunk, final=o.finished)
-        m.step(tokens, drafted)
+        m.step(tokens)
 
     def _fail(self, req: Request, err: APIError) -> None:
         if err.status >= 500:

@@ -168,9 +168,12 @@ class ServerMetrics:
         """Time between two outputs of one request."""
         self._itl.observe(seconds)
 
-    def step(self, tokens: int, d: SpecMetrics) -> None:
-        """An engine step's generated tokens and draft counters over all its rows: one update each."""
+    def step(self, tokens: int) -> None:
+        """An engine step's generated tokens over all its rows: one update."""
         self._generated.inc(tokens)
+
+    def drafted(self, d: SpecMetrics) -> None:
+        """The draft counters of the steps since the last call, over all their rows."""
         if d.drafts:
             self._drafts.inc(d.drafts)
             self._draft_tokens.inc(d.draft_tokens)
