@@ -10,6 +10,7 @@ part alone, plain against speculation settings. A probe, CPU; its host is not th
 With --pyspy, py-spy samples the server through one more run of each system (raw stacks in --out).
 
   .venv/bin/python bench/cpu/serve_host_load.py [--systems plain tree:4,4,16 chain:4] [--concurrency 64] [--multi-step 1 4]
+      [--spec-multi-step 1 2]
 """
 import argparse
 import dataclasses
@@ -111,17 +112,21 @@ def main() -> None:
                     "(the served τ on the H200 was ~3)")
     ap.add_argument("--multi-step", type=int, nargs="+", default=[1], help="serve each system with each "
                     "(steps a host round trip)")
+    ap.add_argument("--spec-multi-step", type=int, nargs="+", default=[1], help="serve each speculating system "
+                    "with each of these speculation steps a host round trip (serve --spec-multi-step)")
     ap.add_argument("--pyspy", action="store_true")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     loaded, base = model_without_cost(args.tokens_per_step)
     results = {"decode_us": decode_cost(loaded.tokenizer)}
     print("decode of a 1-4 token window, µs a call: " + ", ".join(f"{k} {v:.2f}" for k, v in results["decode_us"].items()))
-    runs = [(s, m) for s in args.systems for m in args.multi_step]
-    for port, (sysname, multi) in enumerate(runs, start=8091):
-        name = sysname if args.multi_step == [1] else f"{sysname} x{multi}"
+    runs = [(s, m, sm) for s in args.systems for m in args.multi_step
+            for sm in (args.spec_multi_step if s != "plain" else [1])]
+    for port, (sysname, multi, spec_multi) in enumerate(runs, start=8091):
+        name = sysname + ("" if args.multi_step == [1] else f" x{multi}") + ("" if spec_multi == 1 else f" s{spec_multi}")
         gen = Generator(loaded.model, loaded.tokenizer, system(base, sysname))
-        app = build_app(gen, "m", max_batch=args.concurrency, max_len=1024, multi_step=multi)
+        app = build_app(gen, "m", max_batch=args.concurrency, max_len=1024, multi_step=multi,
+                        spec_multi_step=spec_multi)
         with torch.inference_mode():  # every row bucket's one real step before any timing (the engine reuses it)
             engine = app.state.engine
             for setting in engine.settings():
@@ -133,6 +138,7 @@ def main() -> None:
         with serving(app, port):
             rounds = [bench(port, args) for _ in range(args.rounds + 1)][1:]  # the first warms up
             if args.pyspy:
+                Path(args.out).mkdir(parents=True, exist_ok=True)  # py-spy does not make it
                 raw = Path(args.out) / f"serve-host-load-{name.replace(':', '-').replace(',', '-').replace(' ', '-')}.pyspy.txt"
                 spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(os.getpid()),
                                         "--threads", "-r", "200", "-d", "8", "-f", "raw", "-o", str(raw)],
