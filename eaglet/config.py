@@ -1,5 +1,5 @@
-"""Model configuration: one frozen dataclass for the whole Llama family, built once from a HF
-config.json dict (transformers 4.x `rope_theta`/`rope_scaling` or 5.x `rope_parameters`).
+"""Model configuration: one frozen dataclass for the whole Llama family and its Mixture-of-Experts
+members (Qwen3-MoE, Mixtral: `MoEConfig`), built once from a HF config.json dict (transformers 4.x `rope_theta`/`rope_scaling` or 5.x `rope_parameters`).
 
 GGUF metadata is first turned into the same HF dict (weights/gguf_file.py), so there is one parser.
 """
@@ -21,7 +21,44 @@ FAMILY = {
     "mistral": dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, sliding=True),
     "qwen2": dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False, sliding=False),
     "qwen3": dict(qkv_bias="cfg", o_bias="cfg", mlp_bias=False, qk_norm=True, sliding=False),
+    "qwen3_moe": dict(qkv_bias="cfg", o_bias="cfg", mlp_bias=False, qk_norm=True, sliding=False),
+    "mixtral": dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, sliding=True),
 }
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The routed experts of a Mixture-of-Experts model (models/moe.py)."""
+    num_experts: int
+    top_k: int
+    expert_size: int  # each expert's intermediate width
+    norm_topk_prob: bool  # the top-k routing weights renormalized to sum to 1
+    sparse_step: int = 1  # every sparse_step-th layer is sparse (Qwen's decoder_sparse_step)
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP all the same (Qwen's mlp_only_layers)
+
+    def sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
+
+    @staticmethod
+    def from_hf(mt: str, cfg: dict) -> "MoEConfig | None":
+        if mt == "mixtral":  # every layer sparse; the experts' width is intermediate_size
+            return MoEConfig(int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"]),
+                             int(cfg["intermediate_size"]), True)
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers 5 writes the latter
+        if mt == "qwen3_moe" and experts > 0:
+            return MoEConfig(experts, int(cfg["num_experts_per_tok"]),
+                             int(cfg["moe_intermediate_size"]), bool(cfg.get("norm_topk_prob", False)),
+                             int(cfg.get("decoder_sparse_step", 1)), tuple(cfg.get("mlp_only_layers") or ()))
+        return None
+
+    def to_hf(self, mt: str) -> dict:
+        if mt == "mixtral":
+            return dict(num_local_experts=self.num_experts, num_experts_per_tok=self.top_k)
+        return dict(num_experts=self.num_experts, num_experts_per_tok=self.top_k,
+                    moe_intermediate_size=self.expert_size, norm_topk_prob=self.norm_topk_prob,
+                    decoder_sparse_step=self.sparse_step, mlp_only_layers=list(self.dense_layers))
 
 
 @dataclass(frozen=True)
@@ -81,6 +118,7 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoEConfig | None = None  # routed experts (Qwen3-MoE, Mixtral); None: dense
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -130,6 +168,7 @@ class ModelConfig:
                 sliding_window=int(sw) if sw else None,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos,
+                moe=MoEConfig.from_hf(mt, cfg),
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json lacks {e.args[0]!r}") from None
@@ -144,8 +183,7 @@ class ModelConfig:
     def to_hf(self) -> dict:
         """A HF config.json dict that `from_hf` reads back to an equal config."""
         d = dict(
-            architectures=[{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.model_type]],
+            architectures=[ARCHITECTURES[self.model_type]],
             model_type=self.model_type, vocab_size=self.vocab_size, hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
             num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
@@ -157,6 +195,8 @@ class ModelConfig:
             eos_token_id=list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
         )
         d.update(self.rope.to_hf())
+        if self.moe is not None:
+            d.update(self.moe.to_hf(self.model_type))
         return d
 
     def replace(self, **kw) -> "ModelConfig":

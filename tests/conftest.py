@@ -36,6 +36,10 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", dict(rope_theta=1000000.0)),
     "qwen3": ("Qwen3Config", dict(head_dim=32)),
     "smollm2": ("LlamaConfig", dict(tie_word_embeddings=True, num_key_value_heads=1, rope_theta=100000.0)),
+    # routed experts: a dense first layer (mlp_only_layers), top-2 of 8 renormalized; Mixtral top-2 of 4
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         norm_topk_prob=True, mlp_only_layers=[0])),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
 }
 
 

@@ -1,4 +1,5 @@
-"""The Llama family in native PyTorch: Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2.
+"""The Llama family in native PyTorch: Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2, and with
+routed experts in place of the MLP (models/moe.py) Qwen3-MoE and Mixtral.
 
 One implementation; ModelConfig's switches pick qkv bias (Qwen2), q/k RMSNorm (Qwen3), tied
 embeddings (SmolLM2), llama3 rope scaling and a sliding window (Mistral). Module names are the HF
@@ -19,7 +20,7 @@ from torch import nn
 from ..config import ModelConfig, rope_inv_freq
 from ..kernels import EAGER, Kernels, fusable
 from ..kvcache import Cache
-from . import cache_attention, gemv
+from . import cache_attention, gemv, moe
 from .attention import AttnMeta
 from .linear import Linear, linear
 
@@ -219,14 +220,23 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer, kernels=kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, kernels)
+        if config.moe is not None and config.moe.sparse(layer):  # under the checkpoint's name for it
+            self.ffn_name = moe.NAMES[config.model_type][0]
+            setattr(self, self.ffn_name, moe.SparseMoE(config, kernels))
+        else:
+            self.ffn_name, self.mlp = "mlp", MLP(config, kernels)
+
+    @property
+    def ffn(self) -> nn.Module:
+        """The feed-forward module: a dense MLP or routed experts (SparseMoE)."""
+        return getattr(self, self.ffn_name)
 
     def forward(self, h, residual, cos, sin, cache, meta):
         """h: this layer's input before the residual add; residual: the stream so far (None at the
         first layer). Returns (mlp output, residual stream): their sum is the layer's output."""
         x, residual = self.input_layernorm(h, residual) if residual is not None else (self.input_layernorm(h), h)
         x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, cache, meta), residual)
-        return self.mlp(x), residual
+        return self.ffn(x), residual
 
 
 class Decoder(nn.Module):
@@ -275,12 +285,15 @@ class CausalLM(nn.Module):
         """For inference: q/k/v and gate/up each as one matmul (see fuse_linears)."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
-            layer.mlp.fuse()
+            layer.ffn.fuse()
 
     def post_materialize(self) -> None:
         """After building on the meta device and `to_empty`: re-tie weights, recompute buffers."""
         self.tie_weights()
         self.model.rotary.reset_buffers(self.config)
+        for m in self.modules():
+            if isinstance(m, moe.SparseMoE):
+                m.reset_counts()
 
 
 def compile_elementwise(model: nn.Module) -> int:

@@ -1,0 +1,136 @@
+"""Mixture-of-Experts feed-forward layers: a router picks each token's top-k experts, their
+SiLU-gated MLPs run on it and their outputs are summed with the routing weights.
+
+Module names are the checkpoints' (Qwen3-MoE: `mlp.gate`, `mlp.experts.{e}.gate_proj/up_proj/
+down_proj`; Mixtral: `block_sparse_moe.gate`, `block_sparse_moe.experts.{e}.w1/w3/w2`), so a
+safetensors file loads as it is. For inference `fuse()` stacks the experts' weights into one
+(E, 2I, H) gate-up tensor and one (E, H, I) down tensor, each expert's parameters becoming views of
+them (the state dict keeps its names), and the forward works on the stacks:
+
+- a few tokens (decode, a verify tree): each token's k experts' weights are gathered and applied
+  with batched matmuls, with static shapes and no host sync (what the CUDA graphs capture);
+- many tokens (prefill): expert by expert over the tokens routed to it.
+
+Each token's result depends on its own routing only. The layer counts, on the device and without a
+host sync, the forwards it ran and the distinct experts they touched (`touched`, `forwards`): what a
+verify of T tokens reads against a decode's k experts.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..kernels import EAGER, Kernels
+from .linear import Linear
+
+# model_type -> (the feed-forward module's name in a layer, an expert's gate / up / down names)
+NAMES = {
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+}
+
+
+class Expert(nn.Module):
+    """One expert's SiLU-gated MLP, its linears under the checkpoint's names."""
+
+    def __init__(self, hidden: int, width: int, names: tuple[str, str, str], kernels: Kernels = EAGER):
+        super().__init__()
+        self.names = names
+        gate, up, down = names
+        setattr(self, gate, Linear(hidden, width, bias=False, kernels=kernels))
+        setattr(self, up, Linear(hidden, width, bias=False, kernels=kernels))
+        setattr(self, down, Linear(width, hidden, bias=False, kernels=kernels))
+
+    def linears(self) -> tuple[Linear, Linear, Linear]:
+        return tuple(getattr(self, n) for n in self.names)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, config: ModelConfig, kernels: Kernels = EAGER):
+        super().__init__()
+        moe = config.moe
+        self.num_experts, self.top_k, self.norm_topk = moe.num_experts, moe.top_k, moe.norm_topk_prob
+        names = NAMES[config.model_type][1]
+        self.gate = Linear(config.hidden_size, moe.num_experts, bias=False, kernels=kernels)
+        self.experts = nn.ModuleList(Expert(config.hidden_size, moe.expert_size, names, kernels)
+                                     for _ in range(moe.num_experts))
+        self.register_buffer("touched", torch.zeros((), dtype=torch.long), persistent=False)
+        self.register_buffer("forwards", torch.zeros((), dtype=torch.long), persistent=False)
+        self.fused = False
+
+    def fuse(self) -> None:
+        """The experts' weights as two stacks, each expert's parameters views of them."""
+        gate_up = torch.stack([torch.cat([e.linears()[0].weight.data, e.linears()[1].weight.data])
+                               for e in self.experts])  # (E, 2I, H)
+        down = torch.stack([e.linears()[2].weight.data for e in self.experts])  # (E, H, I)
+        width = gate_up.shape[1] // 2
+        for i, e in enumerate(self.experts):
+            g, u, d = e.linears()
+            g.weight.data, u.weight.data, d.weight.data = gate_up[i, :width], gate_up[i, width:], down[i]
+        self.register_buffer("gate_up", gate_up, persistent=False)
+        self.register_buffer("down", down, persistent=False)
+        self.fused = True
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (N, H) -> each token's expert weights (N, k) float32 and experts (N, k): softmax over
+        the router's logits, the top k, renormalized over them where the model does."""
+        probs = self.gate(x).float().softmax(-1)
+        weights, experts = probs.topk(self.top_k, -1)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights, experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, experts = self.route(x)
+        self.count(experts)
+        gate_up, down = self.stacks()
+        if experts.numel() <= 2 * self.num_experts:  # few tokens: gathered, static shapes
+            out = gathered(x, experts, weights, gate_up, down)
+        else:
+            out = by_expert(x, experts, weights, gate_up, down)
+        return out.reshape(shape)
+
+    def stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:
+            return self.gate_up, self.down
+        # unfused (training, tests on the modules as loaded): stacked on the fly
+        return (torch.stack([torch.cat([e.linears()[0].weight, e.linears()[1].weight]) for e in self.experts]),
+                torch.stack([e.linears()[2].weight for e in self.experts]))
+
+    def reset_counts(self) -> None:
+        self.touched.zero_()
+        self.forwards.zero_()
+
+    def count(self, experts: torch.Tensor) -> None:
+        """Add this forward's distinct experts to `touched` (device, no host sync)."""
+        hit = torch.zeros(self.num_experts, dtype=torch.bool, device=experts.device)
+        hit[experts.reshape(-1)] = True
+        self.touched += hit.sum()
+        self.forwards += 1
+
+
+def gathered(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+             down: torch.Tensor) -> torch.Tensor:
+    """Each token's k experts' weights gathered and applied: x (N, H), experts and weights (N, k),
+    gate_up (E, 2I, H), down (E, H, I) -> (N, H)."""
+    n, k = experts.shape
+    gu = torch.einsum("nh,nkih->nki", x, gate_up[experts])  # (N, k, 2I)
+    g, u = gu.chunk(2, -1)
+    y = torch.einsum("nki,nkhi->nkh", F.silu(g) * u, down[experts])  # (N, k, H)
+    return (y * weights.to(y.dtype)[..., None]).sum(1)
+
+
+def by_expert(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+              down: torch.Tensor) -> torch.Tensor:
+    """Expert by expert over the tokens routed to it (many tokens; sizes depend on the routing)."""
+    out = torch.zeros_like(x)
+    for e in experts.unique().tolist():  # sync: the experts in use
+        tok, slot = (experts == e).nonzero(as_tuple=True)
+        g, u = F.linear(x[tok], gate_up[e]).chunk(2, -1)
+        y = F.linear(F.silu(g) * u, down[e]) * weights[tok, slot].to(x.dtype)[:, None]
+        out.index_add_(0, tok, y)
+    return out

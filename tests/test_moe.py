@@ -1,0 +1,117 @@
+"""Mixture-of-Experts targets (models/moe.py) on tiny random Qwen3-MoE and Mixtral configs built with
+transformers (their logits against transformers' are in test_model_parity): the config's sparse
+and dense layers, the two expert paths against each other, the distinct-experts counters against
+the router's choices, and greedy speculation on an MoE target equal to plain greedy decoding."""
+import pytest
+import torch
+from safetensors import safe_open
+
+from eaglet import GenerationConfig, Generator, load_model
+from eaglet.config import ModelConfig, SpecConfig
+from eaglet.kvcache import KVCache
+from eaglet.models.attention import AttnMeta
+from eaglet.models.moe import SparseMoE, by_expert, gathered
+
+from .test_spec_greedy import SHAPES, Recording, random_head, run_checked, small_draft  # noqa: F401
+
+GREEDY = GenerationConfig(max_new_tokens=64, ignore_eos=True)
+
+
+def load(tiny_dirs, family):
+    return load_model(tiny_dirs[family][0], dtype="float32", device="cpu", tokenizer=False).model
+
+
+def test_configs_of_the_shipped_models():
+    """Qwen3-30B-A3B's and Mixtral-8x7B's config keys; Qwen's sparse step and dense layers."""
+    base = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4)
+    qwen = ModelConfig.from_hf(dict(base, model_type="qwen3_moe", num_experts=128, num_experts_per_tok=8,
+                                    moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=2,
+                                    mlp_only_layers=[3]))
+    assert (qwen.moe.num_experts, qwen.moe.top_k, qwen.moe.expert_size, qwen.moe.norm_topk_prob) == (128, 8, 768, True)
+    assert [qwen.moe.sparse(i) for i in range(4)] == [False, True, False, False]
+    assert ModelConfig.from_hf(qwen.to_hf()) == qwen
+    mix = ModelConfig.from_hf(dict(base, model_type="mixtral", num_local_experts=8, num_experts_per_tok=2))
+    assert (mix.moe.num_experts, mix.moe.expert_size, mix.moe.norm_topk_prob) == (8, 96, True)
+    assert all(mix.moe.sparse(i) for i in range(4)) and ModelConfig.from_hf(mix.to_hf()) == mix
+    dense = ModelConfig.from_hf(dict(base, model_type="qwen3_moe", num_experts=0))
+    assert dense.moe is None
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_layers_and_names(tiny_dirs, family):
+    """Sparse layers hold routed experts under the checkpoint's names; fused, the state dict keeps
+    them, each expert a view of the stacks."""
+    model = load(tiny_dirs, family)
+    kinds = [type(layer.ffn).__name__ for layer in model.model.layers]
+    assert kinds == (["MLP", "SparseMoE", "SparseMoE", "SparseMoE"] if family == "qwen3_moe" else ["SparseMoE"] * 4)
+    with safe_open(str(tiny_dirs[family][0] / "model.safetensors"), "pt") as f:
+        assert set(model.state_dict()) - {"model.rotary.freq_factors"} == set(f.keys())  # per expert (GGUF rope factors aside)
+    moe = model.model.layers[1].ffn
+    assert moe.fused and moe.experts[2].linears()[2].weight.data_ptr() == moe.down[2].data_ptr()
+
+
+@torch.inference_mode()
+def test_gathered_equals_by_expert():
+    """The few-token path (gathered weights, static shapes) and the many-token one (expert by expert)
+    agree, whatever the number of tokens."""
+    g = torch.Generator().manual_seed(0)
+    e, k, h, i = 8, 3, 16, 12
+    gate_up, down = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
+    for n in (1, 5, 40):
+        x = torch.randn(n, h, generator=g)
+        experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
+        weights = torch.rand(n, k, generator=g)
+        a, b = gathered(x, experts, weights, gate_up, down), by_expert(x, experts, weights, gate_up, down)
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@torch.inference_mode()
+def test_distinct_expert_counters(tiny_dirs, family):
+    """Each sparse layer's `touched` adds up, forward by forward, the distinct experts its router
+    chose (recomputed here from the router on the layer's input), with no host sync in the model."""
+    model = load(tiny_dirs, family)
+    layers = [(i, layer.ffn) for i, layer in enumerate(model.model.layers) if isinstance(layer.ffn, SparseMoE)]
+    want = {i: 0 for i, _ in layers}
+    inputs = {}
+    hooks = [m.register_forward_pre_hook(lambda mod, args, i=i: inputs.__setitem__(i, args[0]))
+             for i, m in layers]
+    cache = KVCache.for_model(model.config, 2, 64, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(3)
+    for t in (9, 1, 1, 4):  # a prefill, two decode steps, a 4-token verify
+        ids = torch.randint(0, 128, (2, t), generator=g)
+        pos = cache.lens[:, None] + torch.arange(t)
+        model(ids, pos, cache, AttnMeta.build(cache.lens, pos, int(cache.lens.max()) + t,
+                                              sliding_window=model.config.sliding_window))
+        cache.advance(t)
+        for i, m in layers:
+            _, chosen = m.route(inputs[i].reshape(-1, inputs[i].shape[-1]))
+            want[i] += len(set(chosen.flatten().tolist()))
+    for h in hooks:
+        h.remove()
+    assert {i: int(m.touched) for i, m in layers} == want
+    assert all(int(m.forwards) == 4 for _, m in layers)
+    assert all(w > 4 for w in want.values())  # several experts a forward
+
+
+@pytest.fixture(scope="module")
+def moe_target(tiny_dirs):
+    """(the tiny Qwen3-MoE target, 20 prompts, plain greedy of each alone)."""
+    model = load(tiny_dirs, "qwen3_moe")
+    prompts = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(s)).tolist()
+               for s, n in enumerate([3, 5, 8, 13, 1, 20, 7, 9, 11, 4, 6, 2, 15, 10, 12, 17, 3, 8, 5, 19])]
+    plain = Generator(model, None)
+    return model, prompts, [plain.generate([p], GREEDY)[0].tokens for p in prompts]
+
+
+@pytest.mark.parametrize("shape", ["chain3", "tree3x3"])
+@pytest.mark.parametrize("drafter", ["eagle3", "ngram", "draft"])
+def test_speculation_on_an_moe_target_equals_plain_greedy(moe_target, small_draft, drafter, shape):
+    """EAGLE-3 taps of an MoE target, n-gram and a draft model, chain and tree, 20 prompts in one
+    batch: plain greedy token for token, every step replayed (test_spec_greedy.run_checked)."""
+    model, prompts, ref = moe_target
+    spec = SpecConfig(drafter, **SHAPES[shape])
+    sp = {"eagle3": lambda: Recording(spec, head=random_head(model.config)), "ngram": lambda: Recording(spec),
+          "draft": lambda: Recording(spec, draft_model=small_draft)}[drafter]()
+    outs, _ = run_checked(model, prompts, ref, sp)
+    assert sum(c.spec.accepted_tokens for c in outs) > 0
