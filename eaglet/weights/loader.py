@@ -2,7 +2,8 @@
 
 The model is built on the meta device, materialised on the target device and dtype, and filled
 from a stream of (name, tensor) pairs: a name the model does not have, a missing parameter or a
-shape mismatch is a ModelLoadError naming the tensor.
+shape mismatch is a ModelLoadError naming the tensor. Quantized checkpoints (FP8 blocks,
+compressed-tensors INT4 packs) are dequantized on the way in (quant.py).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from ..errors import ModelLoadError
 from ..kernels import Kernels
 from ..models.llama import CausalLM, compile_elementwise
 from ..tokenizer import Tokenizer
-from . import safetensors_dir
+from . import quant, safetensors_dir
 from .gguf_cache import converted_dir
 from .gguf_file import is_gguf
 from .names import IGNORED
@@ -116,6 +117,8 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype | None =
         raise ModelLoadError(f"{path}: neither a HF model directory nor a GGUF file")
     hf = safetensors_dir.read_config(weights_dir)
     config = ModelConfig.from_hf(hf)
-    model = build_model(config, safetensors_dir.iter_tensors(weights_dir), dev, dt, source=str(path), kernels=kernels)
+    quant.scheme(hf.get("quantization_config"))  # an unsupported one refused before the model is built
+    pairs = quant.dequantized(safetensors_dir.iter_tensors(weights_dir), hf.get("quantization_config"))
+    model = build_model(config, pairs, dev, dt, source=str(path), kernels=kernels)
     tok = Tokenizer.from_dir(weights_dir, config) if tokenizer else None
     return LoadedModel(model=model, tokenizer=tok, config=config, path=path, weights_dir=weights_dir)

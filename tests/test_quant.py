@@ -1,0 +1,113 @@
+"""Quantized MoE checkpoints (weights/quant.py), written here from a tiny random Qwen3-MoE the way
+DeepSeek-V3 / Kimi-K2 (FP8 in 128 x 128 blocks) and Kimi-K2.5 (compressed-tensors INT4 packs, groups
+of 32) ship: eaglet loads each to the tensors of their reference dequantization, computed here
+independently, and refuses an unknown method or a scale of the wrong shape by name."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from eaglet.errors import ModelLoadError
+from eaglet.weights import load_model
+
+
+def quantizable(name: str, t: torch.Tensor) -> bool:
+    """The linear weights a quantized release stores quantized (not norms, embeddings, router, head)."""
+    return t.dim() == 2 and name.endswith("proj.weight")
+
+
+def fp8_reference(w: torch.Tensor, block: int = 8):
+    """(float8 weight, scale_inv per block, its dequantization): scale = block absmax / 448."""
+    r, c = w.shape
+    nb = (-(-r // block), -(-c // block))
+    scale = torch.zeros(nb)
+    q = torch.empty(r, c, dtype=torch.float8_e4m3fn)
+    deq = torch.empty(r, c)
+    for i in range(nb[0]):
+        for j in range(nb[1]):
+            blk = w[i * block:(i + 1) * block, j * block:(j + 1) * block]
+            s = blk.abs().max().clamp(min=1e-8) / 448
+            qb = (blk / s).to(torch.float8_e4m3fn)
+            scale[i, j] = s
+            q[i * block:(i + 1) * block, j * block:(j + 1) * block] = qb
+            deq[i * block:(i + 1) * block, j * block:(j + 1) * block] = qb.float() * s
+    return q, scale, deq
+
+
+def int4_reference(w: torch.Tensor, group: int = 32):
+    """(int32 packs, scales, shape, dequantization): q = round(w / s) in [-8, 7], s = group absmax / 7,
+    packed eight to an int32 (column 8c + i in bits 4i of column c) with an offset of 8."""
+    r, c = w.shape
+    s = w.reshape(r, c // group, group).abs().amax(-1).clamp(min=1e-8) / 7  # (r, c / group)
+    q = (w / s.repeat_interleave(group, 1)).round().clamp(-8, 7).to(torch.int64)
+    u = (q + 8).numpy().astype(np.uint32)
+    packed = np.zeros((r, c // 8), dtype=np.uint32)
+    for i in range(8):
+        packed |= u[:, i::8] << (4 * i)
+    return (torch.from_numpy(packed.view(np.int32)), s.to(torch.bfloat16), torch.tensor([r, c]),
+            q.float() * s.to(torch.bfloat16).float().repeat_interleave(group, 1))
+
+
+def write_quantized(src, dst, method: str) -> dict[str, torch.Tensor]:
+    """A copy of the checkpoint in `src` quantized by `method`; returns the reference weights."""
+    shutil.copytree(src, dst)
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    out, ref = {}, {}
+    for name, t in state.items():
+        base = name.removesuffix(".weight")
+        if not quantizable(name, t):
+            out[name] = ref[name] = t
+        elif method == "fp8":
+            q, s, ref[name] = fp8_reference(t)
+            out[name], out[base + ".weight_scale_inv"] = q, s
+        else:
+            out[base + ".weight_packed"], out[base + ".weight_scale"], out[base + ".weight_shape"], ref[name] = \
+                int4_reference(t)
+    save_file(out, str(dst / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                          "weight_block_size": [8, 8]},
+                                  "int4": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                           "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                                               "num_bits": 4, "type": "int", "symmetric": True,
+                                               "strategy": "group", "group_size": 32}}}}}[method]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return ref
+
+
+@pytest.mark.parametrize("method", ["fp8", "int4"])
+def test_quantized_moe_checkpoint_loads_to_its_dequantization(tiny_dirs, tmp_path, method):
+    ref = write_quantized(tiny_dirs["qwen3_moe"][0], tmp_path / method, method)
+    model = load_model(tmp_path / method, dtype="float32", device="cpu", tokenizer=False).model
+    state = model.state_dict()
+    assert sum(quantizable(n, t) for n, t in ref.items()) > 40  # attention and every expert's linears
+    for name, want in ref.items():
+        assert torch.equal(state[name], want.float()), name
+    plain = tiny_dirs["qwen3_moe"][1].model.layers[1].self_attn.q_proj.weight
+    assert 0 < (state["model.layers.1.self_attn.q_proj.weight"] - plain).abs().max() < 0.1 * plain.abs().max()
+
+
+def test_bad_quantized_checkpoints_are_refused_by_name(tiny_dirs, tmp_path):
+    d = tmp_path / "fp8"
+    write_quantized(tiny_dirs["qwen3_moe"][0], d, "fp8")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "awq"}}))
+    with pytest.raises(ModelLoadError, match="quant_method 'awq' is not supported"):
+        load_model(d, dtype="float32", device="cpu", tokenizer=False)
+    (d / "config.json").write_text(json.dumps(cfg))
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    bad = "model.layers.2.mlp.experts.3.down_proj.weight_scale_inv"
+    state[bad] = state[bad][:, :1].contiguous()
+    save_file(state, str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=bad.replace(".", r"\.")):
+        load_model(d, dtype="float32", device="cpu", tokenizer=False)
+    del state[bad]
+    save_file(state, str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="is missing"):
+        load_model(d, dtype="float32", device="cpu", tokenizer=False)
