@@ -4,6 +4,7 @@ permutation for the llama arch, F32 norms), as F32, Q8_0 and Q4_1, then loaded w
 and compared with the source weights and with transformers' logits. Also: the converted-weights
 cache, and the errors for unsupported or broken files."""
 import copy
+import re
 
 import numpy as np
 import pytest
@@ -256,3 +257,44 @@ def test_file_that_is_not_a_model_is_a_load_error(tmp_path, content):
     (tmp_path / "model.bin").write_bytes(content)
     with pytest.raises(ModelLoadError):
         load(tmp_path / "model.bin")
+
+
+def test_qwen3moe_file_loads_per_expert_and_matches_transformers(tmp_path):
+    """llama.cpp's qwen3moe layout: the router as ffn_gate_inp, each projection's experts stacked in
+    one (E, out, in) tensor (ffn_gate_exps, ffn_up_exps, ffn_down_exps), the expert counts and width
+    in the metadata; loaded per expert, its logits are transformers'."""
+    ref = hf_model("qwen3_moe", mlp_only_layers=[])  # llama.cpp's qwen3moe has no dense layers
+    cfg, state = ref.config, ref.state_dict()
+    w = GGUFWriter(str(tmp_path / "m.gguf"), "qwen3moe")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_expert_count(8)
+    w.add_expert_used_count(2)
+    w.add_expert_feed_forward_length(32)
+    for name, t in state.items():
+        m = re.match(r"model\.layers\.(\d+)\.mlp\.(.+)$", name)
+        if not m:
+            w.add_tensor(hf_to_gguf(name), t.numpy())
+        elif m.group(2) == "gate.weight":
+            w.add_tensor(f"blk.{m.group(1)}.ffn_gate_inp.weight", t.numpy())
+        elif m.group(2) == "experts.gate_up_proj":  # transformers keeps (E, 2I, H): gate rows, then up rows
+            w.add_tensor(f"blk.{m.group(1)}.ffn_gate_exps.weight", t[:, :32].contiguous().numpy())
+            w.add_tensor(f"blk.{m.group(1)}.ffn_up_exps.weight", t[:, 32:].contiguous().numpy())
+        else:
+            w.add_tensor(f"blk.{m.group(1)}.ffn_down_exps.weight", t.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    loaded = load(tmp_path / "m.gguf")
+    assert loaded.config.moe.num_experts == 8 and loaded.config.moe.sparse(0)
+    got = loaded.model.state_dict()
+    assert torch.equal(got["model.layers.1.mlp.experts.5.up_proj.weight"], state["model.layers.1.mlp.experts.gate_up_proj"][5, 32:])
+    assert logits_diff(loaded.model, ref) <= 1e-4

@@ -1,7 +1,8 @@
 """GGUF files (llama.cpp): hyper-parameters as a HF config dict, tensors dequantized by the `gguf`
 package and renamed through weights/names.py, tokenizer and chat template through transformers.
 
-Supported architectures: llama (Llama 2/3/3.1, Mistral, SmolLM2), qwen2, qwen3. Any tensor type
+Supported architectures: llama (Llama 2/3/3.1, Mistral, SmolLM2), qwen2, qwen3, qwen3moe (its
+experts stacked in one tensor per layer and projection, loaded per expert). Any tensor type
 the `gguf` package can dequantize loads (F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, the K-quants...).
 """
 from __future__ import annotations
@@ -13,9 +14,9 @@ import numpy as np
 import torch
 
 from ..errors import ModelLoadError
-from .names import gguf_to_hf, qk_heads, unpermute_qk
+from .names import gguf_stacked, gguf_to_hf, qk_heads, unpermute_qk
 
-ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF arch -> HF model_type
+ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}  # GGUF arch -> HF model_type
 PERMUTED_ARCHS = {"llama"}  # llama.cpp permutes Q/K rows only for these
 
 
@@ -53,7 +54,7 @@ class GGUFFile:
         cfg = dict(
             model_type=ARCHS[self.arch],
             hidden_size=hidden,
-            intermediate_size=int(a("feed_forward_length")),
+            intermediate_size=int(a("feed_forward_length", a("expert_feed_forward_length", 0))),
             num_hidden_layers=int(a("block_count")),
             num_attention_heads=heads,
             num_key_value_heads=int(a("attention.head_count_kv", heads)),
@@ -67,6 +68,9 @@ class GGUFFile:
             bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
             eos_token_id=self.field("tokenizer.ggml.eos_token_id"),
         )
+        if a("expert_count"):  # every layer sparse (llama.cpp's qwen3moe), top-k weights renormalized
+            cfg.update(num_experts=int(a("expert_count")), num_experts_per_tok=int(a("expert_used_count")),
+                       moe_intermediate_size=int(a("expert_feed_forward_length")), norm_topk_prob=True)
         if a("rope.scaling.type") == "linear":
             cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
         return cfg
@@ -78,8 +82,8 @@ class GGUFFile:
         cfg = self.hf_config()
         permuted = self.arch in PERMUTED_ARCHS
         for t in self.reader.tensors:
-            hf = gguf_to_hf(t.name)
-            if hf is None:
+            hf, stacked = gguf_to_hf(t.name), gguf_stacked(t.name)
+            if hf is None and stacked is None:
                 raise ModelLoadError(f"{self.path}: unknown tensor {t.name!r} in GGUF file")
             if t.tensor_type == GGMLQuantizationType.F32:
                 arr = np.asarray(t.data, dtype=np.float32)
@@ -90,6 +94,10 @@ class GGUFFile:
                     raise ModelLoadError(f"{self.path}: tensor {t.name!r} has type {t.tensor_type.name}, "
                                          "which the gguf package cannot dequantize") from None
             arr = arr.reshape([int(n) for n in reversed(t.shape)])  # GGUF lists dims fastest-first
+            if stacked:  # (E, out, in): one tensor per expert
+                for e in range(arr.shape[0]):
+                    yield stacked.format(e=e), torch.from_numpy(np.array(arr[e], dtype=np.float32))
+                continue
             heads = qk_heads(hf, cfg["num_attention_heads"], cfg["num_key_value_heads"]) if permuted else None
             if heads:
                 arr = unpermute_qk(arr, heads)

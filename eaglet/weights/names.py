@@ -35,7 +35,22 @@ GGUF_TO_HF = {
     "blk.{i}.ffn_up.weight": _LAYER + "mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": _LAYER + "mlp.down_proj.weight",
 }
+# routed experts (qwen3moe): one GGUF tensor stacks every expert's weight, (E, out, in); eaglet
+# loads them per expert, under the checkpoint's names
+GGUF_TO_HF["blk.{i}.ffn_gate_inp.weight"] = _LAYER + "mlp.gate.weight"  # the router
+GGUF_STACKED = {
+    "blk.{i}.ffn_gate_exps.weight": _LAYER + "mlp.experts.{e}.gate_proj.weight",
+    "blk.{i}.ffn_up_exps.weight": _LAYER + "mlp.experts.{e}.up_proj.weight",
+    "blk.{i}.ffn_down_exps.weight": _LAYER + "mlp.experts.{e}.down_proj.weight",
+}
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def gguf_stacked(name: str) -> str | None:
+    """The per-expert HF name pattern ({e} for the expert) of a stacked GGUF expert tensor, or None."""
+    m = _BLK.match(name)
+    hf = GGUF_STACKED.get("blk.{i}." + m.group(2)) if m else None
+    return hf.replace("{i}", m.group(1)) if hf else None
 
 
 def gguf_to_hf(name: str) -> str | None:
