@@ -30,13 +30,25 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """The routed experts of a Mixture-of-Experts model (models/moe.py)."""
+    """The routed experts of a Mixture-of-Experts model (models/moe.py) and how tokens are routed:
+    softmax over the router's logits (Qwen3-MoE, Mixtral, DeepSeek-V2) or sigmoid with a learned
+    bias on the choice only (DeepSeek-V3); optionally within the best `topk_group` of `n_group`
+    expert groups first (a group scored by its best expert, or by its best two for DeepSeek-V3)."""
     num_experts: int
     top_k: int
     expert_size: int  # each expert's intermediate width
     norm_topk_prob: bool  # the top-k routing weights renormalized to sum to 1
     sparse_step: int = 1  # every sparse_step-th layer is sparse (Qwen's decoder_sparse_step)
-    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP all the same (Qwen's mlp_only_layers)
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP all the same (Qwen's mlp_only_layers,
+    # DeepSeek's first_k_dense_replace)
+    scoring: str = "softmax"  # softmax | sigmoid
+    n_group: int = 1
+    topk_group: int = 1
+    group_top2: bool = False  # a group's score: its best two experts' sum (DeepSeek-V3), else its best
+    score_bias: bool = False  # e_score_correction_bias added to the scores for the choice (DeepSeek-V3)
+    scaling: float = 1.0  # routed_scaling_factor
+    shared_experts: int = 0  # n_shared_experts: one dense MLP of shared_experts x expert_size beside
+    router_fp32: bool = False  # the router's logits in float32 whatever the model's dtype (DeepSeek)
 
     def sparse(self, layer: int) -> bool:
         return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
@@ -46,7 +58,23 @@ class MoEConfig:
         if mt == "mixtral":  # every layer sparse; the experts' width is intermediate_size
             return MoEConfig(int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"]),
                              int(cfg["intermediate_size"]), True)
-        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers 5 writes the latter
+        experts = int(cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg.get("num_local_experts")
+                      or 0)  # transformers 5 writes the last
+        if mt in ("deepseek_v2", "deepseek_v3"):
+            v3 = mt == "deepseek_v3"
+            method = cfg.get("topk_method", "noaux_tc" if v3 else "greedy")
+            if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+                raise ModelLoadError(f"{mt}: topk_method {method!r} is not supported")
+            grouped = method != "greedy"
+            if int(cfg.get("moe_layer_freq", 1)) != 1:
+                raise ModelLoadError(f"{mt}: moe_layer_freq {cfg['moe_layer_freq']} is not supported (1)")
+            return MoEConfig(experts, int(cfg["num_experts_per_tok"]), int(cfg["moe_intermediate_size"]),
+                             bool(cfg.get("norm_topk_prob", v3)),
+                             1, tuple(range(int(cfg.get("first_k_dense_replace", 0)))),
+                             "sigmoid" if v3 else "softmax", int(cfg.get("n_group") or 1) if grouped else 1,
+                             int(cfg.get("topk_group") or 1) if grouped else 1, v3, v3,
+                             float(cfg.get("routed_scaling_factor", 1.0)), int(cfg.get("n_shared_experts") or 0),
+                             True)
         if mt == "qwen3_moe" and experts > 0:
             return MoEConfig(experts, int(cfg["num_experts_per_tok"]),
                              int(cfg["moe_intermediate_size"]), bool(cfg.get("norm_topk_prob", False)),

@@ -115,3 +115,58 @@ def test_speculation_on_an_moe_target_equals_plain_greedy(moe_target, small_draf
           "draft": lambda: Recording(spec, draft_model=small_draft)}[drafter]()
     outs, _ = run_checked(model, prompts, ref, sp)
     assert sum(c.spec.accepted_tokens for c in outs) > 0
+
+
+def hf_block(family: str, **cfg):
+    """transformers' MoE block of a DeepSeek family with random weights (bias included), and the same
+    weights as eaglet's SparseMoE of a ModelConfig built from that config."""
+    import transformers
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
+
+    from eaglet.config import MoEConfig, RopeConfig
+
+    hf_cfg = getattr(transformers, {"deepseek_v2": "DeepseekV2Config", "deepseek_v3": "DeepseekV3Config"}[family])(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts_per_tok=4, **cfg)
+    torch.manual_seed(0)
+    block = (v2.DeepseekV2Moe if family == "deepseek_v2" else v3.DeepseekV3MoE)(hf_cfg).eval()
+    with torch.no_grad():
+        for t in list(block.parameters()) + list(block.buffers()):
+            t.copy_(0.1 * torch.randn_like(t))
+    moe = MoEConfig.from_hf(family, hf_cfg.to_dict())
+    config = ModelConfig(family, 128, 64, 96, 2, 4, 4, 16, 1e-6, 256, RopeConfig(), moe=moe)
+    ours = SparseMoE(config).eval()
+    state = block.state_dict()
+    gu, down = state.pop("experts.gate_up_proj"), state.pop("experts.down_proj")
+    for e in range(moe.num_experts):
+        state[f"experts.{e}.gate_proj.weight"], state[f"experts.{e}.up_proj.weight"] = gu[e, :32], gu[e, 32:]
+        state[f"experts.{e}.down_proj.weight"] = down[e]
+    ours.load_state_dict(state)
+    ours.fuse()
+    return block, ours
+
+
+@pytest.mark.parametrize("family,cfg", [
+    ("deepseek_v3", dict(n_routed_experts=16, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
+                         norm_topk_prob=True)),
+    ("deepseek_v2", dict(n_routed_experts=16, n_group=4, topk_group=2, n_shared_experts=2, routed_scaling_factor=16.0,
+                         topk_method="group_limited_greedy")),
+    ("deepseek_v2", dict(n_routed_experts=8, n_shared_experts=1, topk_method="greedy")),
+])
+@torch.inference_mode()
+def test_deepseek_routing_and_shared_experts_equal_transformers(family, cfg):
+    """DeepSeek-V3's sigmoid scores with the correction bias on the choice, its groups scored by their
+    best two experts, renormalized and scaled weights; DeepSeek-V2's softmax, greedy or within the
+    groups of the best experts, scaled; both with shared experts beside: the block's output equals
+    transformers' for one token (gathered path) and for many (expert by expert)."""
+    block, ours = hf_block(family, **cfg)
+    g = torch.Generator().manual_seed(1)
+    for shape in ((1, 1, 64), (3, 9, 64)):
+        x = torch.randn(*shape, generator=g)
+        want = block(x)
+        assert (ours(x) - want).abs().max() <= 1e-5 * want.abs().max()
+    x = torch.randn(40, 64, generator=g)
+    _, experts = ours.route(x)
+    if ours.cfg.n_group > 1:  # every token's experts lie in topk_group of the groups
+        per = ours.num_experts // ours.cfg.n_group
+        assert all(len({e // per for e in row}) <= ours.cfg.topk_group for row in experts.tolist())

@@ -29,6 +29,8 @@ from .linear import Linear
 NAMES = {
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "deepseek_v2": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 
 
@@ -46,16 +48,36 @@ class Expert(nn.Module):
     def linears(self) -> tuple[Linear, Linear, Linear]:
         return tuple(getattr(self, n) for n in self.names)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = self.linears()
+        return down(F.silu(gate(x)) * up(x))
+
+
+class Router(nn.Module):
+    """The router's weight (E, H) and, where the model learns one (DeepSeek-V3), the bias added to
+    the scores when choosing experts (not to the weights)."""
+
+    def __init__(self, hidden: int, experts: int, score_bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, hidden))
+        if score_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
 
 class SparseMoE(nn.Module):
     def __init__(self, config: ModelConfig, kernels: Kernels = EAGER):
         super().__init__()
-        moe = config.moe
-        self.num_experts, self.top_k, self.norm_topk = moe.num_experts, moe.top_k, moe.norm_topk_prob
+        self.cfg = moe = config.moe
+        self.num_experts, self.top_k = moe.num_experts, moe.top_k
         names = NAMES[config.model_type][1]
-        self.gate = Linear(config.hidden_size, moe.num_experts, bias=False, kernels=kernels)
+        self.gate = Router(config.hidden_size, moe.num_experts, moe.score_bias)
         self.experts = nn.ModuleList(Expert(config.hidden_size, moe.expert_size, names, kernels)
                                      for _ in range(moe.num_experts))
+        if moe.shared_experts:  # always on, beside the routed ones (DeepSeek)
+            self.shared_experts = Expert(config.hidden_size, moe.expert_size * moe.shared_experts, names, kernels)
         self.register_buffer("touched", torch.zeros((), dtype=torch.long), persistent=False)
         self.register_buffer("forwards", torch.zeros((), dtype=torch.long), persistent=False)
         self.fused = False
@@ -74,13 +96,24 @@ class SparseMoE(nn.Module):
         self.fused = True
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (N, H) -> each token's expert weights (N, k) float32 and experts (N, k): softmax over
-        the router's logits, the top k, renormalized over them where the model does."""
-        probs = self.gate(x).float().softmax(-1)
-        weights, experts = probs.topk(self.top_k, -1)
-        if self.norm_topk:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return weights, experts
+        """x (N, H) -> each token's expert weights (N, k) float32 and experts (N, k): the router's
+        scores (softmax or sigmoid of its float32 logits); the top k, within the best groups where
+        the model groups its experts, chosen by the scores plus the learned bias where it has one;
+        their scores as weights, renormalized where the model does, times its scaling factor."""
+        c = self.cfg
+        logits = F.linear(x.float(), self.gate.weight.float()) if c.router_fp32 else self.gate(x).float()
+        scores = logits.sigmoid() if c.scoring == "sigmoid" else logits.softmax(-1)
+        choice = scores + self.gate.e_score_correction_bias if c.score_bias else scores
+        if c.n_group > 1:
+            groups = choice.view(-1, c.n_group, self.num_experts // c.n_group)
+            g = groups.topk(2, -1).values.sum(-1) if c.group_top2 else groups.amax(-1)  # (N, n_group)
+            keep = torch.zeros_like(g, dtype=torch.bool).scatter_(1, g.topk(c.topk_group, -1).indices, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(self.num_experts // c.n_group, 1), float("-inf"))
+        experts = choice.topk(self.top_k, -1).indices
+        weights = scores.gather(1, experts)
+        if c.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * c.scaling, experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -92,6 +125,8 @@ class SparseMoE(nn.Module):
             out = gathered(x, experts, weights, gate_up, down)
         else:
             out = by_expert(x, experts, weights, gate_up, down)
+        if self.cfg.shared_experts:
+            out = out + self.shared_experts(x)
         return out.reshape(shape)
 
     def stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
