@@ -23,9 +23,44 @@ FAMILY = {
     "qwen3": dict(qkv_bias="cfg", o_bias="cfg", mlp_bias=False, qk_norm=True, sliding=False),
     "qwen3_moe": dict(qkv_bias="cfg", o_bias="cfg", mlp_bias=False, qk_norm=True, sliding=False),
     "mixtral": dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, sliding=True),
+    "deepseek_v2": dict(qkv_bias="cfg", o_bias="cfg", mlp_bias=False, qk_norm=False, sliding=False),
+    "deepseek_v3": dict(qkv_bias="cfg", o_bias="cfg", mlp_bias=False, qk_norm=False, sliding=False),
 }
+ALIASES = {"kimi_k2": "deepseek_v3"}  # Kimi-K2's config: DeepSeek-V3's architecture under its own name
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head Latent Attention (models/mla.py): queries through a low-rank bottleneck (or
+    directly when q_lora_rank is None), keys and values from one latent per token."""
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # the rotary dims in interleaved pairs (DeepSeek's checkpoints)
+
+    @property
+    def width(self) -> int:
+        """Values the latent cache keeps per token and layer."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @staticmethod
+    def from_hf(mt: str, cfg: dict) -> "MLAConfig | None":
+        if mt not in ("deepseek_v2", "deepseek_v3"):
+            return None
+        q = cfg.get("q_lora_rank")
+        return MLAConfig(None if q is None else int(q), int(cfg["kv_lora_rank"]), int(cfg["qk_nope_head_dim"]),
+                         int(cfg["qk_rope_head_dim"]), int(cfg["v_head_dim"]),
+                         mt == "deepseek_v2" or bool(cfg.get("rope_interleave", True)))
+
+    def to_hf(self) -> dict:
+        return dict(q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
+                    qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
+                    v_head_dim=self.v_head_dim, rope_interleave=self.rope_interleave)
 
 
 @dataclass(frozen=True)
@@ -82,6 +117,13 @@ class MoEConfig:
         return None
 
     def to_hf(self, mt: str) -> dict:
+        if mt in ("deepseek_v2", "deepseek_v3"):
+            method = "noaux_tc" if mt == "deepseek_v3" else "group_limited_greedy" if self.n_group > 1 else "greedy"
+            return dict(n_routed_experts=self.num_experts, num_experts_per_tok=self.top_k,
+                        moe_intermediate_size=self.expert_size, norm_topk_prob=self.norm_topk_prob,
+                        first_k_dense_replace=len(self.dense_layers), topk_method=method, n_group=self.n_group,
+                        topk_group=self.topk_group, routed_scaling_factor=self.scaling,
+                        n_shared_experts=self.shared_experts)
         if mt == "mixtral":
             return dict(num_local_experts=self.num_experts, num_experts_per_tok=self.top_k)
         return dict(num_experts=self.num_experts, num_experts_per_tok=self.top_k,
@@ -146,7 +188,8 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    moe: MoEConfig | None = None  # routed experts (Qwen3-MoE, Mixtral); None: dense
+    moe: MoEConfig | None = None  # routed experts (Qwen3-MoE, Mixtral, DeepSeek); None: dense
+    mla: MLAConfig | None = None  # latent attention (DeepSeek); head_dim is then its rotary part
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -162,6 +205,7 @@ class ModelConfig:
     @staticmethod
     def from_hf(cfg: dict) -> "ModelConfig":
         mt = cfg.get("model_type")
+        mt = ALIASES.get(mt, mt)
         if mt not in FAMILY:
             archs = cfg.get("architectures") or []
             raise ModelLoadError(f"unsupported model_type {mt!r} {archs} (supported: {', '.join(FAMILY)})")
@@ -174,6 +218,8 @@ class ModelConfig:
             if cfg.get("use_sliding_window") and not fam["sliding"]:
                 raise ModelLoadError(f"{mt}: use_sliding_window (per-layer windows) is not supported")
 
+            mla = MLAConfig.from_hf(mt, cfg)
+
             def switch(key: str, cfg_key: str) -> bool:
                 return bool(cfg.get(cfg_key, False)) if fam[key] == "cfg" else fam[key]
             return ModelConfig(
@@ -184,7 +230,7 @@ class ModelConfig:
                 num_layers=int(cfg["num_hidden_layers"]),
                 num_heads=nh,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or nh),
-                head_dim=int(cfg.get("head_dim") or h // nh),
+                head_dim=mla.qk_rope_head_dim if mla else int(cfg.get("head_dim") or h // nh),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 max_position=int(cfg.get("max_position_embeddings", 4096)),
                 rope=RopeConfig.from_hf(cfg),
@@ -197,6 +243,7 @@ class ModelConfig:
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos,
                 moe=MoEConfig.from_hf(mt, cfg),
+                mla=mla,
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json lacks {e.args[0]!r}") from None
@@ -225,6 +272,8 @@ class ModelConfig:
         d.update(self.rope.to_hf())
         if self.moe is not None:
             d.update(self.moe.to_hf(self.model_type))
+        if self.mla is not None:
+            d.update(self.mla.to_hf())
         return d
 
     def replace(self, **kw) -> "ModelConfig":

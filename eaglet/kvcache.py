@@ -76,11 +76,13 @@ class KVCache:
     layer's new keys and values together, in one indexed store."""
 
     in_place = True
+    absorbed = True  # MLA attends over these latents in the absorbed form (models/mla.py)
 
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
-        self.kv = torch.zeros(num_layers, 2, batch, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
-        self.k, self.v = self.kv[:, 0], self.kv[:, 1]  # (layers, batch, kv_heads, max_len, head_dim) each
+                 dtype: torch.dtype, device: torch.device | str, parts: int = 2):
+        """parts: 2 (keys, values), or 1 for a latent cache (MLA: one entry a token and layer)."""
+        self.kv = torch.zeros(num_layers, parts, batch, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.k, self.v = self.kv[:, 0], self.kv[:, -1]  # (layers, batch, kv_heads, max_len, head_dim) each
         self.lens = torch.zeros(batch, dtype=torch.long, device=device)  # committed tokens per row
         self.host_lens = np.zeros(batch, dtype=np.int64)  # the same on the host
         self.max_len = max_len
@@ -88,6 +90,8 @@ class KVCache:
 
     @staticmethod
     def for_model(config, batch: int, max_len: int, dtype: torch.dtype, device) -> "KVCache":
+        if config.mla is not None:  # MLA's latent cache: kv_lora_rank + qk_rope_head_dim values a token and layer
+            return KVCache(config.num_layers, batch, 1, max_len, config.mla.width, dtype, device, parts=1)
         return KVCache(config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim, dtype, device)
 
     @property
@@ -98,7 +102,7 @@ class KVCache:
         """Rows lo..hi-1 as a cache of their own; writes and commits land in this cache."""
         c = object.__new__(KVCache)
         c.kv, c.lens, c.host_lens = self.kv[:, :, lo:hi], self.lens[lo:hi], self.host_lens[lo:hi]
-        c.k, c.v = c.kv[:, 0], c.kv[:, 1]
+        c.k, c.v = c.kv[:, 0], c.kv[:, -1]
         c.max_len, c.kv_limit = self.max_len, None
         return c
 
@@ -117,6 +121,12 @@ class KVCache:
 
     def layer_kv(self, layer: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer, :rows], self.v[layer, :rows]
+
+    def latent(self, layer: int, entry: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """A latent cache (MLA): store the new tokens' entries (B, T, W) at meta.slots; the layer's
+        first meta.kv_len entries (B, S, W) and meta's mask as an additive bias (B, 1, T, S)."""
+        self.append(layer, meta.slots, entry[:, :, None, None], meta.rows)
+        return self.k[layer, :meta.slots.shape[0], 0, :meta.kv_len], meta.bias(entry.dtype, 1)
 
     def kv_len(self, new: int) -> int:
         """Cache slots a forward of `new` more tokens (pending ones included) must attend over."""
@@ -167,6 +177,12 @@ class Causal:
     harmless: a real token never sees a later (padding) position."""
 
     in_place = False
+    absorbed = False
+
+    def latent(self, layer: int, entry: torch.Tensor, meta=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLA over the whole sequence: its own entries, causally."""
+        t = entry.shape[1]
+        return entry, torch.full((t, t), float("-inf"), dtype=entry.dtype, device=entry.device).triu(1)
 
     def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor, meta=None) -> torch.Tensor:
         b, t, _, hkv, d = kv.shape

@@ -40,6 +40,17 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                          norm_topk_prob=True, mlp_only_layers=[0])),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
+    # MLA: V2-Lite's direct queries, V3's low-rank ones; a dense first layer, shared experts, expert groups
+    "deepseek_v2": ("DeepseekV2Config", dict(num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=24,
+                                             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                                             n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                             n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+                                             topk_method="group_limited_greedy", routed_scaling_factor=2.0)),
+    "deepseek_v3": ("DeepseekV3Config", dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=24,
+                                             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                                             n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                             n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+                                             routed_scaling_factor=2.5, norm_topk_prob=True)),
 }
 
 

@@ -50,7 +50,7 @@ def test_logits_match_transformers(family, tiny_dirs):
     assert int(cache.lens) == 12 + 20 + 5
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3", "mistral", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "mistral", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3"])
 @torch.inference_mode()
 def test_ragged_batch_matches_single(family, tiny_dirs):
     """A right-padded batch of prompts of different lengths gives each prompt's own logits."""

@@ -96,12 +96,12 @@ def test_distinct_expert_counters(tiny_dirs, family):
 
 @pytest.fixture(scope="module")
 def moe_target(tiny_dirs):
-    """(the tiny Qwen3-MoE target, 20 prompts, plain greedy of each alone)."""
+    """(the tiny Qwen3-MoE target, 20 prompts, their plain greedy output)."""
     model = load(tiny_dirs, "qwen3_moe")
     prompts = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(s)).tolist()
                for s, n in enumerate([3, 5, 8, 13, 1, 20, 7, 9, 11, 4, 6, 2, 15, 10, 12, 17, 3, 8, 5, 19])]
-    plain = Generator(model, None)
-    return model, prompts, [plain.generate([p], GREEDY)[0].tokens for p in prompts]
+    # one batch (float32: its rows decode as each would alone, test_spec_greedy's batch test)
+    return model, prompts, [c.tokens for c in Generator(model, None).generate(prompts, GREEDY)]
 
 
 @pytest.mark.parametrize("shape", ["chain3", "tree3x3"])

@@ -1,5 +1,6 @@
 """The Llama family in native PyTorch: Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2, and with
-routed experts in place of the MLP (models/moe.py) Qwen3-MoE and Mixtral.
+routed experts in place of the MLP (models/moe.py) Qwen3-MoE and Mixtral, and with latent attention
+as well (models/mla.py) DeepSeek-V2/V3 and Kimi-K2.
 
 One implementation; ModelConfig's switches pick qkv bias (Qwen2), q/k RMSNorm (Qwen3), tied
 embeddings (SmolLM2), llama3 rope scaling and a sliding window (Mistral). Module names are the HF
@@ -20,7 +21,7 @@ from torch import nn
 from ..config import ModelConfig, rope_inv_freq
 from ..kernels import EAGER, Kernels, fusable
 from ..kvcache import Cache
-from . import cache_attention, gemv, moe
+from . import cache_attention, gemv, mla, moe
 from .attention import AttnMeta
 from .linear import Linear, linear
 
@@ -218,7 +219,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, kernels: Kernels = EAGER):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer, kernels=kernels)
+        self.self_attn = (mla.MLAttention if config.mla is not None else Attention)(config, layer, kernels=kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.moe is not None and config.moe.sparse(layer):  # under the checkpoint's name for it
             self.ffn_name = moe.NAMES[config.model_type][0]

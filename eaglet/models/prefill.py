@@ -69,6 +69,12 @@ class FreshRows:
     def __init__(self, cache: KVCache, rows: torch.Tensor):
         self.cache, self.rows = cache, rows
 
+    absorbed = False  # MLA expands the prompt's own latents (models/mla.py)
+
+    def latent(self, layer: int, entry: torch.Tensor, meta: AttnMeta) -> tuple[torch.Tensor, torch.Tensor]:
+        self.cache.append(layer, meta.slots, entry[:, :, None, None], self.rows[:, None].expand_as(meta.slots))
+        return entry, meta.bias(entry.dtype, 1)
+
     def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         self.cache.append(layer, meta.slots, kv, self.rows[:, None].expand_as(meta.slots))
         return attend_masked(q, kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2), meta)  # (B, H, T, D)

@@ -1,0 +1,102 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3, Kimi-K2) over a latent cache.
+
+Per token and layer the cache keeps what MLA compresses the keys and values into: the normed latent
+c (kv_lora_rank) and the shared rotated key k_pe (qk_rope_head_dim), one entry of
+kv_lora_rank + qk_rope_head_dim values (576 for DeepSeek-V3 and Kimi-K2) instead of 2 x heads x
+head_dim. Two ways to attend over it, equal up to rounding:
+
+- expanded (a prefill over its own tokens): kv_b_proj turns each latent into every head's key
+  (nope part, then k_pe) and value, then ordinary attention;
+- absorbed (decode and verify over the cache): kv_b_proj's key rows are folded into the query
+  (q_nope W_k: a query in latent space, scored against c directly, plus q_pe . k_pe) and its value
+  rows into the output (the attention-weighted latent times W_v), so nothing per cached token is
+  expanded.
+
+The rotary part is laid out in interleaved pairs in these checkpoints (DeepSeek's complex
+rotation); it is de-interleaved before the rotate-half rotation, for queries and keys alike, so
+their dot products are those of the interleaved rotation. Module names are the checkpoints'.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..kernels import EAGER, Kernels
+from .linear import Linear
+
+
+class MLAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, kernels: Kernels = EAGER):
+        super().__init__()
+        from .llama import RMSNorm  # the same norm as every layer's (llama.py imports this module)
+
+        m = self.mla = config.mla
+        h, nh = config.hidden_size, config.num_heads
+        self.layer, self.nh = layer, nh
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.q_lora_rank is None:
+            self.q_proj = Linear(h, nh * qk, bias=False, kernels=kernels)
+        else:
+            self.q_a_proj = Linear(h, m.q_lora_rank, bias=config.qkv_bias, kernels=kernels)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, 1e-6)
+            self.q_b_proj = Linear(m.q_lora_rank, nh * qk, bias=False, kernels=kernels)
+        self.kv_a_proj_with_mqa = Linear(h, m.kv_lora_rank + m.qk_rope_head_dim, bias=config.qkv_bias, kernels=kernels)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, 1e-6)
+        self.kv_b_proj = Linear(m.kv_lora_rank, nh * (m.qk_nope_head_dim + m.v_head_dim), bias=False, kernels=kernels)
+        self.o_proj = Linear(nh * m.v_head_dim, h, bias=config.o_bias, kernels=kernels)
+        self.scale = 1 / math.sqrt(qk)
+
+    def fuse(self) -> None:
+        """Nothing to fuse: the absorbed form reads kv_b_proj's weight as it is."""
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, meta) -> torch.Tensor:
+        m, (b, t, _) = self.mla, x.shape
+        q = self.q_proj(x) if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(b, t, self.nh, -1).split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
+        q_pe = rotate(q_pe, cos, sin, m.rope_interleave)  # (B, T, nh, R)
+        k_pe = rotate(k_pe[:, :, None], cos, sin, m.rope_interleave)[:, :, 0]  # (B, T, R)
+        entry = torch.cat([self.kv_a_layernorm(c), k_pe], -1)  # (B, T, kv_lora_rank + R): what the cache keeps
+        latent, mask = cache.latent(self.layer, entry, meta)  # (B, S, W) to attend over, bias (B, 1, T, S)
+        attend = attend_absorbed if cache.absorbed else attend_expanded
+        o = attend(q_nope, q_pe, latent, mask, self.kv_b_proj.weight, m, self.scale)  # (B, T, nh, v)
+        return self.o_proj(o.reshape(b, t, -1))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """RoPE of x (B, T, heads, R) with cos, sin (B, T, 1, R); interleaved pairs are de-interleaved first."""
+    if interleaved:
+        x = torch.cat([x[..., 0::2], x[..., 1::2]], -1)
+    x1, x2 = x.chunk(2, -1)
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def attend_expanded(q_nope, q_pe, latent, mask, w_kv, m, scale) -> torch.Tensor:
+    """Every head's keys and values from the latents (kv_b_proj), then attention: (B, T, nh, v)."""
+    b, t, nh, _ = q_nope.shape
+    s = latent.shape[1]
+    kv = F.linear(latent[..., :m.kv_lora_rank], w_kv).view(b, s, nh, -1)
+    k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], -1)
+    k = torch.cat([k_nope, latent[:, :, None, m.kv_lora_rank:].expand(b, s, nh, m.qk_rope_head_dim)], -1)
+    q = torch.cat([q_nope, q_pe], -1)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=mask, scale=scale)  # (B, nh, T, v)
+    return o.transpose(1, 2)
+
+
+def attend_absorbed(q_nope, q_pe, latent, mask, w_kv, m, scale) -> torch.Tensor:
+    """kv_b_proj's key rows folded into the query and its value rows into the output: attention in
+    the latent space, nothing expanded per cached token: (B, T, nh, v)."""
+    nh = q_nope.shape[2]
+    w = w_kv.view(nh, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+    w_k, w_v = w[:, :m.qk_nope_head_dim], w[:, m.qk_nope_head_dim:]
+    c, k_pe = latent[..., :m.kv_lora_rank], latent[..., m.kv_lora_rank:]
+    q_lat = torch.einsum("bthn,hnc->bhtc", q_nope, w_k)  # (B, nh, T, kv_lora_rank)
+    scores = (torch.einsum("bhtc,bsc->bhts", q_lat, c) + torch.einsum("bthr,bsr->bhts", q_pe, k_pe)) * scale
+    p = (scores.float() + mask).softmax(-1).to(c.dtype)  # (B, nh, T, S)
+    o_lat = torch.einsum("bhts,bsc->bthc", p, c)  # (B, T, nh, kv_lora_rank)
+    return torch.einsum("bthc,hvc->bthv", o_lat, w_v)

@@ -1,0 +1,80 @@
+"""Multi-head Latent Attention (models/mla.py; its logits against transformers' DeepSeek-V2/V3 are in
+test_model_parity): the absorbed form against the expanded one, the latent cache's size at
+DeepSeek-V3's dimensions, Kimi-K2's config, and greedy speculation on an MLA target."""
+import pytest
+import torch
+
+from eaglet import GenerationConfig, Generator, load_model
+from eaglet.config import MLAConfig, ModelConfig, SpecConfig
+from eaglet.kvcache import KVCache
+from eaglet.models.mla import attend_absorbed, attend_expanded
+
+from .test_spec_greedy import SHAPES, Recording, random_head, run_checked, small_draft  # noqa: F401
+
+DEEPSEEK_V3 = dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                   moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+                   num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                   qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8,
+                   n_shared_experts=1, n_group=8, topk_group=4, first_k_dense_replace=3,
+                   routed_scaling_factor=2.5, norm_topk_prob=True, topk_method="noaux_tc")
+
+
+@pytest.mark.parametrize("t", [1, 5])
+@torch.inference_mode()
+def test_absorbed_equals_expanded(t):
+    """Attention in the latent space (kv_b_proj folded into the query and the output) equals the
+    expanded keys and values, for a decode step and a 5-token verify over 40 cached latents."""
+    m = MLAConfig(None, 32, 16, 8, 12)
+    g = torch.Generator().manual_seed(0)
+    b, nh, s = 2, 4, 40
+    q_nope, q_pe = torch.randn(b, t, nh, 16, generator=g), torch.randn(b, t, nh, 8, generator=g)
+    latent = torch.randn(b, s, m.width, generator=g)
+    w_kv = torch.randn(nh * (16 + 12), 32, generator=g) / 6
+    mask = torch.zeros(b, 1, t, s)
+    mask[0, :, :, 30:] = float("-inf")  # row 0 holds 30 tokens
+    mask[:, :, 0, s - t + 1:] = float("-inf")  # causal within the new block
+    a = attend_absorbed(q_nope, q_pe, latent, mask, w_kv, m, 0.2)
+    e = attend_expanded(q_nope, q_pe, latent, mask, w_kv, m, 0.2)
+    assert a.shape == (b, t, nh, 12) and (a - e).abs().max() <= 1e-5 * e.abs().max()
+
+
+def test_latent_cache_holds_576_values_a_token_and_layer():
+    """DeepSeek-V3's (and Kimi-K2's) dimensions: 512 latent + 64 rotary values per token and layer,
+    against 2 x 128 heads x 192 for the expanded keys and values."""
+    cfg = ModelConfig.from_hf(DEEPSEEK_V3)
+    assert cfg.mla.width == 576 and cfg.head_dim == 64 and cfg.moe.dense_layers == (0, 1, 2)
+    cache = KVCache.for_model(cfg.replace(num_layers=2), 3, 16, torch.bfloat16, "meta")
+    assert tuple(cache.kv.shape) == (2, 1, 3, 1, 16, 576)  # layers, one part, rows, one head, slots, values
+    assert cache.kv[0].numel() // (3 * 16) == 576
+
+
+def test_kimi_k2_config_loads_as_deepseek_v3():
+    kimi = ModelConfig.from_hf(dict(DEEPSEEK_V3, model_type="kimi_k2", vocab_size=163840, n_routed_experts=384,
+                                    num_attention_heads=64, num_key_value_heads=64, n_group=1, topk_group=1))
+    assert kimi.model_type == "deepseek_v3" and kimi.moe.num_experts == 384 and kimi.mla.width == 576
+    assert kimi.moe.scoring == "sigmoid" and kimi.moe.score_bias and kimi.moe.scaling == 2.5
+    assert ModelConfig.from_hf(kimi.to_hf()) == kimi
+
+
+@pytest.fixture(scope="module")
+def mla_target(tiny_dirs):
+    """(the tiny DeepSeek-V3 target, 20 prompts, their plain greedy output)."""
+    model = load_model(tiny_dirs["deepseek_v3"][0], dtype="float32", device="cpu", tokenizer=False).model
+    prompts = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(s)).tolist()
+               for s, n in enumerate([3, 5, 8, 13, 1, 20, 7, 9, 11, 4, 6, 2, 15, 10, 12, 17, 3, 8, 5, 19])]
+    greedy = GenerationConfig(max_new_tokens=64, ignore_eos=True)
+    # one batch (float32: its rows decode as each would alone, test_spec_greedy's batch test)
+    return model, prompts, [c.tokens for c in Generator(model, None).generate(prompts, greedy)]
+
+
+@pytest.mark.parametrize("shape", ["chain3", "tree3x3"])
+@pytest.mark.parametrize("drafter", ["eagle3", "ngram", "draft"])
+def test_speculation_on_an_mla_target_equals_plain_greedy(mla_target, small_draft, drafter, shape):
+    """The latent cache through prefill (expanded), verify (absorbed, a tree's mask) and the
+    acceptance's moves of accepted entries: plain greedy token for token, every step replayed."""
+    model, prompts, ref = mla_target
+    spec = SpecConfig(drafter, **SHAPES[shape])
+    sp = {"eagle3": lambda: Recording(spec, head=random_head(model.config)), "ngram": lambda: Recording(spec),
+          "draft": lambda: Recording(spec, draft_model=small_draft)}[drafter]()
+    outs, _ = run_checked(model, prompts, ref, sp)
+    assert sum(c.spec.accepted_tokens for c in outs) > 0
