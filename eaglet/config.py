@@ -134,11 +134,35 @@ class MoEConfig:
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    kind: str = "default"  # default | linear | llama3
+    kind: str = "default"  # default | linear | llama3 | yarn
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    # YaRN (DeepSeek-V2/V3, Kimi-K2): the ramp between interpolated and extrapolated frequencies, and
+    # the magnitude corrections (of cos/sin, and with mscale_all_dim of DeepSeek's softmax scale)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def cos_sin_scale(self) -> float:
+        """What cos and sin are multiplied by (YaRN's attention factor; 1 otherwise)."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    def softmax_scale(self) -> float:
+        """DeepSeek's factor on 1/sqrt(head dim) under YaRN with mscale_all_dim (1 otherwise)."""
+        if self.kind == "default" or not self.mscale_all_dim:
+            return 1.0
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2
 
     @staticmethod
     def from_hf(cfg: dict) -> "RopeConfig":
@@ -146,21 +170,34 @@ class RopeConfig:
         params.update(cfg.get("rope_scaling") or {})
         theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         kind = params.get("rope_type", params.get("type", "default")) or "default"
-        if kind not in ("default", "linear", "llama3"):
-            raise ModelLoadError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+        if kind not in ("default", "linear", "llama3", "yarn"):
+            raise ModelLoadError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn)")
+        original = params.get("original_max_position_embeddings", 8192)
+        factor = params.get("factor")
+        if factor is None and kind == "yarn":  # DeepSeek-V3's convention: the ratio to the pretrained length
+            factor = int(cfg.get("max_position_embeddings", original)) / int(original)
+        get = lambda k, d: d if params.get(k) is None else float(params[k])  # noqa: E731
         return RopeConfig(
             theta=theta,
             kind=kind,
-            factor=float(params.get("factor", 1.0)),
+            factor=float(1.0 if factor is None else factor),
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+            original_max_position=int(original),
+            beta_fast=get("beta_fast", 32.0), beta_slow=get("beta_slow", 1.0), mscale=get("mscale", 0.0),
+            mscale_all_dim=get("mscale_all_dim", 0.0),
+            attention_factor=None if params.get("attention_factor") is None else float(params["attention_factor"]),
+            truncate=bool(params.get("truncate", True)),
         )
 
     def to_hf(self) -> dict:
         if self.kind == "default":
             return {"rope_theta": self.theta}
         scaling = {"rope_type": self.kind, "factor": self.factor}
+        if self.kind == "yarn":
+            scaling.update(original_max_position_embeddings=self.original_max_position, beta_fast=self.beta_fast,
+                           beta_slow=self.beta_slow, mscale=self.mscale, mscale_all_dim=self.mscale_all_dim,
+                           attention_factor=self.attention_factor, truncate=self.truncate)
         if self.kind == "llama3":
             scaling.update(low_freq_factor=self.low_freq_factor, high_freq_factor=self.high_freq_factor,
                            original_max_position_embeddings=self.original_max_position)
@@ -288,6 +325,16 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int):
     inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope.kind == "linear":
         inv = inv / rope.factor
+    elif rope.kind == "yarn":  # extrapolated (high) frequencies blended into interpolated (low) ones on a ramp
+        def dim_of(rotations: float) -> float:
+            return head_dim * math.log(rope.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+        low, high = dim_of(rope.beta_fast), dim_of(rope.beta_slow)
+        if rope.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+        extrapolate = 1 - ramp
+        inv = inv / rope.factor * (1 - extrapolate) + inv * extrapolate
     elif rope.kind == "llama3":
         low_wavelen = rope.original_max_position / rope.low_freq_factor
         high_wavelen = rope.original_max_position / rope.high_freq_factor
@@ -299,6 +346,10 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int):
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = torch.where(medium, smoothed, scaled)
     return inv.float()
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 SPEC_METHODS = ("eagle3", "ngram", "draft")

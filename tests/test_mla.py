@@ -16,7 +16,10 @@ DEEPSEEK_V3 = dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168
                    num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                    qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8,
                    n_shared_experts=1, n_group=8, topk_group=4, first_k_dense_replace=3,
-                   routed_scaling_factor=2.5, norm_topk_prob=True, topk_method="noaux_tc")
+                   routed_scaling_factor=2.5, norm_topk_prob=True, topk_method="noaux_tc",
+                   max_position_embeddings=163840, rope_theta=10000, rope_scaling=dict(
+                       type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                       mscale=1.0, mscale_all_dim=1.0))
 
 
 @pytest.mark.parametrize("t", [1, 5])
@@ -43,6 +46,7 @@ def test_latent_cache_holds_576_values_a_token_and_layer():
     against 2 x 128 heads x 192 for the expanded keys and values."""
     cfg = ModelConfig.from_hf(DEEPSEEK_V3)
     assert cfg.mla.width == 576 and cfg.head_dim == 64 and cfg.moe.dense_layers == (0, 1, 2)
+    assert cfg.rope.kind == "yarn" and cfg.rope.factor == 40 and ModelConfig.from_hf(cfg.to_hf()) == cfg
     cache = KVCache.for_model(cfg.replace(num_layers=2), 3, 16, torch.bfloat16, "meta")
     assert tuple(cache.kv.shape) == (2, 1, 3, 1, 16, 576)  # layers, one part, rows, one head, slots, values
     assert cache.kv[0].numel() // (3 * 16) == 576
@@ -78,3 +82,26 @@ def test_speculation_on_an_mla_target_equals_plain_greedy(mla_target, small_draf
           "draft": lambda: Recording(spec, draft_model=small_draft)}[drafter]()
     outs, _ = run_checked(model, prompts, ref, sp)
     assert sum(c.spec.accepted_tokens for c in outs) > 0
+
+
+@torch.inference_mode()
+def test_yarn_rope_of_deepseek_matches_transformers(tmp_path):
+    """YaRN as DeepSeek-V3 and Kimi-K2 ship it (factor 40 over 4,096 pretrained positions there; 4
+    over 32 here, mscale and mscale_all_dim 1): the blended frequencies, cos and sin scaled, the
+    softmax scale times mscale_all_dim's factor squared; prefill and decode logits equal transformers'."""
+    from .conftest import hf_model
+    from .test_model_parity import eaglet_step
+
+    ref = hf_model("deepseek_v3", max_position_embeddings=128, rope_scaling=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=32, beta_fast=32, beta_slow=1, mscale=1.0,
+        mscale_all_dim=1.0))
+    ref.save_pretrained(tmp_path)
+    model = load_model(tmp_path, dtype="float32", device="cpu", tokenizer=False).model
+    assert model.config.rope.kind == "yarn" and model.config.rope.softmax_scale() > 1
+    cache = KVCache.for_model(model.config, 1, 128, torch.float32, "cpu")
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))  # past the 32 pretrained
+    out = ref(ids, use_cache=True)
+    assert (eaglet_step(model, cache, ids) - out.logits).abs().max() <= 1e-4
+    tok = out.logits[:, -1].argmax(-1, keepdim=True)
+    out = ref(tok, past_key_values=out.past_key_values, use_cache=True)
+    assert (eaglet_step(model, cache, tok) - out.logits).abs().max() <= 1e-4

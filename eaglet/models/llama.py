@@ -93,25 +93,26 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config.rope, config.head_dim), persistent=False)
         self.register_buffer("freq_factors", torch.ones(config.head_dim // 2))
         self.cos_sin = kernels.fuse(rope_cos_sin)
+        self.scale = config.rope.cos_sin_scale()  # YaRN's attention factor (1 otherwise)
 
     def reset_buffers(self, config: ModelConfig) -> None:
         self.inv_freq = rope_inv_freq(config.rope, config.head_dim).to(self.inv_freq.device)
         self.freq_factors.fill_(1.0)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos_sin(positions, self.inv_freq, dtype, self.freq_factors)
+        return self.cos_sin(positions, self.inv_freq, dtype, self.freq_factors, self.scale)
 
 
 @fusable
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
-                 freq_factors: torch.Tensor | None = None):
-    """positions (B, T) -> cos, sin (B, T, 1, D) in HF's rotate-half layout; inv_freq divided by
-    freq_factors when given. Compiled on the GPU: one kernel instead of seven per forward."""
+                 freq_factors: torch.Tensor | None = None, scale: float = 1.0):
+    """positions (B, T) -> cos, sin (B, T, 1, D) in HF's rotate-half layout, times `scale`; inv_freq
+    divided by freq_factors when given. Compiled on the GPU: one kernel instead of seven per forward."""
     if freq_factors is not None:
         inv_freq = inv_freq / freq_factors.float()
     freqs = positions[..., None].float() * inv_freq  # (B, T, D/2)
     emb = torch.cat([freqs, freqs], -1)  # (B, T, D)
-    return emb.cos().to(dtype)[:, :, None], emb.sin().to(dtype)[:, :, None]
+    return (emb.cos() * scale).to(dtype)[:, :, None], (emb.sin() * scale).to(dtype)[:, :, None]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

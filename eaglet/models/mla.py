@@ -48,7 +48,7 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, 1e-6)
         self.kv_b_proj = Linear(m.kv_lora_rank, nh * (m.qk_nope_head_dim + m.v_head_dim), bias=False, kernels=kernels)
         self.o_proj = Linear(nh * m.v_head_dim, h, bias=config.o_bias, kernels=kernels)
-        self.scale = 1 / math.sqrt(qk)
+        self.scale = config.rope.softmax_scale() / math.sqrt(qk)  # YaRN's mscale_all_dim squared, as DeepSeek
 
     def fuse(self) -> None:
         """Nothing to fuse: the absorbed form reads kv_b_proj's weight as it is."""
