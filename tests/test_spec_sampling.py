@@ -129,6 +129,24 @@ def test_speculative_sampling_is_lossless(models, monkeypatch, name):
     assert share[1] > 0.05 and (share[2:] > 0.003).all(), share.tolist()
 
 
+@pytest.mark.slow
+def test_speculative_sampling_is_lossless_on_an_moe_target(tmp_path):
+    """The same check with a Mixture-of-Experts target (top-2 of 4 routed experts a layer) and a
+    draft model as a tree, top-k and top-p on: its tokens are distributed as its own sampling's."""
+    m = hf_model("qwen3_moe", 0, vocab_size=V, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+                 num_attention_heads=1, num_key_value_heads=1, head_dim=16, max_position_embeddings=32,
+                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, mlp_only_layers=[])
+    with torch.no_grad():
+        m.lm_head.weight.mul_(4)
+    m.save_pretrained(tmp_path / "moe", safe_serialization=True)
+    target = load_model(tmp_path / "moe", dtype="float32", device="cpu", tokenizer=False).model
+    draft = tiny(tmp_path / "draft", 1, 1)
+    spec, sp = CASES["tree-draft-topk-topp"]
+    exact = exact_joint(target, sp)
+    got, n = sample_joint(target, Speculator(spec, draft_model=draft), sp, calls=2)
+    assert tv(got, exact) < tv_bound(exact, n)
+
+
 # ---- deliberately wrong rules, which the same check must catch -----------------------------------
 
 def always_accept(prop, target, max_depth, kernels=None):
