@@ -220,6 +220,30 @@ def test_init_from_fine_tunes_an_existing_drafter(trained, data, target, tmp_pat
     assert ft_head.cfg.draft_vocab_size == 64 and torch.equal(ft_head.d2t, tr.head.d2t)
 
 
+def test_init_from_keeps_a_drafters_own_embedding(trained, data, target, tmp_path):
+    """A drafter that brings its own embedding table (as SGLang's Kimi-K2 drafters do) is trained
+    with it (frozen) and exported with it, not with the target's."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    _, out, _ = trained
+    src = tmp_path / "own"
+    shutil.copytree(out / "drafter", src)
+    state = load_file(str(src / "model.safetensors"))
+    own = 0.05 * torch.randn(128, 64, generator=torch.Generator().manual_seed(4))
+    save_file({**state, "embed_tokens.weight": own}, str(src / "model.safetensors"))
+    runs = {}
+    for name, init in (("own", src), ("theirs", out / "drafter")):
+        runs[name] = Trainer(config(data[0], tmp_path / name, max_steps=2, draft_vocab=None, init_from=str(init)),
+                             target, progress=False, log=lambda *a: None)
+        runs[name].train()
+    assert torch.equal(runs["own"].head_embed, own) and runs["theirs"].head_embed is None
+    assert runs["own"].history[0]["loss"] != runs["theirs"].history[0]["loss"]  # the same head, another table
+    _, embed = load_eagle3(tmp_path / "own" / "drafter", target.config, "cpu", torch.float32)
+    assert torch.equal(embed, own)
+
+
 def test_init_from_can_widen_the_drafters_mlp(trained, data, target, tmp_path):
     """--init-from with a wider --intermediate-size: the widened head computes exactly what the
     drafter did, training moves the added width, and the export (SGLang format) says the new width;

@@ -170,6 +170,7 @@ class Trainer:
         self.total = len(self.plan) // self.per_step
         if cfg.max_steps:
             self.total = min(self.total, cfg.max_steps)
+        self.head_embed: torch.Tensor | None = None  # a drafter's own embedding (--init-from), kept frozen
         self.head = self.build_head()
         self.params = [p for p in self.head.parameters() if p.requires_grad]  # not a shared (target's) lm_head
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -196,7 +197,8 @@ class Trainer:
         tcfg = self.target.config
         counts = token_counts(self.rows, tcfg.vocab_size)
         if self.cfg.init_from:  # fine-tune an existing drafter (e.g. one trained for an older target)
-            head, _ = load_eagle3(self.cfg.init_from, tcfg, self.device, torch.float32, self.target.lm_head.weight)
+            head, self.head_embed = load_eagle3(self.cfg.init_from, tcfg, self.device, torch.float32,
+                                                self.target.lm_head.weight)
             size, had = self.cfg.intermediate_size, head.cfg.layer.intermediate_size
             if size and size != had:  # the same function in a wider MLP (Eagle3Head.widen_mlp)
                 try:
@@ -341,7 +343,8 @@ class Trainer:
         if cuda:
             torch.backends.cuda.matmul.allow_tf32 = True  # restored by train()
         hdtype = next(self.head.parameters()).dtype  # float32; the target may be bfloat16 (its inputs follow the head)
-        embed = self.target.model.embed_tokens.weight.to(hdtype)
+        # the drafter's own embedding where it brings one (it drafts with it), else the target's
+        embed = (self.target.model.embed_tokens.weight if self.head_embed is None else self.head_embed).to(hdtype)
         timer = PhaseTimer(self.device)
         bar = tqdm(total=self.total, initial=self.step, desc="train-draft", disable=not self.progress or self.rank)
         t0, tokens, real, padded, first = time.perf_counter(), 0, 0, 0, self.step
@@ -387,7 +390,8 @@ class Trainer:
             tokens, real, padded = counts.tolist()
         export = None
         if self.rank == 0:
-            export = save_eagle3(self.head, Path(self.cfg.out) / "drafter", torch.bfloat16 if cuda else torch.float32)
+            export = save_eagle3(self.head, Path(self.cfg.out) / "drafter", torch.bfloat16 if cuda else torch.float32,
+                                 embed=self.head_embed)
             (Path(self.cfg.out) / "history.json").write_text(json.dumps(self.history))
         phases = timer.totals()
         return {"steps": self.step, "finished": self.step == self.total, "world_size": self.world,

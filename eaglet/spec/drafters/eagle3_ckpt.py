@@ -137,9 +137,11 @@ def load_eagle3(path: str | Path, target: ModelConfig, device, dtype, lm_head: t
     return head.eval().requires_grad_(False), embed
 
 
-def save_eagle3(head: Eagle3Head, out: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+def save_eagle3(head: Eagle3Head, out: str | Path, dtype: torch.dtype = torch.bfloat16,
+                embed: torch.Tensor | None = None) -> Path:
     """Write `head` in the SGLang format (config.json + model.safetensors), atomically; a head of
-    several layers writes its later ones as vLLM names them (layers.1.*, ...)."""
+    several layers writes its later ones as vLLM names them (layers.1.*, ...); `embed`: the
+    drafter's own embedding table (embed_tokens.weight), when it has one."""
     cfg, c = head.cfg, head.cfg.layer
     hf = c.to_hf()
     for k in ("sliding_window", "bos_token_id", "eos_token_id"):
@@ -155,6 +157,8 @@ def save_eagle3(head: Eagle3Head, out: str | Path, dtype: torch.dtype = torch.bf
         del hf["draft_vocab_size"]
     own = {k: v for k, v in head.state_dict().items()
            if not (cfg.shared_lm_head and k in ("lm_head.weight", "d2t", "t2d"))}  # the target's, not written
+    if embed is not None:
+        own["embed_tokens.weight"] = embed
     state = {}
     for k, v in own.items():
         state[k] = v.detach().to("cpu").contiguous()
