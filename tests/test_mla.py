@@ -126,3 +126,18 @@ def test_training_a_drafter_on_an_moe_mla_target_lowers_the_loss(mla_target, tmp
     losses = [h["loss"] for h in tr.history]
     # the soft cross-entropy falls toward the target's own entropy (~10 here): 10.4 -> 10.0
     assert len(losses) == 30 and sum(losses[:5]) / 5 - sum(losses[-5:]) / 5 > 0.25, losses
+
+
+def test_an_eagle3_drafter_with_its_own_embedding_drafts_for_an_mla_target(mla_target, tmp_path):
+    """A drafter in SGLang's format made for a DeepSeek-architecture target (as the published
+    Kimi-K2 ones: its own embedding table, a draft vocabulary smaller than the target's) loads
+    against the target's config and speculates: plain greedy token for token."""
+    from eaglet.spec.drafters.eagle3_ckpt import load_eagle3, save_eagle3
+
+    model, prompts, ref = mla_target
+    own = 0.05 * torch.randn(128, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    save_eagle3(random_head(model.config, torch.arange(0, 128, 4)), tmp_path / "drafter", torch.float32, embed=own)
+    head, embed = load_eagle3(tmp_path / "drafter", model.config, "cpu", torch.float32)
+    assert torch.equal(embed, own) and head.cfg.draft_vocab_size == 32
+    sp = Recording(SpecConfig("eagle3", steps=3, topk=2, draft_tokens=6), head=head, head_embed=embed)
+    run_checked(model, prompts[:8], ref[:8], sp)
