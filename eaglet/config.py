@@ -243,6 +243,8 @@ class ModelConfig:
     def from_hf(cfg: dict) -> "ModelConfig":
         mt = cfg.get("model_type")
         mt = ALIASES.get(mt, mt)
+        if mt not in FAMILY and isinstance(cfg.get("text_config"), dict):  # a multimodal wrapper (Kimi-K2.5)
+            return ModelConfig.from_hf(text_config(cfg))
         if mt not in FAMILY:
             archs = cfg.get("architectures") or []
             raise ModelLoadError(f"unsupported model_type {mt!r} {archs} (supported: {', '.join(FAMILY)})")
@@ -346,6 +348,16 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int):
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = torch.where(medium, smoothed, scaled)
     return inv.float()
+
+
+def text_config(cfg: dict) -> dict:
+    """The language model's config inside a multimodal wrapper's (its `text_config`; token ids the
+    wrapper sets apply), or the config itself."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        return cfg
+    ids = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if cfg.get(k) is not None and k not in text}
+    return {**text, **ids}
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -9,6 +9,7 @@ from eaglet.config import MLAConfig, ModelConfig, SpecConfig
 from eaglet.kvcache import KVCache
 from eaglet.models.mla import attend_absorbed, attend_expanded
 
+from .test_model_parity import eaglet_step
 from .test_spec_greedy import SHAPES, Recording, random_head, run_checked, small_draft  # noqa: F401
 
 DEEPSEEK_V3 = dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
@@ -90,7 +91,6 @@ def test_yarn_rope_of_deepseek_matches_transformers(tmp_path):
     over 32 here, mscale and mscale_all_dim 1): the blended frequencies, cos and sin scaled, the
     softmax scale times mscale_all_dim's factor squared; prefill and decode logits equal transformers'."""
     from .conftest import hf_model
-    from .test_model_parity import eaglet_step
 
     ref = hf_model("deepseek_v3", max_position_embeddings=128, rope_scaling=dict(
         rope_type="yarn", factor=4.0, original_max_position_embeddings=32, beta_fast=32, beta_slow=1, mscale=1.0,
@@ -141,3 +141,32 @@ def test_an_eagle3_drafter_with_its_own_embedding_drafts_for_an_mla_target(mla_t
     assert torch.equal(embed, own) and head.cfg.draft_vocab_size == 32
     sp = Recording(SpecConfig("eagle3", steps=3, topk=2, draft_tokens=6), head=head, head_embed=embed)
     run_checked(model, prompts[:8], ref[:8], sp)
+
+
+@torch.inference_mode()
+def test_a_multimodal_wrapper_loads_its_language_model(tiny_dirs, tmp_path):
+    """Kimi-K2.5's layout: the text model's config as `text_config` (model_type kimi_k2) inside the
+    wrapper's, its weights under `language_model.`, a vision tower beside; eaglet loads the language
+    model alone, the same as the plain checkpoint."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src = tiny_dirs["deepseek_v3"][0]
+    text = json.loads((src / "config.json").read_text())
+    wrapper = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+               "text_config": {**text, "model_type": "kimi_k2"}, "vision_config": {"hidden_size": 8}}
+    (tmp_path / "config.json").write_text(json.dumps(wrapper))
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        state = {"language_model." + k: f.get_tensor(k) for k in f.keys()}
+    save_file({**state, "vision_tower.patch_embed.weight": torch.zeros(8, 3)}, str(tmp_path / "model.safetensors"))
+    got = load_model(tmp_path, dtype="float32", device="cpu", tokenizer=False).model
+    want = load_model(src, dtype="float32", device="cpu", tokenizer=False).model
+    assert got.config == want.config
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for m in (got, want):
+        cache = KVCache.for_model(m.config, 1, 16, torch.float32, "cpu")
+        logits.append(eaglet_step(m, cache, ids))
+    assert torch.equal(*logits)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig
+from ..config import ModelConfig, text_config
 from ..default_model import default_model_path
 from ..errors import ModelLoadError
 from ..kernels import Kernels
@@ -117,8 +117,12 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype | None =
         raise ModelLoadError(f"{path}: neither a HF model directory nor a GGUF file")
     hf = safetensors_dir.read_config(weights_dir)
     config = ModelConfig.from_hf(hf)
-    quant.scheme(hf.get("quantization_config"))  # an unsupported one refused before the model is built
-    pairs = quant.dequantized(safetensors_dir.iter_tensors(weights_dir), hf.get("quantization_config"))
+    quantized = hf.get("quantization_config") or text_config(hf).get("quantization_config")
+    quant.scheme(quantized)  # an unsupported one refused before the model is built
+    pairs = safetensors_dir.iter_tensors(weights_dir)
+    if isinstance(hf.get("text_config"), dict) and hf.get("model_type") != config.model_type:  # a wrapper
+        pairs = safetensors_dir.text_tensors(pairs)
+    pairs = quant.dequantized(pairs, quantized)
     model = build_model(config, pairs, dev, dt, source=str(path), kernels=kernels)
     tok = Tokenizer.from_dir(weights_dir, config) if tokenizer else None
     return LoadedModel(model=model, tokenizer=tok, config=config, path=path, weights_dir=weights_dir)

@@ -43,6 +43,17 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(f"{f}: cannot read safetensors file ({e})") from None
 
 
+TEXT_PREFIX = "language_model."  # a multimodal wrapper's language model (Kimi-K2.5, Kimi-VL)
+
+
+def text_tensors(pairs: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A multimodal wrapper's checkpoint as its language model's: `language_model.` names without
+    the prefix; the other towers' tensors (vision, projector) left out."""
+    for name, t in pairs:
+        if name.startswith(TEXT_PREFIX):
+            yield name[len(TEXT_PREFIX):], t
+
+
 def read_config(path: Path) -> dict:
     cfg = path / "config.json"
     if not cfg.exists():
