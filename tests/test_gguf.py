@@ -46,21 +46,27 @@ def qk_heads(name: str, cfg) -> int | None:
     return None
 
 
-def write_gguf(path, model, qtype=Q.F32, arch="llama", extra=()) -> dict[str, np.ndarray]:
-    """Write `model` as llama.cpp's converter would: 2-D weights as `qtype`, everything else F32, no
-    output.weight when embeddings are tied. `extra` is (GGUF name, array) pairs appended at the end.
-    Returns {HF name: the float32 weight eaglet should load} (dequantized, un-permuted)."""
-    cfg = model.config
+def writer(path, arch: str, cfg) -> GGUFWriter:
+    """A GGUF writer for `arch` with the hyper-parameters every architecture here has."""
     w = GGUFWriter(str(path), arch)  # writes general.architecture
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(cfg.rope_theta if hasattr(cfg, "rope_theta") else cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
+    return w
+
+
+def write_gguf(path, model, qtype=Q.F32, arch="llama", extra=()) -> dict[str, np.ndarray]:
+    """Write `model` as llama.cpp's converter would: 2-D weights as `qtype`, everything else F32, no
+    output.weight when embeddings are tied. `extra` is (GGUF name, array) pairs appended at the end.
+    Returns {HF name: the float32 weight eaglet should load} (dequantized, un-permuted)."""
+    cfg = model.config
+    w = writer(path, arch, cfg)
+    w.add_feed_forward_length(cfg.intermediate_size)
     expected = {}
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -265,16 +271,8 @@ def test_qwen3moe_file_loads_per_expert_and_matches_transformers(tmp_path):
     in the metadata; loaded per expert, its logits are transformers'."""
     ref = hf_model("qwen3_moe", mlp_only_layers=[])  # llama.cpp's qwen3moe has no dense layers
     cfg, state = ref.config, ref.state_dict()
-    w = GGUFWriter(str(tmp_path / "m.gguf"), "qwen3moe")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    w = writer(tmp_path / "m.gguf", "qwen3moe", cfg)
     w.add_key_length(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
     w.add_expert_count(8)
     w.add_expert_used_count(2)
     w.add_expert_feed_forward_length(32)

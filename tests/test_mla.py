@@ -10,7 +10,7 @@ from eaglet.kvcache import KVCache
 from eaglet.models.mla import attend_absorbed, attend_expanded
 
 from .test_model_parity import eaglet_step
-from .test_spec_greedy import SHAPES, Recording, random_head, run_checked, small_draft  # noqa: F401
+from .test_spec_greedy import SHAPES, Recording, random_head, recording, run_checked, small_draft  # noqa: F401
 
 DEEPSEEK_V3 = dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
                    moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
@@ -78,10 +78,7 @@ def test_speculation_on_an_mla_target_equals_plain_greedy(mla_target, small_draf
     """The latent cache through prefill (expanded), verify (absorbed, a tree's mask) and the
     acceptance's moves of accepted entries: plain greedy token for token, every step replayed."""
     model, prompts, ref = mla_target
-    spec = SpecConfig(drafter, **SHAPES[shape])
-    sp = {"eagle3": lambda: Recording(spec, head=random_head(model.config)), "ngram": lambda: Recording(spec),
-          "draft": lambda: Recording(spec, draft_model=small_draft)}[drafter]()
-    outs, _ = run_checked(model, prompts, ref, sp)
+    outs, _ = run_checked(model, prompts, ref, recording(drafter, SpecConfig(drafter, **SHAPES[shape]), model, small_draft))
     assert sum(c.spec.accepted_tokens for c in outs) > 0
 
 

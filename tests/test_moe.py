@@ -12,7 +12,7 @@ from eaglet.kvcache import KVCache
 from eaglet.models.attention import AttnMeta
 from eaglet.models.moe import SparseMoE, by_expert, gathered
 
-from .test_spec_greedy import SHAPES, Recording, random_head, run_checked, small_draft  # noqa: F401
+from .test_spec_greedy import SHAPES, recording, run_checked, small_draft  # noqa: F401
 
 GREEDY = GenerationConfig(max_new_tokens=64, ignore_eos=True)
 
@@ -110,10 +110,7 @@ def test_speculation_on_an_moe_target_equals_plain_greedy(moe_target, small_draf
     """EAGLE-3 taps of an MoE target, n-gram and a draft model, chain and tree, 20 prompts in one
     batch: plain greedy token for token, every step replayed (test_spec_greedy.run_checked)."""
     model, prompts, ref = moe_target
-    spec = SpecConfig(drafter, **SHAPES[shape])
-    sp = {"eagle3": lambda: Recording(spec, head=random_head(model.config)), "ngram": lambda: Recording(spec),
-          "draft": lambda: Recording(spec, draft_model=small_draft)}[drafter]()
-    outs, _ = run_checked(model, prompts, ref, sp)
+    outs, _ = run_checked(model, prompts, ref, recording(drafter, SpecConfig(drafter, **SHAPES[shape]), model, small_draft))
     assert sum(c.spec.accepted_tokens for c in outs) > 0
 
 

@@ -161,6 +161,13 @@ def random_head(cfg, vocab: torch.Tensor | None = None, kernels: Kernels = EAGER
     return head.eval()
 
 
+def recording(drafter: str, spec: SpecConfig, target, draft_model=None) -> Recording:
+    """A recorded speculator by drafter name: a random EAGLE-3 head for `target`, n-gram lookup, or
+    `draft_model`."""
+    return {"eagle3": lambda: Recording(spec, head=random_head(target.config)), "ngram": lambda: Recording(spec),
+            "draft": lambda: Recording(spec, draft_model=draft_model)}[drafter]()
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("drafter", ["eagle3", "eagle3-vocab", "ngram", "draft"])
 def test_equals_plain_greedy(tiny, small_draft, drafter, shape):

@@ -9,6 +9,7 @@ target's causal forward: test_train_parts.py."""
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 import eaglet.train.trainer as trainer_mod
 from eaglet.config import SpecConfig
@@ -223,25 +225,16 @@ def test_init_from_fine_tunes_an_existing_drafter(trained, data, target, tmp_pat
 def test_init_from_keeps_a_drafters_own_embedding(trained, data, target, tmp_path):
     """A drafter that brings its own embedding table (as SGLang's Kimi-K2 drafters do) is trained
     with it (frozen) and exported with it, not with the target's."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    _, out, _ = trained
-    src = tmp_path / "own"
-    shutil.copytree(out / "drafter", src)
-    state = load_file(str(src / "model.safetensors"))
-    own = 0.05 * torch.randn(128, 64, generator=torch.Generator().manual_seed(4))
-    save_file({**state, "embed_tokens.weight": own}, str(src / "model.safetensors"))
-    runs = {}
-    for name, init in (("own", src), ("theirs", out / "drafter")):
-        runs[name] = Trainer(config(data[0], tmp_path / name, max_steps=2, draft_vocab=None, init_from=str(init)),
-                             target, progress=False, log=lambda *a: None)
-        runs[name].train()
+    src, own = tmp_path / "own", 0.05 * torch.randn(128, 64, generator=torch.Generator().manual_seed(4))
+    shutil.copytree(trained[1] / "drafter", src)
+    save_file({**load_file(str(src / "model.safetensors")), "embed_tokens.weight": own}, str(src / "model.safetensors"))
+    runs = {name: make_trainer(config(data[0], tmp_path / name, max_steps=2, draft_vocab=None, init_from=str(init)),
+                               target) for name, init in (("own", src), ("theirs", trained[1] / "drafter"))}
+    for tr in runs.values():
+        tr.train()
     assert torch.equal(runs["own"].head_embed, own) and runs["theirs"].head_embed is None
     assert runs["own"].history[0]["loss"] != runs["theirs"].history[0]["loss"]  # the same head, another table
-    _, embed = load_eagle3(tmp_path / "own" / "drafter", target.config, "cpu", torch.float32)
-    assert torch.equal(embed, own)
+    assert torch.equal(load_eagle3(tmp_path / "own" / "drafter", target.config, "cpu", torch.float32)[1], own)
 
 
 def test_init_from_can_widen_the_drafters_mlp(trained, data, target, tmp_path):
