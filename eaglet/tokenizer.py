@@ -1,5 +1,6 @@
 """Tokenizer and chat template from the model itself (tokenizer.json / tokenizer_config.json, as
-saved from a HF repo or converted from GGUF metadata), through transformers; plus TextStream, the
+saved from a HF repo or converted from GGUF metadata; tiktoken ranks: tiktoken_dir.py), through
+transformers; plus TextStream, the
 incremental detokenizer that streams text and applies stop strings."""
 from __future__ import annotations
 
@@ -31,12 +32,18 @@ class Tokenizer:
     @staticmethod
     def from_dir(path: Path, config) -> "Tokenizer | None":
         """The tokenizer saved in a model directory, or None when the directory has none."""
-        if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        from . import tiktoken_dir
+
+        if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                                                  "tiktoken.model")):
             return None
         from transformers import AutoTokenizer
 
-        try:
-            hf = AutoTokenizer.from_pretrained(str(path))
+        try:  # tiktoken ranks (Kimi) without the repository's own tokenizer code; else transformers'
+            hf = tiktoken_dir.fast_tokenizer(path) if tiktoken_dir.is_tiktoken_dir(path) else \
+                AutoTokenizer.from_pretrained(str(path))
+        except ModelLoadError:
+            raise
         except Exception as e:  # transformers raises many types for broken tokenizer files
             raise ModelLoadError(f"{path}: cannot load the tokenizer ({e})") from None
         eos = set(config.eos_token_ids)
