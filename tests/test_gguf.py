@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader, GGUFWriter, quants
+from gguf import ExpertGatingFuncType, GGUFReader, GGUFWriter, quants
 
 from eaglet.errors import ModelLoadError
 from eaglet.kvcache import KVCache
@@ -295,4 +295,61 @@ def test_qwen3moe_file_loads_per_expert_and_matches_transformers(tmp_path):
     assert loaded.config.moe.num_experts == 8 and loaded.config.moe.sparse(0)
     got = loaded.model.state_dict()
     assert torch.equal(got["model.layers.1.mlp.experts.5.up_proj.weight"], state["model.layers.1.mlp.experts.gate_up_proj"][5, 32:])
+    assert logits_diff(loaded.model, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
+def test_deepseek2_file_matches_transformers(tmp_path, family):
+    """llama.cpp's deepseek2 layout: MLA's projections (attn_q_a / attn_q or attn_q_b, attn_kv_a_mqa,
+    their norms), kv_b_proj split for absorption into attn_k_b (heads, kv_lora_rank, nope) and
+    attn_v_b (heads, v, kv_lora_rank) as its converter writes it (DeepSeek-V3 here; the older
+    unsplit attn_kv_b for V2), stacked routed experts, the shared ones, the router's score bias
+    (exp_probs_b), the routing and rope in the metadata; eaglet's logits are transformers'."""
+    ref = hf_model(family)
+    cfg, v3 = ref.config, family == "deepseek_v3"
+    with torch.no_grad():  # a routing bias that matters (transformers initialises it at zero)
+        for layer in ref.model.layers[1:]:
+            if v3:
+                layer.mlp.gate.e_score_correction_bias.copy_(0.1 * torch.randn(cfg.n_routed_experts))
+    w = writer(tmp_path / "m.gguf", "deepseek2", cfg)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    if cfg.q_lora_rank is not None:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(cfg.kv_lora_rank)
+    w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    w.add_value_length(cfg.kv_lora_rank)
+    w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    w.add_value_length_mla(cfg.v_head_dim)
+    w.add_rope_dimension_count(cfg.qk_rope_head_dim)
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    w.add_expert_weights_norm(bool(cfg.norm_topk_prob) if v3 else False)
+    w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID if v3 else ExpertGatingFuncType.SOFTMAX)
+    w.add_expert_group_count(cfg.n_group)
+    w.add_expert_group_used_count(cfg.topk_group)
+    nope, v, inter = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.moe_intermediate_size
+    for name, t in ref.state_dict().items():
+        m = re.match(r"model\.layers\.(\d+)\.(.+)$", name)
+        blk, tail = (m.group(1), m.group(2)) if m else (None, None)
+        if tail == "mlp.experts.gate_up_proj":  # (E, 2I, H): gate rows, then up rows
+            w.add_tensor(f"blk.{blk}.ffn_gate_exps.weight", t[:, :inter].contiguous().numpy())
+            w.add_tensor(f"blk.{blk}.ffn_up_exps.weight", t[:, inter:].contiguous().numpy())
+        elif tail == "mlp.experts.down_proj":
+            w.add_tensor(f"blk.{blk}.ffn_down_exps.weight", t.numpy())
+        elif tail == "self_attn.kv_b_proj.weight" and v3:  # the converter's split
+            k_b, v_b = t.view(cfg.num_attention_heads, nope + v, -1).split([nope, v], 1)
+            w.add_tensor(f"blk.{blk}.attn_k_b.weight", k_b.transpose(1, 2).contiguous().numpy())
+            w.add_tensor(f"blk.{blk}.attn_v_b.weight", v_b.contiguous().numpy())
+        else:
+            w.add_tensor(hf_to_gguf(name), t.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    loaded = load(tmp_path / "m.gguf")
+    assert loaded.config.model_type == family and loaded.config.mla.width == cfg.kv_lora_rank + cfg.qk_rope_head_dim
     assert logits_diff(loaded.model, ref) <= 1e-4

@@ -38,6 +38,22 @@ GGUF_TO_HF = {
 # routed experts (qwen3moe): one GGUF tensor stacks every expert's weight, (E, out, in); eaglet
 # loads them per expert, under the checkpoint's names
 GGUF_TO_HF["blk.{i}.ffn_gate_inp.weight"] = _LAYER + "mlp.gate.weight"  # the router
+# deepseek2 (DeepSeek-V2/V3, Kimi-K2): MLA's projections, the shared experts, the router's score bias
+GGUF_TO_HF.update({
+    "blk.{i}.attn_q_a.weight": _LAYER + "self_attn.q_a_proj.weight",
+    "blk.{i}.attn_q_a_norm.weight": _LAYER + "self_attn.q_a_layernorm.weight",
+    "blk.{i}.attn_q_b.weight": _LAYER + "self_attn.q_b_proj.weight",
+    "blk.{i}.attn_kv_a_mqa.weight": _LAYER + "self_attn.kv_a_proj_with_mqa.weight",
+    "blk.{i}.attn_kv_a_norm.weight": _LAYER + "self_attn.kv_a_layernorm.weight",
+    "blk.{i}.attn_kv_b.weight": _LAYER + "self_attn.kv_b_proj.weight",
+    "blk.{i}.ffn_gate_shexp.weight": _LAYER + "mlp.shared_experts.gate_proj.weight",
+    "blk.{i}.ffn_up_shexp.weight": _LAYER + "mlp.shared_experts.up_proj.weight",
+    "blk.{i}.ffn_down_shexp.weight": _LAYER + "mlp.shared_experts.down_proj.weight",
+    "blk.{i}.exp_probs_b.bias": _LAYER + "mlp.gate.e_score_correction_bias",
+})
+# llama.cpp splits kv_b_proj for absorption: attn_k_b (heads, kv_lora_rank, nope), transposed, and
+# attn_v_b (heads, v, kv_lora_rank); eaglet joins them back into kv_b_proj
+GGUF_KV_B_SPLIT = ("attn_k_b.weight", "attn_v_b.weight")
 GGUF_STACKED = {
     "blk.{i}.ffn_gate_exps.weight": _LAYER + "mlp.experts.{e}.gate_proj.weight",
     "blk.{i}.ffn_up_exps.weight": _LAYER + "mlp.experts.{e}.up_proj.weight",
