@@ -9,6 +9,8 @@ choices can live in one process, and nothing switches a kernel on or off behind 
   (models/cache_attention.py).
 - `topk`: the top-k of each row a draft tree takes at every level, with its log-softmax, as one
   Triton kernel (spec/topk.py).
+- `moe`: the routed experts of 1 to 64 tokens as two Triton kernels that read each touched
+  expert's weights once (models/fused_moe.py); not chosen by `choose` until measured on the GPU.
 - `compile`: torch.compile of the elementwise modules of every layer (RMSNorm with its residual
   add, RoPE with the grouped-query relayout, the MLP's gate-up / SiLU·mul / down) and of the
   functions marked `@fusable` (the index arithmetic around the model: attention masks, greedy
@@ -42,6 +44,7 @@ class Kernels:
     cache_attention: bool = False
     topk: bool = False
     compile: bool = False
+    moe: bool = False  # routed experts of a few tokens as Triton kernels (models/fused_moe.py); off until measured
 
     @staticmethod
     def choose(device: torch.device | str, compile: bool = True, disable: tuple[str, ...] = ()) -> "Kernels":

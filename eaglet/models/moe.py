@@ -7,8 +7,9 @@ safetensors file loads as it is. For inference `fuse()` stacks the experts' weig
 (E, 2I, H) gate-up tensor and one (E, H, I) down tensor, each expert's parameters becoming views of
 them (the state dict keeps its names), and the forward works on the stacks:
 
-- a few tokens (decode, a verify tree): each token's k experts' weights are gathered and applied
-  with batched matmuls, with static shapes and no host sync (what the CUDA graphs capture);
+- a few tokens (decode, a verify tree): with Kernels.moe two Triton kernels that read each touched
+  expert once (models/fused_moe.py); otherwise each token's k experts' weights gathered and applied
+  with batched matmuls; both with static shapes and no host sync (what the CUDA graphs capture);
 - many tokens (prefill): expert by expert over the tokens routed to it.
 
 Each token's result depends on its own routing only. The layer counts, on the device and without a
@@ -23,6 +24,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..kernels import EAGER, Kernels
+from . import fused_moe
 from .linear import Linear
 
 # model_type -> (the feed-forward module's name in a layer, an expert's gate / up / down names)
@@ -71,6 +73,7 @@ class SparseMoE(nn.Module):
     def __init__(self, config: ModelConfig, kernels: Kernels = EAGER):
         super().__init__()
         self.cfg = moe = config.moe
+        self.kernels = kernels
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
         names = NAMES[config.model_type][1]
         self.gate = Router(config.hidden_size, moe.num_experts, moe.score_bias)
@@ -121,7 +124,9 @@ class SparseMoE(nn.Module):
         weights, experts = self.route(x)
         self.count(experts)
         gate_up, down = self.stacks()
-        if experts.numel() <= 2 * self.num_experts:  # few tokens: gathered, static shapes
+        if self.kernels.moe and fused_moe.usable(x, experts):  # each touched expert read once
+            out = fused_moe.fused_moe(x, experts, weights, gate_up, down)
+        elif experts.numel() <= 2 * self.num_experts:  # few tokens: gathered, static shapes
             out = gathered(x, experts, weights, gate_up, down)
         else:
             out = by_expert(x, experts, weights, gate_up, down)
