@@ -19,3 +19,34 @@ def test_roofline_bytes_of_the_8b_shapes():
     with torch.device("meta"):
         tied = CausalLM(dataclasses.replace(SHAPES["llama-3.1-8b"], tie_embeddings=True)).to(torch.bfloat16)
     assert weight_bytes(tied) == decode_bytes(tied) == 2 * (8_030_261_248 - 128256 * 4096)
+
+
+def test_moe_shapes_have_the_published_sizes_and_touched_bytes():
+    """The MoE shapes on the meta device: total parameters as their model cards give them (30.5B,
+    46.7B, 15.7B), and a one-token decode's bytes as their active parameters (3.3B, 12.9B, 2.4B,
+    less the input embedding a lookup does not stream); a verify of T tokens reads the experts T
+    tokens touch under uniform routing, E(1 - (1 - k/E)^T)."""
+    from eaglet.perf.shapes import SLICES, touched_experts
+
+    def built(name):
+        with torch.device("meta"):
+            return CausalLM(SHAPES[name]).to(torch.bfloat16)
+
+    # active parameters as each card counts them: with the input embedding (Qwen, Mixtral) or without
+    for name, total, active, with_emb in (("qwen3-30b-a3b", 30.5e9, 3.3e9, True), ("mixtral-8x7b", 46.7e9, 12.9e9, True),
+                                          ("deepseek-v2-lite", 15.7e9, 2.4e9, False)):
+        m = built(name)
+        emb = m.model.embed_tokens.weight.numel() if with_emb else 0
+        assert abs(weight_bytes(m) / 2 / total - 1) < 0.005, name
+        assert abs((decode_bytes(m) / 2 + emb) / active - 1) < 0.03, name
+    m = built("qwen3-30b-a3b")
+    per_expert = 3 * 2048 * 768 * 2
+    assert touched_experts(128, 8, 1) == 8 and 8 < touched_experts(128, 8, 16) < 128
+    more = decode_bytes(m, tokens=16) - decode_bytes(m)  # 48 layers' extra experts, rounded per layer
+    assert abs(more - 48 * (touched_experts(128, 8, 16) - 8) * per_expert) <= 48
+    mla = built("deepseek-v2-lite")
+    assert decode_bytes(mla, 100) - decode_bytes(mla) == 27 * 576 * 100 * 2  # the latent cache: 576 values a token
+    kimi = built("kimi-k2")  # the slice: dense first layer + 3 MoE layers; the whole model from them
+    layer = sum(p.numel() for p in kimi.model.layers[1].parameters())
+    whole = weight_bytes(kimi) / 2 + (SLICES["kimi-k2"] - 4) * layer
+    assert 1.02e12 < whole < 1.05e12  # Kimi-K2: 1.04T parameters

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ModelConfig, RopeConfig
+from ..config import MLAConfig, ModelConfig, MoEConfig, RopeConfig
 from ..errors import InvalidInput
 from ..kernels import Kernels
 from ..models.llama import CausalLM, compile_elementwise
+from ..models.moe import SparseMoE
 
 SHAPES = {
     "llama-3.1-8b": ModelConfig(
@@ -24,7 +25,34 @@ SHAPES = {
         model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
         num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, max_position=8192,
         rope=RopeConfig(theta=100000.0), tie_embeddings=True),
+    # Mixture-of-Experts shapes (their config.json files); the whole models
+    "qwen3-30b-a3b": ModelConfig(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
+        num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, max_position=40960,
+        rope=RopeConfig(theta=1000000.0), qk_norm=True, moe=MoEConfig(128, 8, 768, True)),
+    "mixtral-8x7b": ModelConfig(
+        model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, max_position=32768,
+        rope=RopeConfig(theta=1000000.0), moe=MoEConfig(8, 2, 14336, True)),
+    "deepseek-v2-lite": ModelConfig(
+        model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_layers=27,
+        num_heads=16, num_kv_heads=16, head_dim=64, rms_norm_eps=1e-6, max_position=163840,
+        rope=RopeConfig(theta=10000.0, kind="yarn", factor=40.0, original_max_position=4096, mscale=0.707,
+                        mscale_all_dim=0.707),
+        moe=MoEConfig(64, 6, 1408, False, dense_layers=(0,), shared_experts=2, router_fp32=True),
+        mla=MLAConfig(None, 512, 128, 64, 128)),
+    # Kimi-K2 (DeepSeek-V3's architecture at 384 experts), sliced: its dense first layer and three MoE
+    # layers at full width (SLICES: the whole model's 61 layers, for totals computed per layer)
+    "kimi-k2": ModelConfig(
+        model_type="deepseek_v3", vocab_size=163840, hidden_size=7168, intermediate_size=18432, num_layers=4,
+        num_heads=64, num_kv_heads=64, head_dim=64, rms_norm_eps=1e-6, max_position=131072,
+        rope=RopeConfig(theta=50000.0, kind="yarn", factor=32.0, original_max_position=4096, mscale=1.0,
+                        mscale_all_dim=1.0),
+        moe=MoEConfig(384, 8, 2048, True, dense_layers=(0,), scoring="sigmoid", score_bias=True,
+                      scaling=2.827, shared_experts=1, router_fp32=True),
+        mla=MLAConfig(1536, 512, 128, 64, 128)),
 }
+SLICES = {"kimi-k2": 61}  # a sliced shape -> the whole model's layer count
 
 
 def random_model(name: str, device, dtype: torch.dtype, seed: int = 0, kernels: Kernels | None = None) -> CausalLM:
@@ -62,16 +90,29 @@ def weight_bytes(model: CausalLM) -> int:
     return total
 
 
-def decode_bytes(model: CausalLM, context: int = 0) -> int:
-    """Bytes one batch-1 decode step must read: every weight once (the input embedding table only
-    when tied to the output head, since a lookup reads one row), plus K and V of `context` tokens."""
+def decode_bytes(model: CausalLM, context: int = 0, tokens: int = 1) -> int:
+    """Bytes a batch-1 forward of `tokens` tokens must read: every weight once (the input embedding
+    table only when tied to the output head, since a lookup reads one row; of the routed experts
+    only those the tokens are expected to touch, `touched_experts`), plus the cache of `context`
+    tokens (K and V, or MLA's latents)."""
     c = model.config
     total = weight_bytes(model)
     if not c.tie_embeddings:
         emb = model.model.embed_tokens.weight
         total -= emb.numel() * emb.element_size()
-    kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * context * next(model.parameters()).element_size()
-    return total + kv
+    size = next(model.parameters()).element_size()
+    for layer in model.model.layers:
+        if isinstance(layer.ffn, SparseMoE):
+            moe = c.moe
+            per_expert = sum(lin.weight.numel() for lin in layer.ffn.experts[0].linears()) * size
+            total -= round((moe.num_experts - touched_experts(moe.num_experts, moe.top_k, tokens)) * per_expert)
+    per_token = c.mla.width if c.mla is not None else 2 * c.num_kv_heads * c.head_dim
+    return total + c.num_layers * per_token * context * size
+
+
+def touched_experts(experts: int, top_k: int, tokens: int) -> float:
+    """Distinct experts `tokens` tokens route to, expected under uniform routing: E(1 - (1 - k/E)^T)."""
+    return experts * (1 - (1 - top_k / experts) ** tokens)
 
 
 def copy_bandwidth(device, nbytes: int = 1 << 30, repeats: int = 20) -> float:
