@@ -50,3 +50,20 @@ def test_moe_shapes_have_the_published_sizes_and_touched_bytes():
     layer = sum(p.numel() for p in kimi.model.layers[1].parameters())
     whole = weight_bytes(kimi) / 2 + (SLICES["kimi-k2"] - 4) * layer
     assert 1.02e12 < whole < 1.05e12  # Kimi-K2: 1.04T parameters
+
+
+def test_materializing_zeroes_the_moe_buffers():
+    """A model built on the meta device and materialized holds whatever memory held until weights
+    load; random_model loads none into buffers: post_materialize zeroes DeepSeek-V3's score bias and
+    the expert counters (a tiny config of the kimi-k2 kind, on the CPU)."""
+    k2 = SHAPES["kimi-k2"]
+    tiny = dataclasses.replace(k2, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=4, vocab_size=256,
+                               moe=dataclasses.replace(k2.moe, num_experts=16, expert_size=32),
+                               mla=dataclasses.replace(k2.mla, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
+                                                       qk_rope_head_dim=8, v_head_dim=8))
+    model = CausalLM(tiny)
+    moe = model.model.layers[1].ffn
+    moe.gate.e_score_correction_bias.fill_(float("nan"))
+    moe.touched.fill_(7)
+    model.post_materialize()
+    assert torch.equal(moe.gate.e_score_correction_bias, torch.zeros(16)) and int(moe.touched) == 0

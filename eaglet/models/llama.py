@@ -295,7 +295,7 @@ class CausalLM(nn.Module):
         self.model.rotary.reset_buffers(self.config)
         for m in self.modules():
             if isinstance(m, moe.SparseMoE):
-                m.reset_counts()
+                m.reset_buffers()
 
 
 def compile_elementwise(model: nn.Module) -> int:

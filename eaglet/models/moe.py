@@ -145,6 +145,12 @@ class SparseMoE(nn.Module):
         self.touched.zero_()
         self.forwards.zero_()
 
+    def reset_buffers(self) -> None:
+        """After materializing (their values until a checkpoint loads): zero counters, no score bias."""
+        self.reset_counts()
+        if self.cfg.score_bias:
+            self.gate.e_score_correction_bias.zero_()
+
     def count(self, experts: torch.Tensor) -> None:
         """Add this forward's distinct experts to `touched` (device, no host sync)."""
         hit = torch.zeros(self.num_experts, dtype=torch.bool, device=experts.device)
