@@ -69,10 +69,11 @@ class MLAttention(nn.Module):
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """RoPE of x (B, T, heads, R) with cos, sin (B, T, 1, R); interleaved pairs are de-interleaved first."""
+    from .llama import rotate_half  # llama.py imports this module
+
     if interleaved:
         x = torch.cat([x[..., 0::2], x[..., 1::2]], -1)
-    x1, x2 = x.chunk(2, -1)
-    return x * cos + torch.cat([-x2, x1], -1) * sin
+    return x * cos + rotate_half(x) * sin
 
 
 def attend_expanded(q_nope, q_pe, latent, mask, w_kv, m, scale) -> torch.Tensor:
