@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 from .args import add_model_args, add_sampling_args, add_spec_args, model_kernels, spec_config
 from .errors import EagletError, InvalidInput
+from .perf.bench_moe import add_parser as add_bench_moe_parser
+from .perf.bench_moe import cmd_bench_moe
 from .server.commands import add_serve_parsers, cmd_bench_serve, cmd_serve
 from .train.commands import add_train_parsers, cmd_data, cmd_eval_draft, cmd_train_draft
 
@@ -115,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("b")
     cp.add_argument("--json", action="store_true")
     add_serve_parsers(sub)
+    add_bench_moe_parser(sub)
     return parser
 
 
@@ -238,7 +241,8 @@ def cmd_compare(args) -> int:
 
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "data": cmd_data, "train-draft": cmd_train_draft,
             "eval-draft": cmd_eval_draft, "plan": cmd_plan, "compare": cmd_compare,
-            "profile": cmd_profile, "serve": cmd_serve, "bench-serve": cmd_bench_serve}
+            "profile": cmd_profile, "serve": cmd_serve, "bench-serve": cmd_bench_serve,
+            "bench-moe": cmd_bench_moe}
 
 
 def main(argv: list[str] | None = None) -> int:

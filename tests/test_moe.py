@@ -10,7 +10,7 @@ from eaglet import GenerationConfig, Generator, load_model
 from eaglet.config import ModelConfig, SpecConfig
 from eaglet.kvcache import KVCache
 from eaglet.models.attention import AttnMeta
-from eaglet.models.moe import SparseMoE, by_expert, gathered
+from eaglet.models.moe import SparseMoE, by_expert, gathered, grouped
 
 from .test_spec_greedy import SHAPES, recording, run_checked, small_draft  # noqa: F401
 
@@ -51,9 +51,10 @@ def test_layers_and_names(tiny_dirs, family):
 
 
 @torch.inference_mode()
-def test_gathered_equals_by_expert():
-    """The few-token path (gathered weights, static shapes) and the many-token one (expert by expert)
-    agree, whatever the number of tokens."""
+def test_gathered_grouped_and_by_expert_agree():
+    """The few-token path (gathered weights, static shapes), the grouped matmul over pairs sorted by
+    expert (experts without tokens included) and the expert-by-expert loop agree, whatever the number
+    of tokens."""
     g = torch.Generator().manual_seed(0)
     e, k, h, i = 8, 3, 16, 12
     gate_up, down = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
@@ -62,7 +63,9 @@ def test_gathered_equals_by_expert():
         experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
         weights = torch.rand(n, k, generator=g)
         a, b = gathered(x, experts, weights, gate_up, down), by_expert(x, experts, weights, gate_up, down)
+        c = grouped(x, experts, weights, gate_up, down)
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+        assert (c - b).abs().max() <= 1e-5 * b.abs().max()
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -155,7 +158,7 @@ def test_deepseek_routing_and_shared_experts_equal_transformers(family, cfg):
     """DeepSeek-V3's sigmoid scores with the correction bias on the choice, its groups scored by their
     best two experts, renormalized and scaled weights; DeepSeek-V2's softmax, greedy or within the
     groups of the best experts, scaled; both with shared experts beside: the block's output equals
-    transformers' for one token (gathered path) and for many (expert by expert)."""
+    transformers' for one token (gathered path) and for many (grouped matmul)."""
     block, ours = hf_block(family, **cfg)
     g = torch.Generator().manual_seed(1)
     for shape in ((1, 1, 64), (3, 9, 64)):

@@ -10,7 +10,9 @@ them (the state dict keeps its names), and the forward works on the stacks:
 - a few tokens (decode, a verify tree): with Kernels.moe two Triton kernels that read each touched
   expert once (models/fused_moe.py); otherwise each token's k experts' weights gathered and applied
   with batched matmuls; both with static shapes and no host sync (what the CUDA graphs capture);
-- many tokens (prefill): expert by expert over the tokens routed to it.
+- many tokens (prefill): the pairs sorted by expert and each expert's rows multiplied as one group
+  of a grouped matmul (`torch._grouped_mm`, no host sync: a prefill's CUDA graph captures it); where
+  the device has no grouped matmul, expert by expert over the tokens routed to it.
 
 Each token's result depends on its own routing only. The layer counts, on the device and without a
 host sync, the forwards it ran and the distinct experts they touched (`touched`, `forwards`): what a
@@ -128,6 +130,8 @@ class SparseMoE(nn.Module):
             out = fused_moe.fused_moe(x, experts, weights, gate_up, down)
         elif experts.numel() <= 2 * self.num_experts:  # few tokens: gathered, static shapes
             out = gathered(x, experts, weights, gate_up, down)
+        elif has_grouped_mm(x):
+            out = grouped(x, experts, weights, gate_up, down)
         else:
             out = by_expert(x, experts, weights, gate_up, down)
         if self.cfg.shared_experts:
@@ -168,6 +172,34 @@ def gathered(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate
     g, u = gu.chunk(2, -1)
     y = torch.einsum("nki,nkhi->nkh", F.silu(g) * u, down[experts])  # (N, k, H)
     return (y * weights.to(y.dtype)[..., None]).sum(1)
+
+
+def has_grouped_mm(x: torch.Tensor) -> bool:
+    """torch's grouped matmul takes x: on the CPU, or bfloat16 on a GPU of compute capability 9 or more."""
+    if not hasattr(torch, "_grouped_mm") or torch.is_grad_enabled():
+        return False
+    if x.device.type == "cpu":
+        return True
+    return x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def grouped(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+            down: torch.Tensor) -> torch.Tensor:
+    """The (token, slot) pairs sorted by expert, each expert's run one group of a grouped matmul
+    (group ends found on the device: no host sync), summed back per token in slot order."""
+    n, k = experts.shape
+    flat = experts.reshape(-1)
+    order = flat.argsort(stable=True)
+    ends = torch.searchsorted(flat[order], torch.arange(gate_up.shape[0], device=x.device), right=True)
+    ends = ends.to(torch.int32)
+    g, u = torch._grouped_mm(x[order // k], gate_up.transpose(1, 2), offs=ends).chunk(2, -1)
+    y = torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=ends)
+    y = y * weights.reshape(-1)[order].to(y.dtype)[:, None]
+    out = torch.empty_like(y).index_copy_(0, order, y).view(n, k, -1)
+    acc = out[:, 0]
+    for j in range(1, k):  # slot by slot, as the fused kernels sum
+        acc = acc + out[:, j]
+    return acc
 
 
 def by_expert(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Issue 51 on the H200: the MoE layer kernels and the MoE shapes (random weights: nothing to stage).
+#   bash bench/gpu/moe.sh layer   # eaglet bench-moe: every path against the touched-bytes floor
+#                                 # (TUNE=1: sweep the fused tiles first; SHAPES="kimi-k2 qwen3-30b-a3b" by default)
+#   bash bench/gpu/moe.sh test    # the MoE CUDA-graph tests (tests/test_cuda_graphs.py -k moe)
+# Everything it writes lands in $OUT/moe-<phase>.tar (records, tiles, the log).
+phase=$1
+source "$(dirname "$0")/setup.sh"
+set +e
+out=/tmp/records-moe-$phase-$$
+mkdir -p "$out"
+case $phase in
+  layer)
+    python3 -m eaglet bench-moe --shape ${SHAPES:-kimi-k2 qwen3-30b-a3b} ${TUNE:+--tune} --tiles-out "$out/moe_tiles.json" \
+      --paths ${PATHS_:-fused grouped gathered} --out "$out" 2>&1 | tee "$out/bench-moe.log" ;;
+  test)
+    python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py -k "moe or mla" 2>&1 | tee "$out/moe-test.log" ;;
+esac
+tar -cf "${OUT:-/tmp}/moe-$phase.tar" -C "$out" .

@@ -1,0 +1,231 @@
+"""`eaglet bench-moe`: one MoE layer's routed experts at a real shape, random weights, for 1 to 64
+tokens, each path against the touched-bytes floor: the distinct experts the tokens route to, times
+an expert's bytes, over the measured copy bandwidth.
+
+Paths: `fused` (models/fused_moe.py, the tiles of moe_tiles.json), `grouped` (torch._grouped_mm
+over the pairs sorted by expert), `gathered` (each token's k experts' weights gathered: what a GPU
+without the kernels runs), `loop` (expert by expert with a host sync, as transformers' layer).
+Each is timed as CUDA-graph replays (the loop eagerly), medians over repeats, and run over enough
+copies of the layer's weights that the L2 cache holds none of them. Routing is uniform: each token's
+k experts drawn at random.
+
+`--tune` sweeps the fused kernels' tiles and keeps per shape the one configuration with the least
+summed time over floor across the token counts (one configuration for every count, so a token's
+result does not depend on how many tokens share its call), written to moe_tiles.json with the
+sweep in the record.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+from dataclasses import asdict, replace
+
+import torch
+
+from ..errors import InvalidInput
+from ..models import fused_moe
+from ..models.fused_moe import Tiles
+from ..models.moe import by_expert, gathered, grouped
+from .shapes import SHAPES, copy_bandwidth
+
+PATHS = ("fused", "grouped", "gathered", "loop")
+TOKENS = (1, 2, 4, 8, 16, 32, 64)
+L2_SAFE = 1 << 30  # bytes a replay reads at one token at least, copies of the layer included
+GATHER_LIMIT = 8 << 30  # the gathered path materializes every pair's weights: skipped above this
+SWEEP_COLS, SWEEP_STEPS, SWEEP_WARPS = (16, 32, 64), (64, 128, 256), (4, 8)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench-moe", help="one MoE layer's routed experts against the touched-bytes floor",
+                       description="Time the routed experts of one MoE layer of a real shape (random weights, "
+                                   "uniform routing) for 1 to 64 tokens on each path (fused Triton kernels, "
+                                   "torch._grouped_mm, gathered weights, the expert loop) against the floor: the "
+                                   "distinct experts touched x an expert's bytes / the measured copy bandwidth. "
+                                   "--tune sweeps the fused kernels' tiles and writes the best per shape.")
+    moe_shapes = [n for n, c in SHAPES.items() if c.moe is not None]
+    p.add_argument("--shape", nargs="+", default=["kimi-k2", "qwen3-30b-a3b"], metavar="NAME",
+                   help=f"MoE shapes: {', '.join(moe_shapes)}")
+    p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), help="token counts, 1 to 64")
+    p.add_argument("--paths", nargs="+", default=["fused", "grouped", "gathered"], choices=PATHS)
+    p.add_argument("--tune", action="store_true", help="sweep the fused kernels' tiles; write the best per shape")
+    p.add_argument("--tiles-out", default=str(fused_moe.TILES_FILE), help="where --tune writes the tiles")
+    p.add_argument("--repeats", type=int, default=15, help="timed repeats (median reported)")
+    p.add_argument("--out", default="bench/results", help="directory for the JSON record")
+
+
+def cmd_bench_moe(args) -> int:
+    run_bench_moe(args)
+    return 0
+
+
+def check_args(args) -> None:
+    for name in args.shape:
+        if name not in SHAPES or SHAPES[name].moe is None:
+            raise InvalidInput(f"--shape {name}: not an MoE shape (choose from "
+                               f"{', '.join(n for n, c in SHAPES.items() if c.moe is not None)})")
+    bad = [t for t in args.tokens if not 1 <= t <= fused_moe.MAX_TOKENS]
+    if bad:
+        raise InvalidInput(f"--tokens {bad[0]}: must be 1 to {fused_moe.MAX_TOKENS}")
+    if not torch.cuda.is_available() or fused_moe.triton is None:
+        raise InvalidInput("bench-moe needs a CUDA GPU with Triton")
+
+
+def time_ms(fn, repeats: int, graph: bool = True) -> float:
+    """Median milliseconds of one call: CUDA-graph replays after a warm-up (eager calls if not `graph`)."""
+    fn()
+    torch.cuda.synchronize()
+    run = fn
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        run = g.replay
+    run()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+class Layer:
+    """Copies of one MoE layer's expert stacks (random, bf16) and a uniform routing per token count."""
+
+    def __init__(self, name: str, device: torch.device, tokens: list[int]):
+        cfg = SHAPES[name]
+        self.e, self.k, self.h, self.i = cfg.moe.num_experts, cfg.moe.top_k, cfg.hidden_size, cfg.moe.expert_size
+        self.expert_bytes = 3 * self.h * self.i * 2
+        one_token = self.k * self.expert_bytes
+        self.copies = max(1, min(8, math.ceil(L2_SAFE / one_token)))
+        gen = torch.Generator(device=device).manual_seed(0)
+        self.stacks = [(torch.randn(self.e, 2 * self.i, self.h, device=device, dtype=torch.bfloat16,
+                                    generator=gen) * 0.02,
+                        torch.randn(self.e, self.h, self.i, device=device, dtype=torch.bfloat16, generator=gen) * 0.02)
+                       for _ in range(self.copies)]
+        self.inputs = {}
+        for t in tokens:
+            x = torch.randn(t, self.h, device=device, dtype=torch.bfloat16, generator=gen)
+            experts = torch.rand(t, self.e, device=device, generator=gen).topk(self.k, -1).indices
+            weights = torch.rand(t, self.k, device=device, generator=gen).softmax(-1)
+            self.inputs[t] = (x, experts, weights)
+
+    def distinct(self, t: int) -> int:
+        return self.inputs[t][1].unique().numel()  # sync: outside any timing
+
+    def floor_ms(self, t: int, bandwidth: float) -> float:
+        return self.distinct(t) * self.expert_bytes / bandwidth * 1e3
+
+    def run(self, path: str, t: int, tiles: Tiles | None = None):
+        """A callable that applies `path` to every copy; its time divided by copies is one layer's."""
+        x, experts, weights = self.inputs[t]
+        fn = {"fused": lambda *a: fused_moe.fused_moe(*a, tiles=tiles), "grouped": grouped,
+              "gathered": gathered, "loop": by_expert}[path]
+
+        def go():
+            for gu, dn in self.stacks:
+                fn(x, experts, weights, gu, dn)
+        return go
+
+    def kernel(self, which: str, t: int, tiles: Tiles):
+        """One fused kernel alone over every copy (the sweep times gate-up and down apart)."""
+        x, experts, weights = self.inputs[t]
+        order, sorted_e, token = fused_moe.sort_pairs(experts)
+        w = weights.reshape(-1)[order].float()
+        act = torch.randn(sorted_e.shape[0], self.i, device=x.device, dtype=x.dtype)
+
+        def go():
+            for gu, dn in self.stacks:
+                if which == "gate":
+                    fused_moe.gate_up_act(x, gu, sorted_e, token, tiles)
+                else:
+                    fused_moe.down_weighted(act, dn, sorted_e, w, tiles)
+        return go
+
+
+def tune(layer: Layer, tokens: list[int], bandwidth: float, repeats: int) -> tuple[Tiles, list[dict]]:
+    """The tiles with the least summed time over floor across `tokens`, gate-up and down swept apart."""
+    sweep, best = [], {}
+    for which in ("gate", "down"):
+        scores = {}
+        for cols, step, warps in itertools.product(SWEEP_COLS, SWEEP_STEPS, SWEEP_WARPS):
+            tiles = replace(Tiles(), **{f"{which}_cols": cols, f"{which}_step": step, f"{which}_warps": warps})
+            ms = {t: time_ms(layer.kernel(which, t, tiles), repeats) / layer.copies for t in tokens}
+            score = sum(ms[t] / layer.floor_ms(t, bandwidth) for t in tokens)
+            sweep.append({"kernel": which, "cols": cols, "step": step, "warps": warps, "ms": ms})
+            scores[(cols, step, warps)] = score
+        best[which] = min(scores, key=scores.get)
+    (gc, gs, gw), (dc, ds, dw) = best["gate"], best["down"]
+    return Tiles(gc, gs, gw, dc, ds, dw), sweep
+
+
+def bench_shape(name: str, args, bandwidth: float) -> dict:
+    device = torch.device("cuda")
+    layer = Layer(name, device, args.tokens)
+    key = fused_moe.shape_key(layer.e, layer.h, layer.i, layer.k)
+    out: dict = {"key": key, "copies": layer.copies, "expert_bytes": layer.expert_bytes, "tokens": {}}
+    tiles = fused_moe.tiles_for(layer.e, layer.h, layer.i, layer.k)
+    if args.tune:
+        tiles, out["sweep"] = tune(layer, args.tokens, bandwidth, args.repeats)
+    out["tiles"] = asdict(tiles)
+    print(f"{name}: hidden {layer.h}, expert width {layer.i}, {layer.e} experts, top {layer.k}; "
+          f"{layer.copies} copies of the layer; tiles {out['tiles']}")
+    print(f"{'T':>4}{'experts':>9}{'floor ms':>10}" + "".join(f"{p + ' ms':>14}" for p in args.paths)
+          + f"{'fused/floor':>13}")
+    for t in args.tokens:
+        row = {"experts": layer.distinct(t), "floor_ms": layer.floor_ms(t, bandwidth)}
+        for path in args.paths:
+            pairs_bytes = t * layer.k * layer.expert_bytes
+            if path == "gathered" and pairs_bytes > GATHER_LIMIT:
+                continue
+            row[path + "_ms"] = time_ms(layer.run(path, t, tiles), args.repeats, graph=path != "loop") / layer.copies
+        if "fused_ms" in row:
+            row["fused_floor_ratio"] = row["floor_ms"] / row["fused_ms"]
+            row.update(check_fused(layer, t, tiles))
+        out["tokens"][str(t)] = row
+        cells = "".join(f"{row[p + '_ms']:14.3f}" if p + "_ms" in row else f"{'-':>14}" for p in args.paths)
+        frac = f"{row['fused_floor_ratio']:13.0%}" if "fused_ms" in row else ""
+        print(f"{t:>4}{row['experts']:>9}{row['floor_ms']:10.3f}{cells}{frac}")
+    return out
+
+
+@torch.inference_mode()
+def check_fused(layer: Layer, t: int, tiles: Tiles) -> dict:
+    """The fused result against the grouped matmul's (relative max error), and whether each token's
+    row is bitwise the same computed alone as among the t tokens."""
+    x, experts, weights = layer.inputs[t]
+    gu, dn = layer.stacks[0]
+    got = fused_moe.fused_moe(x, experts, weights, gu, dn, tiles=tiles)
+    want = grouped(x, experts, weights, gu, dn)
+    alone = torch.cat([fused_moe.fused_moe(x[j:j + 1], experts[j:j + 1], weights[j:j + 1], gu, dn, tiles=tiles)
+                       for j in range(t)])
+    err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+    return {"rel_err_vs_grouped": err, "rows_bitwise_alone": bool(torch.equal(alone, got))}
+
+
+def run_bench_moe(args) -> dict:
+    from .record import write_record
+
+    check_args(args)
+    torch.set_grad_enabled(False)
+    bandwidth = copy_bandwidth(torch.device("cuda"))
+    results: dict = {"bandwidth_gb_s": bandwidth / 1e9, "gpu": torch.cuda.get_device_name(), "shapes": {}}
+    print(f"{results['gpu']}: copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    tuned = dict(fused_moe.TUNED)
+    for name in args.shape:
+        results["shapes"][name] = r = bench_shape(name, args, bandwidth)
+        tuned[r["key"]] = Tiles(**r["tiles"])
+        torch.cuda.empty_cache()
+    if args.tune:
+        from pathlib import Path
+        fused_moe.save_tiles(tuned, {"gpu": results["gpu"], "command": "eaglet bench-moe --tune"}, Path(args.tiles_out))
+        print(f"tiles: {args.tiles_out}")
+    flags = {k: v for k, v in vars(args).items() if k != "func"}
+    path = write_record("bench-moe", flags, results, args.out)
+    print(f"record: {path}")
+    return results
+
