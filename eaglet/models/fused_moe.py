@@ -2,14 +2,15 @@
 read each touched expert's weights once per forward, with static shapes and no host sync (what the
 CUDA graphs of decode and verify capture).
 
-The (token, slot) pairs are sorted by expert on the device; a pair that heads its expert's run of
-pairs owns that expert, every other program returns at once. The owner streams the expert's
-weight tiles once and applies them to its pairs in chunks of CHUNK pairs:
+One program per (token, slot) pair and tile of columns; the program of an expert's first pair owns
+that expert, every other one returns at once. The owner finds the expert's pairs among the call's
+(no sort, no extra kernel), streams the expert's weight tiles once and applies them to its pairs in
+chunks of CHUNK pairs:
 
 - `gate_up_kernel`: h = SiLU(x W_gate^T) * (x W_up^T) for each pair, (pairs, I);
 - `down_kernel`: y = (h W_down^T) * routing weight for each pair, (pairs, H);
 
-and each token's k rows are summed in slot order. A token's result depends on its own routing
+and `combine_kernel` sums each token's k rows in slot order. A token's result depends on its own routing
 only: the same tiles and the same reduction order whatever the other tokens in the call, and one
 tile configuration per layer shape (`Tiles`, chosen by `eaglet bench-moe --tune` and kept in
 moe_tiles.json), whatever the token count. Dot products in the weights' dtype with float32
@@ -77,34 +78,29 @@ def usable(x: torch.Tensor, experts: torch.Tensor) -> bool:
             and not torch.is_grad_enabled())
 
 
-def sort_pairs(experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(token, slot) pairs grouped by expert, in token order within: (order, experts, tokens) of them."""
-    k = experts.shape[1]
-    order = experts.reshape(-1).argsort(stable=True)
-    return order, experts.reshape(-1)[order].to(torch.int32), (order // k).to(torch.int32)
-
-
-def gate_up_act(x: torch.Tensor, gate_up: torch.Tensor, sorted_e: torch.Tensor, token: torch.Tensor,
-                tiles: Tiles) -> torch.Tensor:
-    """SiLU(x W_gate^T) * (x W_up^T) of each sorted pair's token and expert: (pairs, I), x's dtype."""
-    pairs, h_dim, i_dim = sorted_e.shape[0], x.shape[1], gate_up.shape[1] // 2
-    act = torch.empty(pairs, i_dim, dtype=x.dtype, device=x.device)
-    gate_up_kernel[(pairs, triton.cdiv(i_dim, tiles.gate_cols))](
-        x, gate_up, sorted_e, token, act, pairs, h_dim, i_dim,
+def gate_up_act(x: torch.Tensor, gate_up: torch.Tensor, experts: torch.Tensor, tiles: Tiles) -> torch.Tensor:
+    """SiLU(x W_gate^T) * (x W_up^T) of each (token, slot) pair's token and expert: (N k, I), x's dtype."""
+    n, k = experts.shape
+    h_dim, i_dim = x.shape[1], gate_up.shape[1] // 2
+    act = torch.empty(n * k, i_dim, dtype=x.dtype, device=x.device)
+    gate_up_kernel[(n * k, triton.cdiv(i_dim, tiles.gate_cols))](
+        x, gate_up, experts, act, n * k, k, h_dim, i_dim,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-        BI=tiles.gate_cols, BH=tiles.gate_step, CHUNK=CHUNK, num_warps=tiles.gate_warps, num_stages=tiles.stages)
+        PAIRS=triton.next_power_of_2(n * k), BI=tiles.gate_cols, BH=tiles.gate_step, CHUNK=CHUNK,
+        num_warps=tiles.gate_warps, num_stages=tiles.stages)
     return act
 
 
-def down_weighted(act: torch.Tensor, down: torch.Tensor, sorted_e: torch.Tensor, w: torch.Tensor,
+def down_weighted(act: torch.Tensor, down: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                   tiles: Tiles) -> torch.Tensor:
-    """(act W_down^T) times each sorted pair's routing weight: (pairs, H) float32."""
-    pairs, h_dim, i_dim = sorted_e.shape[0], down.shape[1], down.shape[2]
+    """(act W_down^T) times each pair's routing weight (float32, (N, k)): (N k, H) float32."""
+    pairs, h_dim, i_dim = experts.numel(), down.shape[1], down.shape[2]
     y = torch.empty(pairs, h_dim, dtype=torch.float32, device=act.device)
     down_kernel[(pairs, triton.cdiv(h_dim, tiles.down_cols))](
-        act, down, sorted_e, w, y, pairs, h_dim, i_dim,
+        act, down, experts, weights, y, pairs, h_dim, i_dim,
         act.stride(0), down.stride(0), down.stride(1), y.stride(0),
-        BHO=tiles.down_cols, BI=tiles.down_step, CHUNK=CHUNK, num_warps=tiles.down_warps, num_stages=tiles.stages)
+        PAIRS=triton.next_power_of_2(pairs), BHO=tiles.down_cols, BI=tiles.down_step, CHUNK=CHUNK,
+        num_warps=tiles.down_warps, num_stages=tiles.stages)
     return y
 
 
@@ -113,40 +109,49 @@ def fused_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gat
     """x (N, H), experts and weights (N, k), gate_up (E, 2I, H), down (E, H, I) -> (N, H)."""
     n, k = experts.shape
     tiles = tiles or tiles_for(gate_up.shape[0], x.shape[1], down.shape[2], k)
-    order, sorted_e, token = sort_pairs(experts)
-    act = gate_up_act(x, gate_up, sorted_e, token, tiles)
-    y = down_weighted(act, down, sorted_e, weights.reshape(-1)[order].float(), tiles)
-    out = torch.empty_like(y).index_copy_(0, order, y).view(n, k, x.shape[1])  # back to (token, slot) order
-    acc = out[:, 0]
-    for j in range(1, k):  # slot by slot: one reduction order for every token, whatever the count
-        acc = acc + out[:, j]
-    return acc.to(x.dtype)
+    experts = experts.contiguous()
+    act = gate_up_act(x, gate_up, experts, tiles)
+    y = down_weighted(act, down, experts, weights.float().contiguous(), tiles)
+    out = torch.empty_like(x)
+    block = 1024
+    combine_kernel[(n, triton.cdiv(x.shape[1], block))](y, out, x.shape[1], K=k, BLOCK=block)
+    return out
 
 
 if triton is not None:
     @triton.jit
-    def run_of(sorted_e, p, pairs):
-        """(expert, whether pair p heads its run, the run's length) of the sorted pairs."""
-        e = tl.load(sorted_e + p)
-        prev = tl.load(sorted_e + tl.maximum(p - 1, 0))
-        head = (p == 0) | (prev != e)
-        offs = p + tl.arange(0, 64)
-        same = (offs < pairs) & (tl.load(sorted_e + offs, mask=offs < pairs, other=-1) == e)
-        return e, head, tl.sum(same.to(tl.int32), 0)  # a run holds at most one pair a token: <= 64
+    def run_of(experts, p, pairs, PAIRS: tl.constexpr, CHUNK: tl.constexpr):
+        """Pair p's expert, whether p is its expert's first pair, how many pairs it has, and a
+        (CHUNK, PAIRS) one-hot selector: row r of chunk c picks the expert's (c + r)-th pair
+        (`member`). No sort: every program reads the <= PAIRS experts of the call."""
+        e = tl.load(experts + p)
+        js = tl.arange(0, PAIRS)
+        all_e = tl.load(experts + js, mask=js < pairs, other=-1)
+        same = all_e == e
+        head = tl.sum((same & (js < p)).to(tl.int32), 0) == 0
+        rank = tl.cumsum(same.to(tl.int32), 0) - 1  # among the expert's pairs, in (token, slot) order
+        return e, head, tl.sum(same.to(tl.int32), 0), same, rank
 
     @triton.jit
-    def gate_up_kernel(x, gate_up, sorted_e, token, act, pairs, H, I,
-                       sx, sge, sgr, sa, BI: tl.constexpr, BH: tl.constexpr, CHUNK: tl.constexpr):
+    def member(same, rank, c, PAIRS: tl.constexpr, CHUNK: tl.constexpr):
+        """The pair indices of chunk c of the expert's pairs (CHUNK,), and which of them exist."""
+        r = c + tl.arange(0, CHUNK)
+        pick = same[None, :] & (rank[None, :] == r[:, None])
+        idx = tl.sum(tl.where(pick, tl.arange(0, PAIRS)[None, :], 0), 1)
+        return idx, tl.sum(pick.to(tl.int32), 1) > 0
+
+    @triton.jit
+    def gate_up_kernel(x, gate_up, experts, act, pairs, K, H, I, sx, sge, sgr, sa,
+                       PAIRS: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr, CHUNK: tl.constexpr):
         p = tl.program_id(0)
-        e, head, length = run_of(sorted_e, p, pairs)
+        e, head, length, same, rank = run_of(experts, p, pairs, PAIRS, CHUNK)
         if head:
             cols = tl.program_id(1) * BI + tl.arange(0, BI)
             wg_ptr = gate_up + e.to(tl.int64) * sge + cols[:, None] * sgr
             wu_ptr = wg_ptr + I * sgr
             for c in range(0, length, CHUNK):
-                rows = p + c + tl.arange(0, CHUNK)
-                live = (c + tl.arange(0, CHUNK)) < length
-                tok = tl.load(token + rows, mask=live, other=0)
+                rows, live = member(same, rank, c, PAIRS, CHUNK)
+                tok = rows // K
                 g = tl.zeros((CHUNK, BI), dtype=tl.float32)
                 u = tl.zeros((CHUNK, BI), dtype=tl.float32)
                 for h0 in range(0, H, BH):
@@ -163,16 +168,15 @@ if triton is not None:
                          mask=live[:, None] & (cols[None, :] < I))
 
     @triton.jit
-    def down_kernel(act, down, sorted_e, w, y, pairs, H, I,
-                    sa, sde, sdr, sy, BHO: tl.constexpr, BI: tl.constexpr, CHUNK: tl.constexpr):
+    def down_kernel(act, down, experts, w, y, pairs, H, I, sa, sde, sdr, sy,
+                    PAIRS: tl.constexpr, BHO: tl.constexpr, BI: tl.constexpr, CHUNK: tl.constexpr):
         p = tl.program_id(0)
-        e, head, length = run_of(sorted_e, p, pairs)
+        e, head, length, same, rank = run_of(experts, p, pairs, PAIRS, CHUNK)
         if head:
             cols = tl.program_id(1) * BHO + tl.arange(0, BHO)
             wd_ptr = down + e.to(tl.int64) * sde + cols[:, None] * sdr
             for c in range(0, length, CHUNK):
-                rows = p + c + tl.arange(0, CHUNK)
-                live = (c + tl.arange(0, CHUNK)) < length
+                rows, live = member(same, rank, c, PAIRS, CHUNK)
                 acc = tl.zeros((CHUNK, BHO), dtype=tl.float32)
                 for i0 in range(0, I, BI):
                     js = i0 + tl.arange(0, BI)
@@ -183,3 +187,13 @@ if triton is not None:
                 scale = tl.load(w + rows, mask=live, other=0.0)
                 tl.store(y + rows[:, None] * sy + cols[None, :], acc * scale[:, None],
                          mask=live[:, None] & (cols[None, :] < H))
+
+    @triton.jit
+    def combine_kernel(y, out, H, K: tl.constexpr, BLOCK: tl.constexpr):
+        """out[t] = sum over slots of y[t k + j], in slot order, in float32, then x's dtype."""
+        t = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        acc = tl.load(y + t * K * H + cols, mask=cols < H, other=0.0)
+        for j in tl.static_range(1, K):
+            acc += tl.load(y + (t * K + j) * H + cols, mask=cols < H, other=0.0)
+        tl.store(out + t * H + cols, acc.to(out.dtype.element_ty), mask=cols < H)
