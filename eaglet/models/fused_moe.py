@@ -37,6 +37,13 @@ MAX_TOKENS = 64
 TILES_FILE = Path(__file__).with_name("moe_tiles.json")
 
 
+def dependent_launch(x: torch.Tensor) -> bool:
+    """Whether down and combine start while the kernel before them finishes (programmatic dependent
+    launch, compute capability 9+): their launch and first loads overlap its tail, each program
+    waiting for the previous kernel's results before it reads them."""
+    return not INTERPRET and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
 @dataclass(frozen=True)
 class Tiles:
     """One layer shape's tiles: output columns and reduction step of each kernel, and its warps."""
@@ -87,7 +94,7 @@ def gate_up_act(x: torch.Tensor, gate_up: torch.Tensor, experts: torch.Tensor, t
         x, gate_up, experts, act, n * k, k, h_dim, i_dim,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
         PAIRS=triton.next_power_of_2(n * k), BI=tiles.gate_cols, BH=tiles.gate_step, CHUNK=CHUNK,
-        num_warps=tiles.gate_warps, num_stages=tiles.stages)
+        GDC=dependent_launch(x), num_warps=tiles.gate_warps, num_stages=tiles.stages)
     return act
 
 
@@ -96,11 +103,12 @@ def down_weighted(act: torch.Tensor, down: torch.Tensor, experts: torch.Tensor, 
     """(act W_down^T) times each pair's routing weight (float32, (N, k)): (N k, H) float32."""
     pairs, h_dim, i_dim = experts.numel(), down.shape[1], down.shape[2]
     y = torch.empty(pairs, h_dim, dtype=torch.float32, device=act.device)
+    gdc = dependent_launch(act)
     down_kernel[(pairs, triton.cdiv(h_dim, tiles.down_cols))](
         act, down, experts, weights, y, pairs, h_dim, i_dim,
         act.stride(0), down.stride(0), down.stride(1), y.stride(0),
         PAIRS=triton.next_power_of_2(pairs), BHO=tiles.down_cols, BI=tiles.down_step, CHUNK=CHUNK,
-        num_warps=tiles.down_warps, num_stages=tiles.stages)
+        GDC=gdc, num_warps=tiles.down_warps, num_stages=tiles.stages, **({"launch_pdl": True} if gdc else {}))
     return y
 
 
@@ -114,7 +122,9 @@ def fused_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gat
     y = down_weighted(act, down, experts, weights.float().contiguous(), tiles)
     out = torch.empty_like(x)
     block = 1024
-    combine_kernel[(n, triton.cdiv(x.shape[1], block))](y, out, x.shape[1], K=k, BLOCK=block)
+    gdc = dependent_launch(x)
+    combine_kernel[(n, triton.cdiv(x.shape[1], block))](y, out, x.shape[1], K=k, BLOCK=block, GDC=gdc,
+                                                        **({"launch_pdl": True} if gdc else {}))
     return out
 
 
@@ -142,7 +152,10 @@ if triton is not None:
 
     @triton.jit
     def gate_up_kernel(x, gate_up, experts, act, pairs, K, H, I, sx, sge, sgr, sa,
-                       PAIRS: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr, CHUNK: tl.constexpr):
+                       PAIRS: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr, CHUNK: tl.constexpr,
+                       GDC: tl.constexpr):
+        if GDC:  # the down kernel may launch now; it waits for these results before reading them
+            tl.extra.cuda.gdc_launch_dependents()
         p = tl.program_id(0)
         e, head, length, same, rank = run_of(experts, p, pairs, PAIRS, CHUNK)
         if head:
@@ -169,10 +182,15 @@ if triton is not None:
 
     @triton.jit
     def down_kernel(act, down, experts, w, y, pairs, H, I, sa, sde, sdr, sy,
-                    PAIRS: tl.constexpr, BHO: tl.constexpr, BI: tl.constexpr, CHUNK: tl.constexpr):
+                    PAIRS: tl.constexpr, BHO: tl.constexpr, BI: tl.constexpr, CHUNK: tl.constexpr,
+                    GDC: tl.constexpr):
+        if GDC:
+            tl.extra.cuda.gdc_launch_dependents()
         p = tl.program_id(0)
         e, head, length, same, rank = run_of(experts, p, pairs, PAIRS, CHUNK)
         if head:
+            if GDC:  # the gate-up kernel's act, complete and visible
+                tl.extra.cuda.gdc_wait()
             cols = tl.program_id(1) * BHO + tl.arange(0, BHO)
             wd_ptr = down + e.to(tl.int64) * sde + cols[:, None] * sdr
             for c in range(0, length, CHUNK):
@@ -189,8 +207,10 @@ if triton is not None:
                          mask=live[:, None] & (cols[None, :] < H))
 
     @triton.jit
-    def combine_kernel(y, out, H, K: tl.constexpr, BLOCK: tl.constexpr):
+    def combine_kernel(y, out, H, K: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
         """out[t] = sum over slots of y[t k + j], in slot order, in float32, then x's dtype."""
+        if GDC:
+            tl.extra.cuda.gdc_wait()
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         acc = tl.load(y + t * K * H + cols, mask=cols < H, other=0.0)

@@ -33,7 +33,7 @@ PATHS = ("fused", "grouped", "gathered", "loop")
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
 L2_SAFE = 1 << 30  # bytes a replay reads at one token at least, copies of the layer included
 GATHER_LIMIT = 8 << 30  # the gathered path materializes every pair's weights: skipped above this
-SWEEP_COLS, SWEEP_STEPS, SWEEP_WARPS = (16, 32, 64), (64, 128, 256), (4, 8)
+SWEEP_COLS, SWEEP_STEPS, SWEEP_WARPS, SWEEP_STAGES = (16, 32, 64), (64, 128, 256), (4, 8), (2, 3, 4, 5)
 
 
 def add_parser(sub) -> None:
@@ -147,7 +147,8 @@ class Layer:
 
 
 def tune(layer: Layer, tokens: list[int], bandwidth: float, repeats: int) -> tuple[Tiles, list[dict]]:
-    """The tiles with the least summed time over floor across `tokens`, gate-up and down swept apart."""
+    """The tiles with the least summed time over floor across `tokens`: gate-up and down swept apart,
+    then the pipeline depth."""
     sweep, best = [], {}
     for which in ("gate", "down"):
         scores = {}
@@ -159,7 +160,13 @@ def tune(layer: Layer, tokens: list[int], bandwidth: float, repeats: int) -> tup
             scores[(cols, step, warps)] = score
         best[which] = min(scores, key=scores.get)
     (gc, gs, gw), (dc, ds, dw) = best["gate"], best["down"]
-    return Tiles(gc, gs, gw, dc, ds, dw), sweep
+    scores = {}
+    for stages in SWEEP_STAGES:  # then the pipeline depth of both, the whole layer timed
+        tiles = Tiles(gc, gs, gw, dc, ds, dw, stages)
+        ms = {t: time_ms(layer.run("fused", t, tiles), repeats) / layer.copies for t in tokens}
+        sweep.append({"kernel": "both", "stages": stages, "ms": ms})
+        scores[tiles] = sum(ms[t] / layer.floor_ms(t, bandwidth) for t in tokens)
+    return min(scores, key=scores.get), sweep
 
 
 def bench_shape(name: str, args, bandwidth: float) -> dict:
