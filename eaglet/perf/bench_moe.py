@@ -146,6 +146,15 @@ class Layer:
         return go
 
 
+def fits(timed, tokens: list[int]) -> dict | None:
+    """{tokens: timed(tokens)}, or None where the tiles need more shared memory than the GPU has."""
+    from triton.runtime.errors import OutOfResources
+    try:
+        return {t: timed(t) for t in tokens}
+    except OutOfResources:
+        return None
+
+
 def tune(layer: Layer, tokens: list[int], bandwidth: float, repeats: int) -> tuple[Tiles, list[dict]]:
     """The tiles with the least summed time over floor across `tokens`: gate-up and down swept apart,
     then the pipeline depth."""
@@ -154,7 +163,9 @@ def tune(layer: Layer, tokens: list[int], bandwidth: float, repeats: int) -> tup
         scores = {}
         for cols, step, warps in itertools.product(SWEEP_COLS, SWEEP_STEPS, SWEEP_WARPS):
             tiles = replace(Tiles(), **{f"{which}_cols": cols, f"{which}_step": step, f"{which}_warps": warps})
-            ms = {t: time_ms(layer.kernel(which, t, tiles), repeats) / layer.copies for t in tokens}
+            ms = fits(lambda t: time_ms(layer.kernel(which, t, tiles), repeats) / layer.copies, tokens)
+            if ms is None:
+                continue
             score = sum(ms[t] / layer.floor_ms(t, bandwidth) for t in tokens)
             sweep.append({"kernel": which, "cols": cols, "step": step, "warps": warps, "ms": ms})
             scores[(cols, step, warps)] = score
@@ -163,7 +174,9 @@ def tune(layer: Layer, tokens: list[int], bandwidth: float, repeats: int) -> tup
     scores = {}
     for stages in SWEEP_STAGES:  # then the pipeline depth of both, the whole layer timed
         tiles = Tiles(gc, gs, gw, dc, ds, dw, stages)
-        ms = {t: time_ms(layer.run("fused", t, tiles), repeats) / layer.copies for t in tokens}
+        ms = fits(lambda t: time_ms(layer.run("fused", t, tiles), repeats) / layer.copies, tokens)
+        if ms is None:
+            continue
         sweep.append({"kernel": "both", "stages": stages, "ms": ms})
         scores[tiles] = sum(ms[t] / layer.floor_ms(t, bandwidth) for t in tokens)
     return min(scores, key=scores.get), sweep
