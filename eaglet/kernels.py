@@ -9,8 +9,9 @@ choices can live in one process, and nothing switches a kernel on or off behind 
   (models/cache_attention.py).
 - `topk`: the top-k of each row a draft tree takes at every level, with its log-softmax, as one
   Triton kernel (spec/topk.py).
-- `moe`: the routed experts of 1 to 64 tokens as two Triton kernels that read each touched
-  expert's weights once (models/fused_moe.py); not chosen by `choose` until measured on the GPU.
+- `moe`: the routed experts of 1 to 64 tokens as Triton kernels that read each touched expert's
+  weights once (models/fused_moe.py): on the H200 at the touched-bytes floor for Kimi-K2's layer and
+  faster than torch._grouped_mm at every token count (BENCHMARKS.md, "MoE layer").
 - `compile`: torch.compile of the elementwise modules of every layer (RMSNorm with its residual
   add, RoPE with the grouped-query relayout, the MLP's gate-up / SiLU·mul / down) and of the
   functions marked `@fusable` (the index arithmetic around the model: attention masks, greedy
@@ -35,7 +36,7 @@ try:
 except ImportError:  # CPU installs without Triton: torch's kernels run
     triton = None
 
-KERNEL_NAMES = ("gemv", "cache-attention", "topk")  # what --disable-kernels accepts
+KERNEL_NAMES = ("gemv", "cache-attention", "topk", "moe")  # what --disable-kernels accepts
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class Kernels:
     cache_attention: bool = False
     topk: bool = False
     compile: bool = False
-    moe: bool = False  # routed experts of a few tokens as Triton kernels (models/fused_moe.py); off until measured
+    moe: bool = False  # routed experts of 1 to 64 tokens as Triton kernels (models/fused_moe.py)
 
     @staticmethod
     def choose(device: torch.device | str, compile: bool = True, disable: tuple[str, ...] = ()) -> "Kernels":
@@ -61,7 +62,8 @@ class Kernels:
         ampere = torch.cuda.get_device_capability(device)[0] >= 8 and triton is not None
         return Kernels(gemv=ampere and "gemv" not in disable,
                        cache_attention=ampere and "cache-attention" not in disable,
-                       topk=triton is not None and "topk" not in disable, compile=compile)
+                       topk=triton is not None and "topk" not in disable, compile=compile,
+                       moe=ampere and "moe" not in disable)
 
     def fuse(self, fn: Callable) -> Callable:
         """`fn` (a `@fusable` function) compiled when this configuration compiles, as written otherwise."""

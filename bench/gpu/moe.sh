@@ -2,7 +2,8 @@
 # Issue 51 on the H200: the MoE layer kernels and the MoE shapes (random weights: nothing to stage).
 #   bash bench/gpu/moe.sh layer   # eaglet bench-moe: every path against the touched-bytes floor
 #                                 # (TUNE=1: sweep the fused tiles first; SHAPES="kimi-k2 qwen3-30b-a3b" by default)
-#   bash bench/gpu/moe.sh test    # the MoE CUDA-graph tests (tests/test_cuda_graphs.py -k moe)
+#   bash bench/gpu/moe.sh test    # the MoE GPU tests: graphed == eager, the fused kernels row-invariant
+#   bash bench/gpu/moe.sh shapes  # eaglet bench --shape: plain decode against the touched-bytes roofline, the verify curve
 # Everything it writes lands in $OUT/moe-<phase>.tar (records, tiles, the log).
 phase=$1
 source "$(dirname "$0")/setup.sh"
@@ -14,6 +15,10 @@ case $phase in
     python3 -m eaglet bench-moe --shape ${SHAPES:-kimi-k2 qwen3-30b-a3b} ${TUNE:+--tune} --tiles-out "$out/moe_tiles.json" \
       --paths ${PATHS_:-fused grouped gathered} --out "$out" 2>&1 | tee "$out/bench-moe.log" ;;
   test)
-    python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py -k "moe or mla" 2>&1 | tee "$out/moe-test.log" ;;
+    python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_moe.py -k "moe_graphed or gpu" 2>&1 | tee "$out/moe-test.log" ;;
+  shapes)
+    for s in ${SHAPES:-qwen3-30b-a3b deepseek-v2-lite}; do
+      python3 -m eaglet bench --shape $s --context 512 --max-new-tokens 128 --repeats 3 --out "$out" 2>&1 | tee -a "$out/bench-shape.log"
+    done ;;
 esac
 tar -cf "${OUT:-/tmp}/moe-$phase.tar" -C "$out" .
