@@ -158,7 +158,7 @@ class SparseMoE(nn.Module):
     def count(self, experts: torch.Tensor) -> None:
         """Add this forward's distinct experts to `touched` (device, no host sync)."""
         hit = torch.zeros(self.num_experts, dtype=torch.bool, device=experts.device)
-        hit[experts.reshape(-1)] = True
+        hit.index_fill_(0, experts.reshape(-1), True)  # a scalar fill: nothing copied from the host
         self.touched += hit.sum()
         self.forwards += 1
 
