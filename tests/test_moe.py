@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 
 from eaglet import GenerationConfig, Generator, load_model
-from eaglet.config import ModelConfig, SpecConfig
+from eaglet.config import ModelConfig, MoEConfig, RopeConfig, SpecConfig
 from eaglet.kvcache import KVCache
 from eaglet.models.attention import AttnMeta
 from eaglet.models.moe import SparseMoE, by_expert, gathered, grouped
@@ -124,7 +124,7 @@ def hf_block(family: str, **cfg):
     from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
 
-    from eaglet.config import MoEConfig, RopeConfig
+
 
     hf_cfg = getattr(transformers, {"deepseek_v2": "DeepseekV2Config", "deepseek_v3": "DeepseekV3Config"}[family])(
         hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts_per_tok=4, **cfg)
@@ -193,7 +193,8 @@ def test_fused_kernels_equal_the_gathered_path(n):
 @torch.inference_mode()
 def test_a_model_with_the_fused_kernels_decodes_as_without(tiny_dirs, monkeypatch):
     """Kernels.moe on the tiny Qwen3-MoE: the same logits for a prefill, a decode step and a 5-token
-    verify of two rows, each sparse layer through the fused kernels."""
+    verify of two rows, each sparse layer through the routing and fused kernels, and the same
+    distinct-expert counts."""
     import dataclasses
 
     from eaglet.kernels import EAGER
@@ -215,6 +216,9 @@ def test_a_model_with_the_fused_kernels_decodes_as_without(tiny_dirs, monkeypatc
         a, b = (eaglet_step(m, c, ids) for m, c in zip((plain, fused), caches))
         assert (a - b).abs().max() <= 1e-5 * a.abs().max(), t
     assert len(calls) == 3 * 3  # three forwards, three sparse layers each
+    counts = [[(m.touched.item(), m.forwards.item()) for m in model.modules() if isinstance(m, SparseMoE)]
+              for model in (plain, fused)]
+    assert counts[0] == counts[1] and counts[0][0][1] == 3  # counted in the kernels as in torch
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -236,3 +240,27 @@ def test_fused_kernels_on_the_gpu_are_row_invariant():
     assert ((full.float() - want.float()).abs().max() / want.float().abs().max()).item() < 0.02
     assert torch.equal(fused_moe(x[:7], experts[:7], weights[:7], gate_up, down), full[:7])
     assert torch.equal(fused_moe(x[5:6], experts[5:6], weights[5:6], gate_up, down), full[5:6])
+
+
+@pytest.mark.parametrize("moe", [
+    MoEConfig(8, 2, 16, True),  # Mixtral, Qwen3-MoE: softmax, renormalized
+    MoEConfig(24, 6, 16, False, scaling=1.5),  # DeepSeek-V2 greedy: softmax, scaled
+    MoEConfig(24, 4, 16, False, n_group=4, topk_group=2),  # DeepSeek-V2 group-limited
+    MoEConfig(24, 4, 16, True, scoring="sigmoid", n_group=4, topk_group=2, group_top2=True, score_bias=True,
+              scaling=2.5, router_fp32=True),  # DeepSeek-V3, Kimi-K2
+], ids=["softmax", "softmax-scaled", "groups", "sigmoid-bias-groups-top2"])
+@torch.inference_mode()
+def test_routing_kernel_equals_the_torch_routing(moe):
+    """The routing kernel (Triton, in its interpreter here) chooses the experts torch's routing does,
+    best first, with the same weights, for 1 to 64 tokens."""
+    config = ModelConfig("deepseek_v3", 128, 64, 96, 2, 4, 4, 16, 1e-6, 256, RopeConfig(), moe=moe)
+    layer = SparseMoE(config).eval()
+    g = torch.Generator().manual_seed(3)
+    layer.gate.weight.copy_(torch.randn(moe.num_experts, 64, generator=g))
+    if moe.score_bias:
+        layer.gate.e_score_correction_bias.copy_(torch.rand(moe.num_experts, generator=g))
+    for n in (1, 7, 64):
+        x = torch.randn(n, 64, generator=g)
+        (w, e), (kw, ke) = layer.route(x), layer.route(x, kernel=True)
+        assert torch.equal(ke, e)
+        assert (kw - w).abs().max() <= 1e-6 * w.abs().max()

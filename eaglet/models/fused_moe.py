@@ -79,22 +79,25 @@ def tiles_for(experts: int, hidden: int, width: int, top_k: int) -> Tiles:
     return TUNED.get(shape_key(experts, hidden, width, top_k), Tiles())
 
 
-def usable(x: torch.Tensor, experts: torch.Tensor) -> bool:
+def usable(x: torch.Tensor) -> bool:
     """Whether the kernels take this call (a model asks only where its Kernels.moe is on)."""
     return (triton is not None and (x.is_cuda or INTERPRET) and 1 <= x.shape[0] <= MAX_TOKENS
             and not torch.is_grad_enabled())
 
 
-def gate_up_act(x: torch.Tensor, gate_up: torch.Tensor, experts: torch.Tensor, tiles: Tiles) -> torch.Tensor:
-    """SiLU(x W_gate^T) * (x W_up^T) of each (token, slot) pair's token and expert: (N k, I), x's dtype."""
+def gate_up_act(x: torch.Tensor, gate_up: torch.Tensor, experts: torch.Tensor, tiles: Tiles,
+                counts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """SiLU(x W_gate^T) * (x W_up^T) of each (token, slot) pair's token and expert: (N k, I), x's dtype.
+    With `counts` (touched, forwards), adds the call's distinct experts and one forward to them."""
     n, k = experts.shape
     h_dim, i_dim = x.shape[1], gate_up.shape[1] // 2
     act = torch.empty(n * k, i_dim, dtype=x.dtype, device=x.device)
+    touched, forwards = counts if counts is not None else (experts, experts)
     gate_up_kernel[(n * k, triton.cdiv(i_dim, tiles.gate_cols))](
-        x, gate_up, experts, act, n * k, k, h_dim, i_dim,
+        x, gate_up, experts, act, touched, forwards, n * k, k, h_dim, i_dim,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
         PAIRS=triton.next_power_of_2(n * k), BI=tiles.gate_cols, BH=tiles.gate_step, CHUNK=CHUNK,
-        GDC=dependent_launch(x), num_warps=tiles.gate_warps, num_stages=tiles.stages)
+        COUNT=counts is not None, GDC=dependent_launch(x), num_warps=tiles.gate_warps, num_stages=tiles.stages)
     return act
 
 
@@ -113,12 +116,14 @@ def down_weighted(act: torch.Tensor, down: torch.Tensor, experts: torch.Tensor, 
 
 
 def fused_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-              down: torch.Tensor, tiles: Tiles | None = None) -> torch.Tensor:
-    """x (N, H), experts and weights (N, k), gate_up (E, 2I, H), down (E, H, I) -> (N, H)."""
+              down: torch.Tensor, tiles: Tiles | None = None,
+              counts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """x (N, H), experts and weights (N, k), gate_up (E, 2I, H), down (E, H, I) -> (N, H); `counts`:
+    a layer's (touched, forwards) counters, advanced by the call."""
     n, k = experts.shape
     tiles = tiles or tiles_for(gate_up.shape[0], x.shape[1], down.shape[2], k)
     experts = experts.contiguous()
-    act = gate_up_act(x, gate_up, experts, tiles)
+    act = gate_up_act(x, gate_up, experts, tiles, counts)
     y = down_weighted(act, down, experts, weights.float().contiguous(), tiles)
     out = torch.empty_like(x)
     block = 1024
@@ -151,13 +156,18 @@ if triton is not None:
         return idx, tl.sum(pick.to(tl.int32), 1) > 0
 
     @triton.jit
-    def gate_up_kernel(x, gate_up, experts, act, pairs, K, H, I, sx, sge, sgr, sa,
+    def gate_up_kernel(x, gate_up, experts, act, touched, forwards, pairs, K, H, I, sx, sge, sgr, sa,
                        PAIRS: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr, CHUNK: tl.constexpr,
-                       GDC: tl.constexpr):
+                       COUNT: tl.constexpr, GDC: tl.constexpr):
         if GDC:  # the down kernel may launch now; it waits for these results before reading them
             tl.extra.cuda.gdc_launch_dependents()
         p = tl.program_id(0)
         e, head, length, same, rank = run_of(experts, p, pairs, PAIRS, CHUNK)
+        if COUNT and tl.program_id(1) == 0:  # one count an expert (its owner), one forward a call
+            if head:
+                tl.atomic_add(touched, 1)
+            if p == 0:
+                tl.atomic_add(forwards, 1)
         if head:
             cols = tl.program_id(1) * BI + tl.arange(0, BI)
             wg_ptr = gate_up + e.to(tl.int64) * sge + cols[:, None] * sgr

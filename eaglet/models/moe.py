@@ -26,7 +26,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..kernels import EAGER, Kernels
-from . import fused_moe
+from . import fused_moe, moe_route
 from .linear import Linear
 
 # model_type -> (the feed-forward module's name in a layer, an expert's gate / up / down names)
@@ -98,15 +98,23 @@ class SparseMoE(nn.Module):
             g.weight.data, u.weight.data, d.weight.data = gate_up[i, :width], gate_up[i, width:], down[i]
         self.register_buffer("gate_up", gate_up, persistent=False)
         self.register_buffer("down", down, persistent=False)
+        if self.cfg.router_fp32:  # once, not a float32 copy of the router every forward
+            self.register_buffer("router32", self.gate.weight.data.float(), persistent=False)
         self.fused = True
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """x (N, H) -> each token's expert weights (N, k) float32 and experts (N, k): the router's
         scores (softmax or sigmoid of its float32 logits); the top k, within the best groups where
         the model groups its experts, chosen by the scores plus the learned bias where it has one;
-        their scores as weights, renormalized where the model does, times its scaling factor."""
+        their scores as weights, renormalized where the model does, times its scaling factor.
+        With `kernel`, all after the logits in one Triton kernel (models/moe_route.py)."""
         c = self.cfg
-        logits = F.linear(x.float(), self.gate.weight.float()) if c.router_fp32 else self.gate(x).float()
+        if c.router_fp32:
+            logits = F.linear(x.float(), self.router32 if self.fused else self.gate.weight.float())
+        else:
+            logits = self.gate(x).float()
+        if kernel:
+            return moe_route.route(logits, c, self.gate.e_score_correction_bias if c.score_bias else None)
         scores = logits.sigmoid() if c.scoring == "sigmoid" else logits.softmax(-1)
         choice = scores + self.gate.e_score_correction_bias if c.score_bias else scores
         if c.n_group > 1:
@@ -123,17 +131,19 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, experts = self.route(x)
-        self.count(experts)
+        fast = self.kernels.moe and fused_moe.usable(x)  # Triton: routing, experts read once, counting
+        weights, experts = self.route(x, kernel=fast)
         gate_up, down = self.stacks()
-        if self.kernels.moe and fused_moe.usable(x, experts):  # each touched expert read once
-            out = fused_moe.fused_moe(x, experts, weights, gate_up, down)
-        elif experts.numel() <= 2 * self.num_experts:  # few tokens: gathered, static shapes
-            out = gathered(x, experts, weights, gate_up, down)
-        elif has_grouped_mm(x):
-            out = grouped(x, experts, weights, gate_up, down)
+        if fast:
+            out = fused_moe.fused_moe(x, experts, weights, gate_up, down, counts=(self.touched, self.forwards))
         else:
-            out = by_expert(x, experts, weights, gate_up, down)
+            self.count(experts)
+            if experts.numel() <= 2 * self.num_experts:  # few tokens: gathered, static shapes
+                out = gathered(x, experts, weights, gate_up, down)
+            elif has_grouped_mm(x):
+                out = grouped(x, experts, weights, gate_up, down)
+            else:
+                out = by_expert(x, experts, weights, gate_up, down)
         if self.cfg.shared_experts:
             out = out + self.shared_experts(x)
         return out.reshape(shape)
