@@ -259,8 +259,10 @@ def test_routing_kernel_equals_the_torch_routing(moe):
     layer.gate.weight.copy_(torch.randn(moe.num_experts, 64, generator=g))
     if moe.score_bias:
         layer.gate.e_score_correction_bias.copy_(torch.rand(moe.num_experts, generator=g))
-    for n in (1, 7, 64):
-        x = torch.randn(n, 64, generator=g)
-        (w, e), (kw, ke) = layer.route(x), layer.route(x, kernel=True)
-        assert torch.equal(ke, e)
-        assert (kw - w).abs().max() <= 1e-6 * w.abs().max()
+    for spread in (False, True):  # spread: the random shapes' scrambled logits
+        layer.spread = spread
+        for n in (1, 7, 64):
+            x = torch.randn(n, 64, generator=g)
+            (w, e), (kw, ke) = layer.route(x), layer.route(x, kernel=True)
+            assert torch.equal(ke, e)
+            assert (kw - w).abs().max() <= 1e-6 * w.abs().max()

@@ -67,3 +67,34 @@ def test_materializing_zeroes_the_moe_buffers():
     moe.touched.fill_(7)
     model.post_materialize()
     assert torch.equal(moe.gate.e_score_correction_bias, torch.zeros(16)) and int(moe.touched) == 0
+
+
+@torch.inference_mode()
+def test_random_shapes_spread_their_routing(monkeypatch):
+    """A random model's MoE layers route as if uniformly (SparseMoE.route_spread): tokens whose
+    hidden states share one direction (as a deep random model's do) go to a few experts as they are,
+    to about E(1 - (1 - k/E)^T) with the spread; the cost curve of a random shape reports the
+    distinct experts a layer touched."""
+    from eaglet.models.moe import SparseMoE
+    from eaglet.perf import shapes
+    from eaglet.perf.curves import forward_curve
+
+    q = SHAPES["qwen3-30b-a3b"]
+    tiny = dataclasses.replace(q, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                               head_dim=16, vocab_size=256, moe=dataclasses.replace(q.moe, num_experts=64,
+                                                                                      expert_size=16))
+    monkeypatch.setitem(shapes.SHAPES, "tiny-moe", tiny)
+    model = shapes.random_model("tiny-moe", "cpu", torch.float32)
+    layer = model.model.layers[0].ffn
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 64, generator=g) + 0.002 * torch.randn(64, 64, generator=g)  # one shared direction
+    distinct = {}
+    for spread in (False, True):
+        layer.spread = spread
+        distinct[spread] = layer.route(x)[1].unique().numel()
+    want = shapes.touched_experts(64, 8, 64)  # 63.9
+    assert distinct[False] < 20 and distinct[True] > 0.95 * want
+    experts: dict = {}
+    forward_curve(model, (1, 64), 32, graphs=False, repeats=1, experts=experts)
+    assert experts["1"] == 8 and experts["64"] > 0.95 * want
+    assert all(m.spread for m in model.modules() if isinstance(m, SparseMoE))

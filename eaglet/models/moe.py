@@ -86,6 +86,16 @@ class SparseMoE(nn.Module):
         self.register_buffer("touched", torch.zeros((), dtype=torch.long), persistent=False)
         self.register_buffer("forwards", torch.zeros((), dtype=torch.long), persistent=False)
         self.fused = False
+        self.spread = False  # route_spread(): benchmarks of random weights only
+
+    def route_spread(self) -> None:
+        """Route as a trained model spreads its tokens, for random-weight shapes: a random model's
+        hidden states share one direction (attention averages the same random context for every
+        token), so its router sends every token to the same experts. The router's logits are then
+        scrambled, sin(10^4 logits), unrelated from one token to the next: each token's experts as
+        if drawn uniformly (what the touched-bytes model assumes), the same for the same input,
+        inside the routing kernel where it runs (no extra kernel in what is timed)."""
+        self.spread = True
 
     def fuse(self) -> None:
         """The experts' weights as two stacks, each expert's parameters views of them."""
@@ -112,9 +122,13 @@ class SparseMoE(nn.Module):
         if c.router_fp32:
             logits = F.linear(x.float(), self.router32 if self.fused else self.gate.weight.float())
         else:
-            logits = self.gate(x).float()
-        if kernel:
-            return moe_route.route(logits, c, self.gate.e_score_correction_bias if c.score_bias else None)
+            logits = self.gate(x)
+        if kernel:  # the kernel reads the logits in float32 whatever their dtype
+            return moe_route.route(logits, c, self.gate.e_score_correction_bias if c.score_bias else None,
+                                   spread=self.spread)
+        logits = logits.float()
+        if self.spread:
+            logits = torch.sin(logits * 1e4)
         scores = logits.sigmoid() if c.scoring == "sigmoid" else logits.softmax(-1)
         choice = scores + self.gate.e_score_correction_bias if c.score_bias else scores
         if c.n_group > 1:

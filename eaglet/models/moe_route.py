@@ -16,8 +16,10 @@ if triton is not None:
     import triton.language as tl
 
 
-def route(logits: torch.Tensor, cfg: MoEConfig, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits (N, E) float32 -> (weights (N, k) float32, experts (N, k) int64)."""
+def route(logits: torch.Tensor, cfg: MoEConfig, bias: torch.Tensor | None,
+          spread: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (N, E), read in float32 -> (weights (N, k) float32, experts (N, k) int64); `spread`:
+    the logits scrambled first (SparseMoE.route_spread)."""
     n, e = logits.shape
     k = cfg.top_k
     weights = torch.empty(n, k, dtype=torch.float32, device=logits.device)
@@ -27,7 +29,7 @@ def route(logits: torch.Tensor, cfg: MoEConfig, bias: torch.Tensor | None) -> tu
                        EP=triton.next_power_of_2(e), K=k, KP=triton.next_power_of_2(k),
                        GP=triton.next_power_of_2(cfg.n_group), GROUPS=cfg.n_group, TOPK_GROUP=cfg.topk_group,
                        SIGMOID=cfg.scoring == "sigmoid", BIAS=bias is not None, GROUP_TOP2=cfg.group_top2,
-                       NORM=cfg.norm_topk_prob)
+                       NORM=cfg.norm_topk_prob, SPREAD=spread)
     return weights, experts
 
 
@@ -36,11 +38,14 @@ if triton is not None:
     def route_kernel(logits, bias, experts, weights, E, PER, sl, scaling,
                      EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr,
                      GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr,
-                     GROUP_TOP2: tl.constexpr, NORM: tl.constexpr):
+                     GROUP_TOP2: tl.constexpr, NORM: tl.constexpr, SPREAD: tl.constexpr):
         t = tl.program_id(0)
         e = tl.arange(0, EP)
         valid = e < E
-        x = tl.load(logits + t * sl + e, mask=valid, other=float("-inf")).to(tl.float32)
+        x = tl.load(logits + t * sl + e, mask=valid, other=0.0).to(tl.float32)
+        if SPREAD:
+            x = tl.sin(x * 1e4)
+        x = tl.where(valid, x, float("-inf"))
         if SIGMOID:
             s = 1.0 / (1.0 + tl.exp(-x))
         else:

@@ -278,6 +278,15 @@ def plot_bench(results: dict, path):
     return path
 
 
+def bytes_ratios(model, context: int, experts: dict | None) -> dict[str, float]:
+    """{str(T): bytes a forward of T tokens reads / a decode step's}: the cost a forward would have
+    at a decode step's efficiency; for MoE, with the distinct experts measured a layer."""
+    from .shapes import decode_bytes
+
+    one = decode_bytes(model, context, 1, experts["1"] if experts else None)
+    return {str(t): decode_bytes(model, context, t, experts[str(t)] if experts else None) / one for t in CURVE_TOKENS}
+
+
 def run_shape_bench(args) -> dict:
     from ..generate import GenerationConfig, Generator
     from ..weights.loader import resolve_device, resolve_dtype
@@ -298,10 +307,15 @@ def run_shape_bench(args) -> dict:
         r = run_systems({mode: lambda ids, gen=gen: gen.generate([ids], cfg)}, [prompt], device, args.repeats)[mode]
         results["decode"][mode] = {"tok_s": args.max_new_tokens / statistics.median(r["seconds"]), **r}
         gen.fresh()  # free its cache before the curve allocates one
-        results["forward_ms"][mode] = forward_curve(model, CURVE_TOKENS, ctx + args.max_new_tokens // 2, graphs)
+        experts: dict = {}
+        results["forward_ms"][mode] = forward_curve(model, CURVE_TOKENS, ctx + args.max_new_tokens // 2, graphs,
+                                                    experts=experts)
+        if experts:
+            results["experts"] = experts
     results["roofline"] = roofline(model, device, ctx + args.max_new_tokens // 2)
     best = results["forward_ms"]["graphed" if "graphed" in modes else "eager"]
     results["verify_over_decode"] = {t: best[t] / best["1"] for t in best}
+    results["bytes_ratio"] = bytes_ratios(model, ctx + args.max_new_tokens // 2, results.get("experts"))
     if results["roofline"]:
         for mode, d in results["decode"].items():
             d["vs_roofline"] = d["tok_s"] / results["roofline"]["ceiling_tok_s"]
@@ -316,10 +330,13 @@ def run_shape_bench(args) -> dict:
                 f"{d['vs_weights_ceiling']:.1%} of all weight bytes at that bandwidth, {rf['weights_ceiling_tok_s']:.0f})"
                 if rf else "")
         print(f"plain decode, {mode:<8}{d['tok_s']:8.1f} tok/s{roof}")
-    print(f"{'tokens':>8}" + "".join(f"{m + ' ms':>14}" for m in modes) + f"{'x decode':>10}")
+    moe = "experts" in results
+    print(f"{'tokens':>8}" + "".join(f"{m + ' ms':>14}" for m in modes) + f"{'x decode':>10}"
+          + (f"{'experts':>9}" if moe else "") + f"{'x bytes':>9}")
     for t in map(str, CURVE_TOKENS):
         print(f"{t:>8}" + "".join(f"{results['forward_ms'][m][t]:14.3f}" for m in modes)
-              + f"{results['verify_over_decode'][t]:10.2f}")
+              + f"{results['verify_over_decode'][t]:10.2f}" + (f"{results['experts'][t]:9.1f}" if moe else "")
+              + f"{results['bytes_ratio'][t]:9.2f}")
     flags = {k: v for k, v in vars(args).items() if k != "func"}
     flags["cuda_graphs"] = "graphed" in modes
     flags["kernels"] = dataclasses.asdict(model.kernels)

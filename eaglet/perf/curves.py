@@ -11,6 +11,7 @@ import torch
 from ..kvcache import KVCache
 from ..models.attention import AttnMeta
 from ..models.llama import CausalLM
+from ..models.moe import SparseMoE
 from ..runtime.graphs import GraphRunner, span
 
 
@@ -66,7 +67,17 @@ def forward_steps(model: CausalLM, tokens: tuple[int, ...], context: int, graphs
 
 @torch.inference_mode()
 def forward_curve(model: CausalLM, tokens: tuple[int, ...], context: int, graphs: bool, batch: int = 1,
-                  repeats: int = 20) -> dict[str, float]:
-    """{str(T): ms} for one forward of T tokens at `context` (forward_steps), median of `repeats`."""
+                  repeats: int = 20, experts: dict | None = None) -> dict[str, float]:
+    """{str(T): ms} for one forward of T tokens at `context` (forward_steps), median of `repeats`.
+    For an MoE model, `experts` receives {str(T): distinct experts a sparse layer touched, on
+    average over its forwards} from the layers' counters."""
     dev = next(model.parameters()).device
-    return {str(t): time_ms(step, dev, repeats) for t, step in forward_steps(model, tokens, context, graphs, batch)}
+    moe = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    out = {}
+    for t, step in forward_steps(model, tokens, context, graphs, batch):
+        for m in moe:
+            m.reset_counts()
+        out[str(t)] = time_ms(step, dev, repeats)
+        if moe and experts is not None:  # sync: after the timing
+            experts[str(t)] = sum(m.touched.item() / max(m.forwards.item(), 1) for m in moe) / len(moe)
+    return out

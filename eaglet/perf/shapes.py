@@ -57,7 +57,8 @@ SLICES = {"kimi-k2": 61}  # a sliced shape -> the whole model's layer count
 
 def random_model(name: str, device, dtype: torch.dtype, seed: int = 0, kernels: Kernels | None = None) -> CausalLM:
     """The named shape with N(0, 0.02) weights and unit norms, built directly on `device`, running
-    `kernels` (default: the best the device has)."""
+    `kernels` (default: the best the device has). MoE layers route their tokens as if uniformly
+    (SparseMoE.route_spread): random weights alone would send every token to the same experts."""
     if name not in SHAPES:
         raise InvalidInput(f"unknown shape {name!r} (choose from {', '.join(SHAPES)})")
     kernels = Kernels.choose(device) if kernels is None else kernels
@@ -73,6 +74,9 @@ def random_model(name: str, device, dtype: torch.dtype, seed: int = 0, kernels: 
             else:
                 p.normal_(0.0, 0.02, generator=gen)
     model.fuse_projections()
+    for m in model.modules():
+        if isinstance(m, SparseMoE):
+            m.route_spread()
     if kernels.compile:
         compile_elementwise(model)
     return model.eval().requires_grad_(False)
@@ -90,11 +94,11 @@ def weight_bytes(model: CausalLM) -> int:
     return total
 
 
-def decode_bytes(model: CausalLM, context: int = 0, tokens: int = 1) -> int:
+def decode_bytes(model: CausalLM, context: int = 0, tokens: int = 1, experts: float | None = None) -> int:
     """Bytes a batch-1 forward of `tokens` tokens must read: every weight once (the input embedding
     table only when tied to the output head, since a lookup reads one row; of the routed experts
-    only those the tokens are expected to touch, `touched_experts`), plus the cache of `context`
-    tokens (K and V, or MLA's latents)."""
+    only those the tokens are expected to touch, `touched_experts`, or `experts` a layer where
+    measured), plus the cache of `context` tokens (K and V, or MLA's latents)."""
     c = model.config
     total = weight_bytes(model)
     if not c.tie_embeddings:
@@ -105,7 +109,8 @@ def decode_bytes(model: CausalLM, context: int = 0, tokens: int = 1) -> int:
         if isinstance(layer.ffn, SparseMoE):
             moe = c.moe
             per_expert = sum(lin.weight.numel() for lin in layer.ffn.experts[0].linears()) * size
-            total -= round((moe.num_experts - touched_experts(moe.num_experts, moe.top_k, tokens)) * per_expert)
+            touched = touched_experts(moe.num_experts, moe.top_k, tokens) if experts is None else experts
+            total -= round((moe.num_experts - touched) * per_expert)
     per_token = c.mla.width if c.mla is not None else 2 * c.num_kv_heads * c.head_dim
     return total + c.num_layers * per_token * context * size
 
