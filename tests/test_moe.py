@@ -158,13 +158,21 @@ def test_deepseek_routing_and_shared_experts_equal_transformers(family, cfg):
     """DeepSeek-V3's sigmoid scores with the correction bias on the choice, its groups scored by their
     best two experts, renormalized and scaled weights; DeepSeek-V2's softmax, greedy or within the
     groups of the best experts, scaled; both with shared experts beside: the block's output equals
-    transformers' for one token (gathered path) and for many (grouped matmul)."""
+    transformers' for one token (gathered path) and for many (grouped matmul), and with the Triton
+    kernels (routing, experts, the shared experts' output added in their final sum)."""
+    import dataclasses
+
+    from eaglet.kernels import EAGER
+
     block, ours = hf_block(family, **cfg)
     g = torch.Generator().manual_seed(1)
     for shape in ((1, 1, 64), (3, 9, 64)):
         x = torch.randn(*shape, generator=g)
         want = block(x)
         assert (ours(x) - want).abs().max() <= 1e-5 * want.abs().max()
+        ours.kernels = dataclasses.replace(EAGER, moe=True)
+        assert (ours(x) - want).abs().max() <= 1e-5 * want.abs().max()
+        ours.kernels = EAGER
     x = torch.randn(40, 64, generator=g)
     _, experts = ours.route(x)
     if ours.cfg.n_group > 1:  # every token's experts lie in topk_group of the groups

@@ -117,9 +117,11 @@ def down_weighted(act: torch.Tensor, down: torch.Tensor, experts: torch.Tensor, 
 
 def fused_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
               down: torch.Tensor, tiles: Tiles | None = None,
-              counts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+              counts: tuple[torch.Tensor, torch.Tensor] | None = None,
+              add: torch.Tensor | None = None) -> torch.Tensor:
     """x (N, H), experts and weights (N, k), gate_up (E, 2I, H), down (E, H, I) -> (N, H); `counts`:
-    a layer's (touched, forwards) counters, advanced by the call."""
+    a layer's (touched, forwards) counters, advanced by the call; `add` (N, H): added to the sum
+    (the shared experts' output)."""
     n, k = experts.shape
     tiles = tiles or tiles_for(gate_up.shape[0], x.shape[1], down.shape[2], k)
     experts = experts.contiguous()
@@ -128,8 +130,9 @@ def fused_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gat
     out = torch.empty_like(x)
     block = 1024
     gdc = dependent_launch(x)
-    combine_kernel[(n, triton.cdiv(x.shape[1], block))](y, out, x.shape[1], K=k, BLOCK=block, GDC=gdc,
-                                                        **({"launch_pdl": True} if gdc else {}))
+    combine_kernel[(n, triton.cdiv(x.shape[1], block))](
+        y, out, out if add is None else add.contiguous(), x.shape[1], K=k, BLOCK=block, ADD=add is not None,
+        GDC=gdc, **({"launch_pdl": True} if gdc else {}))
     return out
 
 
@@ -217,8 +220,9 @@ if triton is not None:
                          mask=live[:, None] & (cols[None, :] < H))
 
     @triton.jit
-    def combine_kernel(y, out, H, K: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
-        """out[t] = sum over slots of y[t k + j], in slot order, in float32, then x's dtype."""
+    def combine_kernel(y, out, add, H, K: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr, GDC: tl.constexpr):
+        """out[t] = sum over slots of y[t k + j], in slot order, in float32 (plus add[t] where given),
+        then x's dtype."""
         if GDC:
             tl.extra.cuda.gdc_wait()
         t = tl.program_id(0)
@@ -226,4 +230,6 @@ if triton is not None:
         acc = tl.load(y + t * K * H + cols, mask=cols < H, other=0.0)
         for j in tl.static_range(1, K):
             acc += tl.load(y + (t * K + j) * H + cols, mask=cols < H, other=0.0)
+        if ADD:
+            acc += tl.load(add + t * H + cols, mask=cols < H, other=0.0).to(tl.float32)
         tl.store(out + t * H + cols, acc.to(out.dtype.element_ty), mask=cols < H)

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..kernels import EAGER, Kernels
-from . import fused_moe, moe_route
+from . import fused_moe, gemv, moe_route
 from .linear import Linear
 
 # model_type -> (the feed-forward module's name in a layer, an expert's gate / up / down names)
@@ -39,21 +39,34 @@ NAMES = {
 
 
 class Expert(nn.Module):
-    """One expert's SiLU-gated MLP, its linears under the checkpoint's names."""
+    """One expert's SiLU-gated MLP, its linears under the checkpoint's names. A shared expert (run on
+    every token) is fused for inference: gate and up one weight, and for a few rows one GEMV kernel
+    with the SiLU·mul (models/gemv.py), as the dense MLP."""
 
     def __init__(self, hidden: int, width: int, names: tuple[str, str, str], kernels: Kernels = EAGER):
         super().__init__()
-        self.names = names
+        self.names, self.kernels = names, kernels
         gate, up, down = names
         setattr(self, gate, Linear(hidden, width, bias=False, kernels=kernels))
         setattr(self, up, Linear(hidden, width, bias=False, kernels=kernels))
         setattr(self, down, Linear(width, hidden, bias=False, kernels=kernels))
+        self.fused = False
 
     def linears(self) -> tuple[Linear, Linear, Linear]:
         return tuple(getattr(self, n) for n in self.names)
 
+    def fuse(self) -> None:
+        gate, up, _ = self.linears()
+        w = torch.cat([gate.weight.data, up.weight.data])
+        gate.weight.data, up.weight.data = w[: gate.weight.shape[0]], w[gate.weight.shape[0]:]
+        self.register_buffer("gate_up_weight", w, persistent=False)
+        self.fused = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = self.linears()
+        rows = x.numel() // x.shape[-1]
+        if self.fused and self.kernels.gemv and gemv.usable(x, self.gate_up_weight, rows, glu=True):
+            return down(gemv.glu(x, self.gate_up_weight))
         return down(F.silu(gate(x)) * up(x))
 
 
@@ -108,6 +121,8 @@ class SparseMoE(nn.Module):
             g.weight.data, u.weight.data, d.weight.data = gate_up[i, :width], gate_up[i, width:], down[i]
         self.register_buffer("gate_up", gate_up, persistent=False)
         self.register_buffer("down", down, persistent=False)
+        if self.cfg.shared_experts:
+            self.shared_experts.fuse()
         if self.cfg.router_fp32:  # once, not a float32 copy of the router every forward
             self.register_buffer("router32", self.gate.weight.data.float(), persistent=False)
         self.fused = True
@@ -148,8 +163,10 @@ class SparseMoE(nn.Module):
         fast = self.kernels.moe and fused_moe.usable(x)  # Triton: routing, experts read once, counting
         weights, experts = self.route(x, kernel=fast)
         gate_up, down = self.stacks()
-        if fast:
-            out = fused_moe.fused_moe(x, experts, weights, gate_up, down, counts=(self.touched, self.forwards))
+        shared = self.shared_experts(x) if self.cfg.shared_experts else None
+        if fast:  # the shared experts' output added in the kernels' final sum
+            return fused_moe.fused_moe(x, experts, weights, gate_up, down, counts=(self.touched, self.forwards),
+                                       add=shared).reshape(shape)
         else:
             self.count(experts)
             if experts.numel() <= 2 * self.num_experts:  # few tokens: gathered, static shapes
@@ -158,8 +175,8 @@ class SparseMoE(nn.Module):
                 out = grouped(x, experts, weights, gate_up, down)
             else:
                 out = by_expert(x, experts, weights, gate_up, down)
-        if self.cfg.shared_experts:
-            out = out + self.shared_experts(x)
+        if shared is not None:
+            out = out + shared
         return out.reshape(shape)
 
     def stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
