@@ -98,3 +98,35 @@ def test_random_shapes_spread_their_routing(monkeypatch):
     forward_curve(model, (1, 64), 32, graphs=False, repeats=1, experts=experts)
     assert experts["1"] == 8 and experts["64"] > 0.95 * want
     assert all(m.spread for m in model.modules() if isinstance(m, SparseMoE))
+
+
+def test_bench_shape_of_a_sliced_moe_shape(monkeypatch, tmp_path):
+    """`eaglet bench --shape` on a tiny sliced MLA + MoE shape (the kimi-k2 kind, on the CPU): the
+    forward curve with the distinct experts a layer touched and the bytes ratios; an untrained
+    EAGLE-3 head's speculation (τ near 1, milliseconds a step); the slice's figures: one MoE layer's
+    cost from the slice timed again with one MoE layer, the 61-layer model's from it; a record."""
+    import json
+
+    from eaglet.cli import main
+    from eaglet.perf import shapes
+
+    k2 = SHAPES["kimi-k2"]
+    tiny = dataclasses.replace(k2, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=4, vocab_size=256,
+                               head_dim=8, moe=dataclasses.replace(k2.moe, num_experts=16, expert_size=32, n_group=1,
+                                                       topk_group=1),
+                               mla=dataclasses.replace(k2.mla, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
+                                                       qk_rope_head_dim=8, v_head_dim=8))
+    monkeypatch.setitem(shapes.SHAPES, "tiny-k2", tiny)
+    monkeypatch.setitem(shapes.SLICES, "tiny-k2", 61)
+    assert main(["bench", "--shape", "tiny-k2", "--device", "cpu", "--context", "32", "--max-new-tokens", "8",
+                 "--repeats", "1", "--tree", "2,2,4", "--out", str(tmp_path)]) == 0
+    rec = json.loads(next(tmp_path.glob("bench-shape-tiny-k2-cpu-*.json")).read_text())["results"]
+    assert rec["experts"]["1"] == 8 and rec["experts"]["1"] < rec["experts"]["16"] <= 16
+    assert rec["bytes_ratio"]["1"] == 1 and rec["bytes_ratio"]["16"] > 1
+    spec = rec["speculation"]
+    assert set(spec) == {"eagle3-chain3", "eagle3-tree2,2,4"}
+    assert all(1 <= s["accept_length"] < 2 and s["steps"] >= 4 and s["ms_per_step"] > 0 for s in spec.values())
+    sl = rec["slice"]
+    for t in ("1", "64"):  # the whole model: base + 60 MoE layers at one layer's cost
+        assert abs(sl["whole_ms"][t] - (sl["base_ms"][t] + 60 * sl["moe_layer_ms"][t])) < 1e-9
+        assert abs(sl["base_ms"][t] + 3 * sl["moe_layer_ms"][t] - rec["forward_ms"]["eager"][t]) < 1e-9

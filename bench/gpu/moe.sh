@@ -17,7 +17,7 @@ case $phase in
   test)
     python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_moe.py -k "moe_graphed or gpu" 2>&1 | tee "$out/moe-test.log" ;;
   shapes)
-    for s in ${SHAPES:-qwen3-30b-a3b deepseek-v2-lite}; do
+    for s in ${SHAPES:-qwen3-30b-a3b deepseek-v2-lite mixtral-8x7b kimi-k2}; do
       python3 -m eaglet bench --shape $s --context 512 --max-new-tokens 128 --repeats 3 --out "$out" 2>&1 | tee -a "$out/bench-shape.log"
     done ;;
 esac

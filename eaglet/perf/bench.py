@@ -145,6 +145,7 @@ def phases_pass(gen, prompts, cfg, device) -> dict:
 
 def run_bench(args) -> dict:
     if args.shape:
+        from .bench_shape import run_shape_bench
         return run_shape_bench(args)
     from ..generate import GenerationConfig
     from ..spec.metrics import SpecMetrics
@@ -276,70 +277,3 @@ def plot_bench(results: dict, path):
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def bytes_ratios(model, context: int, experts: dict | None) -> dict[str, float]:
-    """{str(T): bytes a forward of T tokens reads / a decode step's}: the cost a forward would have
-    at a decode step's efficiency; for MoE, with the distinct experts measured a layer."""
-    from .shapes import decode_bytes
-
-    one = decode_bytes(model, context, 1, experts["1"] if experts else None)
-    return {str(t): decode_bytes(model, context, t, experts[str(t)] if experts else None) / one for t in CURVE_TOKENS}
-
-
-def run_shape_bench(args) -> dict:
-    from ..generate import GenerationConfig, Generator
-    from ..weights.loader import resolve_device, resolve_dtype
-    from .curves import forward_curve
-    from .record import write_record
-    from .shapes import random_model
-
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    model = random_model(args.shape, device, dtype, kernels=model_kernels(args, device))
-    ctx = args.context
-    prompt = torch.randint(0, model.config.vocab_size, (ctx,), generator=torch.Generator().manual_seed(1)).tolist()
-    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True)
-    results: dict = {"shape": args.shape, "context": ctx, "decode": {}, "forward_ms": {}}
-    modes = {"eager": False} if device.type != "cuda" or args.eager else {"eager": False, "graphed": True}
-    for mode, graphs in modes.items():
-        gen = Generator(model, None, graphs=graphs)
-        r = run_systems({mode: lambda ids, gen=gen: gen.generate([ids], cfg)}, [prompt], device, args.repeats)[mode]
-        results["decode"][mode] = {"tok_s": args.max_new_tokens / statistics.median(r["seconds"]), **r}
-        gen.fresh()  # free its cache before the curve allocates one
-        experts: dict = {}
-        results["forward_ms"][mode] = forward_curve(model, CURVE_TOKENS, ctx + args.max_new_tokens // 2, graphs,
-                                                    experts=experts)
-        if experts:
-            results["experts"] = experts
-    results["roofline"] = roofline(model, device, ctx + args.max_new_tokens // 2)
-    best = results["forward_ms"]["graphed" if "graphed" in modes else "eager"]
-    results["verify_over_decode"] = {t: best[t] / best["1"] for t in best}
-    results["bytes_ratio"] = bytes_ratios(model, ctx + args.max_new_tokens // 2, results.get("experts"))
-    if results["roofline"]:
-        for mode, d in results["decode"].items():
-            d["vs_roofline"] = d["tok_s"] / results["roofline"]["ceiling_tok_s"]
-            d["vs_weights_ceiling"] = d["tok_s"] / results["roofline"]["weights_ceiling_tok_s"]
-            results["forward_ms"][mode + "_vs_roofline_1tok"] = (
-                1e3 / results["roofline"]["ceiling_tok_s"]) / results["forward_ms"][mode]["1"]
-
-    print(f"shape {args.shape}, {str(dtype).split('.')[-1]}, batch 1, context {ctx}")
-    for mode, d in results["decode"].items():
-        rf = results["roofline"]
-        roof = (f"  ({d['vs_roofline']:.1%} of the {rf['ceiling_tok_s']:.0f} tok/s roofline; "
-                f"{d['vs_weights_ceiling']:.1%} of all weight bytes at that bandwidth, {rf['weights_ceiling_tok_s']:.0f})"
-                if rf else "")
-        print(f"plain decode, {mode:<8}{d['tok_s']:8.1f} tok/s{roof}")
-    moe = "experts" in results
-    print(f"{'tokens':>8}" + "".join(f"{m + ' ms':>14}" for m in modes) + f"{'x decode':>10}"
-          + (f"{'experts':>9}" if moe else "") + f"{'x bytes':>9}")
-    for t in map(str, CURVE_TOKENS):
-        print(f"{t:>8}" + "".join(f"{results['forward_ms'][m][t]:14.3f}" for m in modes)
-              + f"{results['verify_over_decode'][t]:10.2f}" + (f"{results['experts'][t]:9.1f}" if moe else "")
-              + f"{results['bytes_ratio'][t]:9.2f}")
-    flags = {k: v for k, v in vars(args).items() if k != "func"}
-    flags["cuda_graphs"] = "graphed" in modes
-    flags["kernels"] = dataclasses.asdict(model.kernels)
-    path = write_record(f"bench-shape-{args.shape}", flags, results, args.out)
-    print(f"record: {path}")
-    return results

@@ -136,3 +136,21 @@ def copy_bandwidth(device, nbytes: int = 1 << 30, repeats: int = 20) -> float:
         times.append(a.elapsed_time(b) / 1e3)
     times.sort()
     return 2 * nbytes / times[len(times) // 2]
+
+
+def random_head(model: CausalLM, seed: int = 0):
+    """An untrained EAGLE-3 head for `model`: its layer's shape, a draft vocabulary of the first
+    32,000 ids (or all), built on the model's device in its dtype and running its kernels."""
+    from ..spec.drafters.eagle3_head import Eagle3Config, Eagle3Head
+
+    p = next(model.parameters())
+    vocab = min(32000, model.config.vocab_size)
+    torch.manual_seed(seed)
+    with torch.device(p.device):
+        head = Eagle3Head(Eagle3Config.for_target(model.config, draft_vocab_size=vocab), model.kernels)
+        head.set_vocab(torch.arange(vocab))
+    head = head.to(p.dtype)
+    head.fuse_projections()
+    if model.kernels.compile:
+        compile_elementwise(head)
+    return head.eval().requires_grad_(False)

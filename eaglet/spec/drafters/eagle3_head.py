@@ -42,6 +42,7 @@ class Eagle3Config:
         tapping the default layers 2, N//2, N-3."""
         layer = target.replace(num_layers=num_layers, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
                                sliding_window=None, tie_embeddings=False, model_type="llama",
+                               moe=None, mla=None,  # a dense Llama layer whatever the target's
                                bos_token_id=None, eos_token_ids=(),  # not the head's (save_eagle3 drops them)
                                intermediate_size=intermediate_size or target.intermediate_size,
                                num_heads=num_heads or target.num_heads, num_kv_heads=num_kv_heads or target.num_kv_heads)
