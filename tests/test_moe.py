@@ -274,3 +274,52 @@ def test_routing_kernel_equals_the_torch_routing(moe):
             (w, e), (kw, ke) = layer.route(x), layer.route(x, kernel=True)
             assert torch.equal(ke, e)
             assert (kw - w).abs().max() <= 1e-6 * w.abs().max()
+
+
+@pytest.mark.parametrize("n", [1, 20])
+@torch.inference_mode()
+def test_fused_kernels_read_int4_packs(n):
+    """Experts kept as compressed-tensors INT4 packs (eight values a int32, offset 8, a scale per 32
+    columns): the packs unpack as the loader's dequantization reads them, and the fused kernels,
+    unpacking tile by tile, equal the gathered path on the dequantized weights."""
+    from eaglet.models.fused_moe import Int4, fused_moe
+    from eaglet.weights.quant import unpack
+
+    g = torch.Generator().manual_seed(n)
+    e, k, h, i = 8, 3, 64, 32
+    stacks = [Int4(torch.randint(-2**31, 2**31 - 1, (e, rows, cols // 8), generator=g, dtype=torch.int32),
+                   torch.rand(e, rows, cols // 32, generator=g) * 0.1)
+              for rows, cols in ((2 * i, h), (h, i))]
+    gate_up, down = stacks
+    shape = torch.tensor([h, i])
+    assert torch.equal(down.dequantized(torch.float32)[2], unpack("d", down.packed[2], down.scale[2], shape, 4, 32))
+    x = torch.randn(n, h, generator=g)
+    experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
+    weights = torch.rand(n, k, generator=g)
+    want = gathered(x, experts, weights, gate_up.dequantized(torch.float32), down.dequantized(torch.float32))
+    assert (fused_moe(x, experts, weights, gate_up, down) - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("quant", ["bf16", "int4"])
+@torch.inference_mode()
+def test_bench_moe_layers_and_their_checks(monkeypatch, quant):
+    """bench-moe's layer (random stacks, bfloat16 or INT4 packs, copies past L2, uniform routing) and
+    the checks its record carries, on a tiny shape in Triton's interpreter: the fused result near the
+    grouped matmul's and each row bitwise its row computed alone; the floor counts the bytes of the
+    experts touched (a quarter of bfloat16's and the scales for INT4). Float32 here: the interpreter
+    does not compute bfloat16 dot products."""
+    import dataclasses
+
+    from eaglet.perf import bench_moe, shapes
+
+    q = shapes.SHAPES["qwen3-30b-a3b"]
+    monkeypatch.setitem(shapes.SHAPES, "tiny-moe", dataclasses.replace(
+        q, hidden_size=64, moe=dataclasses.replace(q.moe, num_experts=16, top_k=4, expert_size=32)))
+    layer = bench_moe.Layer("tiny-moe", torch.device("cpu"), [1, 8], quant, torch.float32)
+    dense = 3 * 64 * 32 * 2
+    assert layer.expert_bytes == (dense if quant == "bf16" else dense // 4 + 3 * 64 * 32 // 32 * 2)
+    assert layer.copies == 8 and layer.distinct(1) == 4
+    assert layer.floor_ms(8, 1e9) == layer.distinct(8) * layer.expert_bytes / 1e6
+    for t in (1, 8):
+        got = bench_moe.check_fused(layer, t, bench_moe.fused_moe.Tiles())
+        assert got["rows_bitwise_alone"] and got["rel_err_vs_grouped"] < 0.02, (t, got)

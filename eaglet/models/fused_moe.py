@@ -56,8 +56,38 @@ class Tiles:
     stages: int = 3
 
 
-def shape_key(experts: int, hidden: int, width: int, top_k: int) -> str:
-    return f"E{experts}-H{hidden}-I{width}-k{top_k}"
+@dataclass(frozen=True)
+class Int4:
+    """An expert stack of signed 4-bit weights kept packed as compressed-tensors packs them (eight a
+    int32, value j of a word in bits 4j..4j+3, stored with an offset of 8) with one scale per row
+    and group of columns: weight = (value - 8) x scale, dequantized tile by tile inside the kernels
+    (a quarter of bfloat16's bytes, plus the scales)."""
+    packed: torch.Tensor  # (E, R, C / 8) int32
+    scale: torch.Tensor  # (E, R, C / group)
+    group: int = 32
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        e, r, words = self.packed.shape
+        return e, r, words * 8
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The stack as `dtype` weights (E, R, C), each value computed in float32 first."""
+        shifts = torch.arange(8, dtype=torch.int32, device=self.packed.device) * 4
+        q = ((self.packed[..., None] >> shifts) & 15).reshape(*self.packed.shape[:2], -1).float() - 8
+        return (q * self.scale.float().repeat_interleave(self.group, -1)[..., :q.shape[-1]]).to(dtype)
+
+
+def stack_args(w: torch.Tensor | Int4) -> tuple:
+    """A stack's kernel arguments: weights, scales, their expert and row strides, INT4, GROUP."""
+    if isinstance(w, Int4):
+        return (w.packed, w.scale, w.packed.stride(0), w.packed.stride(1), w.scale.stride(0), w.scale.stride(1),
+                True, w.group)
+    return w, w, w.stride(0), w.stride(1), 0, 0, False, 1
+
+
+def shape_key(experts: int, hidden: int, width: int, top_k: int, int4: bool = False) -> str:
+    return f"E{experts}-H{hidden}-I{width}-k{top_k}" + ("-int4" if int4 else "")
 
 
 def load_tiles(path: Path = TILES_FILE) -> dict[str, Tiles]:
@@ -75,8 +105,8 @@ def save_tiles(tiles: dict[str, Tiles], note: dict, path: Path = TILES_FILE) -> 
 TUNED = load_tiles()
 
 
-def tiles_for(experts: int, hidden: int, width: int, top_k: int) -> Tiles:
-    return TUNED.get(shape_key(experts, hidden, width, top_k), Tiles())
+def tiles_for(experts: int, hidden: int, width: int, top_k: int, int4: bool = False) -> Tiles:
+    return TUNED.get(shape_key(experts, hidden, width, top_k, int4), Tiles())
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -85,7 +115,7 @@ def usable(x: torch.Tensor) -> bool:
             and not torch.is_grad_enabled())
 
 
-def gate_up_act(x: torch.Tensor, gate_up: torch.Tensor, experts: torch.Tensor, tiles: Tiles,
+def gate_up_act(x: torch.Tensor, gate_up: torch.Tensor | Int4, experts: torch.Tensor, tiles: Tiles,
                 counts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """SiLU(x W_gate^T) * (x W_up^T) of each (token, slot) pair's token and expert: (N k, I), x's dtype.
     With `counts` (touched, forwards), adds the call's distinct experts and one forward to them."""
@@ -93,37 +123,40 @@ def gate_up_act(x: torch.Tensor, gate_up: torch.Tensor, experts: torch.Tensor, t
     h_dim, i_dim = x.shape[1], gate_up.shape[1] // 2
     act = torch.empty(n * k, i_dim, dtype=x.dtype, device=x.device)
     touched, forwards = counts if counts is not None else (experts, experts)
+    w, ws, swe, swr, sse, ssr, int4, group = stack_args(gate_up)
     gate_up_kernel[(n * k, triton.cdiv(i_dim, tiles.gate_cols))](
-        x, gate_up, experts, act, touched, forwards, n * k, k, h_dim, i_dim,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
+        x, w, ws, experts, act, touched, forwards, n * k, k, h_dim, i_dim,
+        x.stride(0), swe, swr, sse, ssr, act.stride(0), INT4=int4, GROUP=group,
         PAIRS=triton.next_power_of_2(n * k), BI=tiles.gate_cols, BH=tiles.gate_step, CHUNK=CHUNK,
         COUNT=counts is not None, GDC=dependent_launch(x), num_warps=tiles.gate_warps, num_stages=tiles.stages)
     return act
 
 
-def down_weighted(act: torch.Tensor, down: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+def down_weighted(act: torch.Tensor, down: torch.Tensor | Int4, experts: torch.Tensor, weights: torch.Tensor,
                   tiles: Tiles) -> torch.Tensor:
     """(act W_down^T) times each pair's routing weight (float32, (N, k)): (N k, H) float32."""
     pairs, h_dim, i_dim = experts.numel(), down.shape[1], down.shape[2]
     y = torch.empty(pairs, h_dim, dtype=torch.float32, device=act.device)
     gdc = dependent_launch(act)
+    w, ws, swe, swr, sse, ssr, int4, group = stack_args(down)
     down_kernel[(pairs, triton.cdiv(h_dim, tiles.down_cols))](
-        act, down, experts, weights, y, pairs, h_dim, i_dim,
-        act.stride(0), down.stride(0), down.stride(1), y.stride(0),
+        act, w, ws, experts, weights, y, pairs, h_dim, i_dim,
+        act.stride(0), swe, swr, sse, ssr, y.stride(0), INT4=int4, GROUP=group,
         PAIRS=triton.next_power_of_2(pairs), BHO=tiles.down_cols, BI=tiles.down_step, CHUNK=CHUNK,
         GDC=gdc, num_warps=tiles.down_warps, num_stages=tiles.stages, **({"launch_pdl": True} if gdc else {}))
     return y
 
 
-def fused_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-              down: torch.Tensor, tiles: Tiles | None = None,
+def fused_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor | Int4,
+              down: torch.Tensor | Int4, tiles: Tiles | None = None,
               counts: tuple[torch.Tensor, torch.Tensor] | None = None,
               add: torch.Tensor | None = None) -> torch.Tensor:
-    """x (N, H), experts and weights (N, k), gate_up (E, 2I, H), down (E, H, I) -> (N, H); `counts`:
+    """x (N, H), experts and weights (N, k), gate_up (E, 2I, H), down (E, H, I), each bfloat16 or
+    packed (Int4) -> (N, H); `counts`:
     a layer's (touched, forwards) counters, advanced by the call; `add` (N, H): added to the sum
     (the shared experts' output)."""
     n, k = experts.shape
-    tiles = tiles or tiles_for(gate_up.shape[0], x.shape[1], down.shape[2], k)
+    tiles = tiles or tiles_for(gate_up.shape[0], x.shape[1], down.shape[2], k, isinstance(gate_up, Int4))
     experts = experts.contiguous()
     act = gate_up_act(x, gate_up, experts, tiles, counts)
     y = down_weighted(act, down, experts, weights.float().contiguous(), tiles)
@@ -159,7 +192,20 @@ if triton is not None:
         return idx, tl.sum(pick.to(tl.int32), 1) > 0
 
     @triton.jit
-    def gate_up_kernel(x, gate_up, experts, act, touched, forwards, pairs, K, H, I, sx, sge, sgr, sa,
+    def weight_tile(w, ws, e, rows, cols, live, swe, swr, sse, ssr, INT4: tl.constexpr, GROUP: tl.constexpr):
+        """Rows `rows` x columns `cols` of expert e's weights (`live`: which exist), unpacked and scaled
+        in float32 where INT4."""
+        if INT4:
+            word = tl.load(w + e * swe + rows[:, None] * swr + cols[None, :] // 8, mask=live, other=0)
+            q = ((word >> ((cols[None, :] % 8) * 4)) & 15) - 8
+            scale = tl.load(ws + e * sse + rows[:, None] * ssr + cols[None, :] // GROUP, mask=live, other=0.0)
+            return q.to(tl.float32) * scale.to(tl.float32)
+        else:
+            return tl.load(w + e * swe + rows[:, None] * swr + cols[None, :], mask=live, other=0.0)
+
+    @triton.jit
+    def gate_up_kernel(x, w, ws, experts, act, touched, forwards, pairs, K, H, I, sx, swe, swr, sse, ssr, sa,
+                       INT4: tl.constexpr, GROUP: tl.constexpr,
                        PAIRS: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr, CHUNK: tl.constexpr,
                        COUNT: tl.constexpr, GDC: tl.constexpr):
         if GDC:  # the down kernel may launch now; it waits for these results before reading them
@@ -172,9 +218,8 @@ if triton is not None:
             if p == 0:
                 tl.atomic_add(forwards, 1)
         if head:
+            e = e.to(tl.int64)
             cols = tl.program_id(1) * BI + tl.arange(0, BI)
-            wg_ptr = gate_up + e.to(tl.int64) * sge + cols[:, None] * sgr
-            wu_ptr = wg_ptr + I * sgr
             for c in range(0, length, CHUNK):
                 rows, live = member(same, rank, c, PAIRS, CHUNK)
                 tok = rows // K
@@ -185,8 +230,8 @@ if triton is not None:
                     xt = tl.load(x + tok[:, None] * sx + hs[None, :], mask=live[:, None] & (hs[None, :] < H),
                                  other=0.0)
                     wmask = (cols[:, None] < I) & (hs[None, :] < H)
-                    wg = tl.load(wg_ptr + hs[None, :], mask=wmask, other=0.0)
-                    wu = tl.load(wu_ptr + hs[None, :], mask=wmask, other=0.0)
+                    wg = weight_tile(w, ws, e, cols, hs, wmask, swe, swr, sse, ssr, INT4, GROUP).to(xt.dtype)
+                    wu = weight_tile(w, ws, e, cols + I, hs, wmask, swe, swr, sse, ssr, INT4, GROUP).to(xt.dtype)
                     g += tl.dot(xt, tl.trans(wg))
                     u += tl.dot(xt, tl.trans(wu))
                 out = g / (1.0 + tl.exp(-g)) * u
@@ -194,7 +239,8 @@ if triton is not None:
                          mask=live[:, None] & (cols[None, :] < I))
 
     @triton.jit
-    def down_kernel(act, down, experts, w, y, pairs, H, I, sa, sde, sdr, sy,
+    def down_kernel(act, w, ws, experts, wt, y, pairs, H, I, sa, swe, swr, sse, ssr, sy,
+                    INT4: tl.constexpr, GROUP: tl.constexpr,
                     PAIRS: tl.constexpr, BHO: tl.constexpr, BI: tl.constexpr, CHUNK: tl.constexpr,
                     GDC: tl.constexpr):
         if GDC:
@@ -204,8 +250,8 @@ if triton is not None:
         if head:
             if GDC:  # the gate-up kernel's act, complete and visible
                 tl.extra.cuda.gdc_wait()
+            e = e.to(tl.int64)
             cols = tl.program_id(1) * BHO + tl.arange(0, BHO)
-            wd_ptr = down + e.to(tl.int64) * sde + cols[:, None] * sdr
             for c in range(0, length, CHUNK):
                 rows, live = member(same, rank, c, PAIRS, CHUNK)
                 acc = tl.zeros((CHUNK, BHO), dtype=tl.float32)
@@ -213,9 +259,10 @@ if triton is not None:
                     js = i0 + tl.arange(0, BI)
                     at = tl.load(act + rows[:, None] * sa + js[None, :], mask=live[:, None] & (js[None, :] < I),
                                  other=0.0)
-                    wd = tl.load(wd_ptr + js[None, :], mask=(cols[:, None] < H) & (js[None, :] < I), other=0.0)
+                    wmask = (cols[:, None] < H) & (js[None, :] < I)
+                    wd = weight_tile(w, ws, e, cols, js, wmask, swe, swr, sse, ssr, INT4, GROUP).to(at.dtype)
                     acc += tl.dot(at, tl.trans(wd))
-                scale = tl.load(w + rows, mask=live, other=0.0)
+                scale = tl.load(wt + rows, mask=live, other=0.0)
                 tl.store(y + rows[:, None] * sy + cols[None, :], acc * scale[:, None],
                          mask=live[:, None] & (cols[None, :] < H))
 

@@ -25,7 +25,7 @@ import torch
 
 from ..errors import InvalidInput
 from ..models import fused_moe
-from ..models.fused_moe import Tiles
+from ..models.fused_moe import Int4, Tiles
 from ..models.moe import by_expert, gathered, grouped
 from .shapes import SHAPES, copy_bandwidth
 
@@ -48,6 +48,9 @@ def add_parser(sub) -> None:
                    help=f"MoE shapes: {', '.join(moe_shapes)}")
     p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), help="token counts, 1 to 64")
     p.add_argument("--paths", nargs="+", default=["fused", "grouped", "gathered"], choices=PATHS)
+    p.add_argument("--quant", nargs="+", default=["bf16"], choices=["bf16", "int4"],
+                   help="expert weights: bfloat16, and/or INT4 packs (group 32, bfloat16 scales) read packed "
+                        "by the fused kernels, each against its own floor")
     p.add_argument("--tune", action="store_true", help="sweep the fused kernels' tiles; write the best per shape")
     p.add_argument("--tiles-out", default=str(fused_moe.TILES_FILE), help="where --tune writes the tiles")
     p.add_argument("--repeats", type=int, default=15, help="timed repeats (median reported)")
@@ -96,23 +99,35 @@ def time_ms(fn, repeats: int, graph: bool = True) -> float:
 class Layer:
     """Copies of one MoE layer's expert stacks (random, bf16) and a uniform routing per token count."""
 
-    def __init__(self, name: str, device: torch.device, tokens: list[int]):
+    def __init__(self, name: str, device: torch.device, tokens: list[int], quant: str = "bf16",
+                 dtype: torch.dtype = torch.bfloat16):
         cfg = SHAPES[name]
         self.e, self.k, self.h, self.i = cfg.moe.num_experts, cfg.moe.top_k, cfg.hidden_size, cfg.moe.expert_size
-        self.expert_bytes = 3 * self.h * self.i * 2
+        self.quant, self.dtype = quant, dtype
+        gen = torch.Generator(device=device).manual_seed(0)
+        make = self.packed if quant == "int4" else self.dense
+        one = [make(1, 2 * self.i, self.h, gen), make(1, self.h, self.i, gen)]
+        # bytes as bfloat16 weights and scales: what the GPU reads (the CPU tests run float32)
+        self.expert_bytes = sum(w.packed[0].numel() * 4 + w.scale[0].numel() * 2 if quant == "int4"
+                                else w[0].numel() * 2 for w in one)
         one_token = self.k * self.expert_bytes
         self.copies = max(1, min(8, math.ceil(L2_SAFE / one_token)))
-        gen = torch.Generator(device=device).manual_seed(0)
-        self.stacks = [(torch.randn(self.e, 2 * self.i, self.h, device=device, dtype=torch.bfloat16,
-                                    generator=gen) * 0.02,
-                        torch.randn(self.e, self.h, self.i, device=device, dtype=torch.bfloat16, generator=gen) * 0.02)
+        self.stacks = [(make(self.e, 2 * self.i, self.h, gen), make(self.e, self.h, self.i, gen))
                        for _ in range(self.copies)]
         self.inputs = {}
         for t in tokens:
-            x = torch.randn(t, self.h, device=device, dtype=torch.bfloat16, generator=gen)
+            x = torch.randn(t, self.h, device=device, dtype=dtype, generator=gen)
             experts = torch.rand(t, self.e, device=device, generator=gen).topk(self.k, -1).indices
             weights = torch.rand(t, self.k, device=device, generator=gen).softmax(-1)
             self.inputs[t] = (x, experts, weights)
+
+    def dense(self, e: int, rows: int, cols: int, gen) -> torch.Tensor:
+        return torch.randn(e, rows, cols, device=gen.device, dtype=self.dtype, generator=gen) * 0.02
+
+    def packed(self, e: int, rows: int, cols: int, gen) -> Int4:
+        words = torch.randint(-2**31, 2**31 - 1, (e, rows, cols // 8), device=gen.device, dtype=torch.int32,
+                              generator=gen)
+        return Int4(words, torch.full((e, rows, cols // 32), 0.005, device=gen.device, dtype=self.dtype))
 
     def distinct(self, t: int) -> int:
         return self.inputs[t][1].unique().numel()  # sync: outside any timing
@@ -182,22 +197,25 @@ def tune(layer: Layer, tokens: list[int], bandwidth: float, repeats: int) -> tup
     return min(scores, key=scores.get), sweep
 
 
-def bench_shape(name: str, args, bandwidth: float) -> dict:
+def bench_shape(name: str, args, bandwidth: float, quant: str = "bf16") -> dict:
     device = torch.device("cuda")
-    layer = Layer(name, device, args.tokens)
-    key = fused_moe.shape_key(layer.e, layer.h, layer.i, layer.k)
-    out: dict = {"key": key, "copies": layer.copies, "expert_bytes": layer.expert_bytes, "tokens": {}}
-    tiles = fused_moe.tiles_for(layer.e, layer.h, layer.i, layer.k)
+    layer = Layer(name, device, args.tokens, quant)
+    int4 = quant == "int4"
+    key = fused_moe.shape_key(layer.e, layer.h, layer.i, layer.k, int4)
+    out: dict = {"key": key, "quant": quant, "copies": layer.copies, "expert_bytes": layer.expert_bytes,
+                 "tokens": {}}
+    tiles = fused_moe.tiles_for(layer.e, layer.h, layer.i, layer.k, int4)
+    paths = ["fused"] if int4 else args.paths  # the other paths read bfloat16 weights
     if args.tune:
         tiles, out["sweep"] = tune(layer, args.tokens, bandwidth, args.repeats)
     out["tiles"] = asdict(tiles)
-    print(f"{name}: hidden {layer.h}, expert width {layer.i}, {layer.e} experts, top {layer.k}; "
+    print(f"{name} ({quant}): hidden {layer.h}, expert width {layer.i}, {layer.e} experts, top {layer.k}; "
           f"{layer.copies} copies of the layer; tiles {out['tiles']}")
-    print(f"{'T':>4}{'experts':>9}{'floor ms':>10}" + "".join(f"{p + ' ms':>14}" for p in args.paths)
+    print(f"{'T':>4}{'experts':>9}{'floor ms':>10}" + "".join(f"{p + ' ms':>14}" for p in paths)
           + f"{'fused/floor':>13}")
     for t in args.tokens:
         row = {"experts": layer.distinct(t), "floor_ms": layer.floor_ms(t, bandwidth)}
-        for path in args.paths:
+        for path in paths:
             pairs_bytes = t * layer.k * layer.expert_bytes
             if path == "gathered" and pairs_bytes > GATHER_LIMIT:
                 continue
@@ -206,7 +224,7 @@ def bench_shape(name: str, args, bandwidth: float) -> dict:
             row["fused_floor_ratio"] = row["floor_ms"] / row["fused_ms"]
             row.update(check_fused(layer, t, tiles))
         out["tokens"][str(t)] = row
-        cells = "".join(f"{row[p + '_ms']:14.3f}" if p + "_ms" in row else f"{'-':>14}" for p in args.paths)
+        cells = "".join(f"{row[p + '_ms']:14.3f}" if p + "_ms" in row else f"{'-':>14}" for p in paths)
         frac = f"{row['fused_floor_ratio']:13.0%}" if "fused_ms" in row else ""
         print(f"{t:>4}{row['experts']:>9}{row['floor_ms']:10.3f}{cells}{frac}")
     return out
@@ -214,16 +232,27 @@ def bench_shape(name: str, args, bandwidth: float) -> dict:
 
 @torch.inference_mode()
 def check_fused(layer: Layer, t: int, tiles: Tiles) -> dict:
-    """The fused result against the grouped matmul's (relative max error), and whether each token's
-    row is bitwise the same computed alone as among the t tokens."""
+    """The fused result against the grouped matmul's (relative max error; INT4: on the touched
+    experts dequantized), and whether each token's row is bitwise the same computed alone as among
+    the t tokens."""
     x, experts, weights = layer.inputs[t]
     gu, dn = layer.stacks[0]
     got = fused_moe.fused_moe(x, experts, weights, gu, dn, tiles=tiles)
-    want = grouped(x, experts, weights, gu, dn)
+    out = {"rows_bitwise_alone": None, "rel_err_vs_grouped": None}
+    if isinstance(gu, Int4) and t > 8:  # dequantizing more experts may not fit beside the stacks
+        want = None
+    elif isinstance(gu, Int4):  # only the touched experts, renumbered: a whole stack dequantized may not fit
+        used = experts.unique()
+        sub = [Int4(w.packed[used], w.scale[used], w.group).dequantized(x.dtype) for w in (gu, dn)]
+        want = grouped(x, torch.searchsorted(used, experts), weights, *sub)
+    else:
+        want = grouped(x, experts, weights, gu, dn)
     alone = torch.cat([fused_moe.fused_moe(x[j:j + 1], experts[j:j + 1], weights[j:j + 1], gu, dn, tiles=tiles)
                        for j in range(t)])
-    err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-    return {"rel_err_vs_grouped": err, "rows_bitwise_alone": bool(torch.equal(alone, got))}
+    out["rows_bitwise_alone"] = bool(torch.equal(alone, got))
+    if want is not None:
+        out["rel_err_vs_grouped"] = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+    return out
 
 
 def run_bench_moe(args) -> dict:
@@ -236,9 +265,11 @@ def run_bench_moe(args) -> dict:
     print(f"{results['gpu']}: copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     tuned = dict(fused_moe.TUNED)
     for name in args.shape:
-        results["shapes"][name] = r = bench_shape(name, args, bandwidth)
-        tuned[r["key"]] = Tiles(**r["tiles"])
-        torch.cuda.empty_cache()
+        for quant in args.quant:
+            label = name if quant == "bf16" else f"{name}-{quant}"
+            results["shapes"][label] = r = bench_shape(name, args, bandwidth, quant)
+            tuned[r["key"]] = Tiles(**r["tiles"])
+            torch.cuda.empty_cache()
     if args.tune:
         from pathlib import Path
         fused_moe.save_tiles(tuned, {"gpu": results["gpu"], "command": "eaglet bench-moe --tune"}, Path(args.tiles_out))
