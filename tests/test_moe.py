@@ -300,7 +300,7 @@ def test_fused_kernels_read_int4_packs(n):
     assert (fused_moe(x, experts, weights, gate_up, down) - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-@pytest.mark.parametrize("quant", ["bf16", "int4"])
+@pytest.mark.parametrize("quant", ["bf16", "int4", "fp8"])
 @torch.inference_mode()
 def test_bench_moe_layers_and_their_checks(monkeypatch, quant):
     """bench-moe's layer (random stacks, bfloat16 or INT4 packs, copies past L2, uniform routing) and
@@ -317,9 +317,34 @@ def test_bench_moe_layers_and_their_checks(monkeypatch, quant):
         q, hidden_size=64, moe=dataclasses.replace(q.moe, num_experts=16, top_k=4, expert_size=32)))
     layer = bench_moe.Layer("tiny-moe", torch.device("cpu"), [1, 8], quant, torch.float32)
     dense = 3 * 64 * 32 * 2
-    assert layer.expert_bytes == (dense if quant == "bf16" else dense // 4 + 3 * 64 * 32 // 32 * 2)
+    assert layer.expert_bytes == {"bf16": dense, "int4": dense // 4 + 3 * 64 * 32 // 32 * 2,
+                                  "fp8": dense // 2 + 2 * 4}[quant]  # fp8: one 128 x 128 block a stack here
     assert layer.copies == 8 and layer.distinct(1) == 4
     assert layer.floor_ms(8, 1e9) == layer.distinct(8) * layer.expert_bytes / 1e6
     for t in (1, 8):
         got = bench_moe.check_fused(layer, t, bench_moe.fused_moe.Tiles())
         assert got["rows_bitwise_alone"] and got["rel_err_vs_grouped"] < 0.02, (t, got)
+
+
+@pytest.mark.parametrize("n", [1, 20])
+@torch.inference_mode()
+def test_fused_kernels_read_fp8_blocks(n):
+    """Experts kept as float8 with a scale per 128 x 128 block (DeepSeek-V3's release format): the
+    stacks scale as the loader's dequantization does, and the fused kernels, scaling tile by tile
+    (blocks that cross tiles and end inside a stack included), equal the gathered path on the
+    dequantized weights."""
+    from eaglet.models.fused_moe import Fp8Block, fused_moe
+    from eaglet.weights.quant import fp8_block
+
+    g = torch.Generator().manual_seed(n)
+    e, k, h, i = 6, 2, 320, 160
+    stacks = [Fp8Block(torch.randn(e, rows, cols, generator=g).to(torch.float8_e4m3fn),
+                       torch.rand(e, -(-rows // 128), -(-cols // 128), generator=g) * 0.05)
+              for rows, cols in ((2 * i, h), (h, i))]
+    gate_up, down = stacks
+    assert torch.equal(down.dequantized(torch.float32)[1], fp8_block("d", down.weight[1], down.scale[1], (128, 128)))
+    x = torch.randn(n, h, generator=g)
+    experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
+    weights = torch.rand(n, k, generator=g)
+    want = gathered(x, experts, weights, gate_up.dequantized(torch.float32), down.dequantized(torch.float32))
+    assert (fused_moe(x, experts, weights, gate_up, down) - want).abs().max() <= 1e-5 * want.abs().max()

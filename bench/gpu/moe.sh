@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 51 on the H200: the MoE layer kernels and the MoE shapes (random weights: nothing to stage).
 #   bash bench/gpu/moe.sh layer   # eaglet bench-moe: every path against the touched-bytes floor
-#                                 # (TUNE=1: sweep the fused tiles first; SHAPES="kimi-k2 qwen3-30b-a3b" by default)
+#                                 # (TUNE=1: sweep the fused tiles first; SHAPES="kimi-k2 qwen3-30b-a3b" by default;
+#                                 #  QUANT="bf16 int4 fp8": the experts also as INT4 packs and FP8 blocks)
 #   bash bench/gpu/moe.sh test    # the MoE GPU tests: graphed == eager, the fused kernels row-invariant
 #   bash bench/gpu/moe.sh shapes  # eaglet bench --shape: plain decode against the touched-bytes roofline, the verify curve
 # Everything it writes lands in $OUT/moe-<phase>.tar (records, tiles, the log).
@@ -13,7 +14,7 @@ mkdir -p "$out"
 case $phase in
   layer)
     python3 -m eaglet bench-moe --shape ${SHAPES:-kimi-k2 qwen3-30b-a3b} ${TUNE:+--tune} --tiles-out "$out/moe_tiles.json" \
-      --paths ${PATHS_:-fused grouped gathered} --out "$out" 2>&1 | tee "$out/bench-moe.log" ;;
+      --paths ${PATHS_:-fused grouped gathered} --quant ${QUANT:-bf16} --out "$out" 2>&1 | tee "$out/bench-moe.log" ;;
   test)
     python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_moe.py -k "moe_graphed or gpu" 2>&1 | tee "$out/moe-test.log" ;;
   shapes)

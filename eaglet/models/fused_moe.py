@@ -78,16 +78,46 @@ class Int4:
         return (q * self.scale.float().repeat_interleave(self.group, -1)[..., :q.shape[-1]]).to(dtype)
 
 
-def stack_args(w: torch.Tensor | Int4) -> tuple:
-    """A stack's kernel arguments: weights, scales, their expert and row strides, INT4, GROUP."""
+@dataclass(frozen=True)
+class Fp8Block:
+    """An expert stack of float8 (e4m3) weights with one float32 scale per block of 128 x 128 (the
+    format DeepSeek-V3 and Kimi-K2 ship: weight x weight_scale_inv), kept as it is and scaled tile
+    by tile inside the kernels (half of bfloat16's bytes)."""
+    weight: torch.Tensor  # (E, R, C) float8_e4m3fn
+    scale: torch.Tensor  # (E, ceil(R / block), ceil(C / block)) float32
+    block: int = 128
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.weight.shape)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        _, r, c = self.weight.shape
+        s = self.scale.float().repeat_interleave(self.block, 1)[:, :r].repeat_interleave(self.block, 2)[:, :, :c]
+        return (self.weight.float() * s).to(dtype)
+
+
+Stack = torch.Tensor | Int4 | Fp8Block
+PLAIN, INT4, FP8 = 0, 4, 8  # the kernels' QUANT: how a weight tile is read
+
+
+def stack_args(w: Stack) -> tuple:
+    """A stack's kernel arguments: weights, scales, their expert and row strides, QUANT, GROUP."""
     if isinstance(w, Int4):
         return (w.packed, w.scale, w.packed.stride(0), w.packed.stride(1), w.scale.stride(0), w.scale.stride(1),
-                True, w.group)
-    return w, w, w.stride(0), w.stride(1), 0, 0, False, 1
+                INT4, w.group)
+    if isinstance(w, Fp8Block):
+        return (w.weight, w.scale, w.weight.stride(0), w.weight.stride(1), w.scale.stride(0), w.scale.stride(1),
+                FP8, w.block)
+    return w, w, w.stride(0), w.stride(1), 0, 0, PLAIN, 1
 
 
-def shape_key(experts: int, hidden: int, width: int, top_k: int, int4: bool = False) -> str:
-    return f"E{experts}-H{hidden}-I{width}-k{top_k}" + ("-int4" if int4 else "")
+def quant_name(w: Stack) -> str:
+    return "int4" if isinstance(w, Int4) else "fp8" if isinstance(w, Fp8Block) else "bf16"
+
+
+def shape_key(experts: int, hidden: int, width: int, top_k: int, quant: str = "bf16") -> str:
+    return f"E{experts}-H{hidden}-I{width}-k{top_k}" + ("" if quant == "bf16" else f"-{quant}")
 
 
 def load_tiles(path: Path = TILES_FILE) -> dict[str, Tiles]:
@@ -105,8 +135,8 @@ def save_tiles(tiles: dict[str, Tiles], note: dict, path: Path = TILES_FILE) -> 
 TUNED = load_tiles()
 
 
-def tiles_for(experts: int, hidden: int, width: int, top_k: int, int4: bool = False) -> Tiles:
-    return TUNED.get(shape_key(experts, hidden, width, top_k, int4), Tiles())
+def tiles_for(experts: int, hidden: int, width: int, top_k: int, quant: str = "bf16") -> Tiles:
+    return TUNED.get(shape_key(experts, hidden, width, top_k, quant), Tiles())
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -115,7 +145,7 @@ def usable(x: torch.Tensor) -> bool:
             and not torch.is_grad_enabled())
 
 
-def gate_up_act(x: torch.Tensor, gate_up: torch.Tensor | Int4, experts: torch.Tensor, tiles: Tiles,
+def gate_up_act(x: torch.Tensor, gate_up: Stack, experts: torch.Tensor, tiles: Tiles,
                 counts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """SiLU(x W_gate^T) * (x W_up^T) of each (token, slot) pair's token and expert: (N k, I), x's dtype.
     With `counts` (touched, forwards), adds the call's distinct experts and one forward to them."""
@@ -123,40 +153,40 @@ def gate_up_act(x: torch.Tensor, gate_up: torch.Tensor | Int4, experts: torch.Te
     h_dim, i_dim = x.shape[1], gate_up.shape[1] // 2
     act = torch.empty(n * k, i_dim, dtype=x.dtype, device=x.device)
     touched, forwards = counts if counts is not None else (experts, experts)
-    w, ws, swe, swr, sse, ssr, int4, group = stack_args(gate_up)
+    w, ws, swe, swr, sse, ssr, quant, group = stack_args(gate_up)
     gate_up_kernel[(n * k, triton.cdiv(i_dim, tiles.gate_cols))](
         x, w, ws, experts, act, touched, forwards, n * k, k, h_dim, i_dim,
-        x.stride(0), swe, swr, sse, ssr, act.stride(0), INT4=int4, GROUP=group,
+        x.stride(0), swe, swr, sse, ssr, act.stride(0), QUANT=quant, GROUP=group,
         PAIRS=triton.next_power_of_2(n * k), BI=tiles.gate_cols, BH=tiles.gate_step, CHUNK=CHUNK,
         COUNT=counts is not None, GDC=dependent_launch(x), num_warps=tiles.gate_warps, num_stages=tiles.stages)
     return act
 
 
-def down_weighted(act: torch.Tensor, down: torch.Tensor | Int4, experts: torch.Tensor, weights: torch.Tensor,
+def down_weighted(act: torch.Tensor, down: Stack, experts: torch.Tensor, weights: torch.Tensor,
                   tiles: Tiles) -> torch.Tensor:
     """(act W_down^T) times each pair's routing weight (float32, (N, k)): (N k, H) float32."""
     pairs, h_dim, i_dim = experts.numel(), down.shape[1], down.shape[2]
     y = torch.empty(pairs, h_dim, dtype=torch.float32, device=act.device)
     gdc = dependent_launch(act)
-    w, ws, swe, swr, sse, ssr, int4, group = stack_args(down)
+    w, ws, swe, swr, sse, ssr, quant, group = stack_args(down)
     down_kernel[(pairs, triton.cdiv(h_dim, tiles.down_cols))](
         act, w, ws, experts, weights, y, pairs, h_dim, i_dim,
-        act.stride(0), swe, swr, sse, ssr, y.stride(0), INT4=int4, GROUP=group,
+        act.stride(0), swe, swr, sse, ssr, y.stride(0), QUANT=quant, GROUP=group,
         PAIRS=triton.next_power_of_2(pairs), BHO=tiles.down_cols, BI=tiles.down_step, CHUNK=CHUNK,
         GDC=gdc, num_warps=tiles.down_warps, num_stages=tiles.stages, **({"launch_pdl": True} if gdc else {}))
     return y
 
 
-def fused_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor | Int4,
-              down: torch.Tensor | Int4, tiles: Tiles | None = None,
+def fused_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: Stack,
+              down: Stack, tiles: Tiles | None = None,
               counts: tuple[torch.Tensor, torch.Tensor] | None = None,
               add: torch.Tensor | None = None) -> torch.Tensor:
     """x (N, H), experts and weights (N, k), gate_up (E, 2I, H), down (E, H, I), each bfloat16 or
-    packed (Int4) -> (N, H); `counts`:
+    quantized (Int4, Fp8Block) -> (N, H); `counts`:
     a layer's (touched, forwards) counters, advanced by the call; `add` (N, H): added to the sum
     (the shared experts' output)."""
     n, k = experts.shape
-    tiles = tiles or tiles_for(gate_up.shape[0], x.shape[1], down.shape[2], k, isinstance(gate_up, Int4))
+    tiles = tiles or tiles_for(gate_up.shape[0], x.shape[1], down.shape[2], k, quant_name(gate_up))
     experts = experts.contiguous()
     act = gate_up_act(x, gate_up, experts, tiles, counts)
     y = down_weighted(act, down, experts, weights.float().contiguous(), tiles)
@@ -192,20 +222,26 @@ if triton is not None:
         return idx, tl.sum(pick.to(tl.int32), 1) > 0
 
     @triton.jit
-    def weight_tile(w, ws, e, rows, cols, live, swe, swr, sse, ssr, INT4: tl.constexpr, GROUP: tl.constexpr):
+    def weight_tile(w, ws, e, rows, cols, live, swe, swr, sse, ssr, QUANT: tl.constexpr, GROUP: tl.constexpr):
         """Rows `rows` x columns `cols` of expert e's weights (`live`: which exist), unpacked and scaled
-        in float32 where INT4."""
-        if INT4:
+        in float32 where quantized: INT4 packs with a scale per row and GROUP columns, FP8 with one
+        per GROUP x GROUP block."""
+        if QUANT == 4:
             word = tl.load(w + e * swe + rows[:, None] * swr + cols[None, :] // 8, mask=live, other=0)
             q = ((word >> ((cols[None, :] % 8) * 4)) & 15) - 8
             scale = tl.load(ws + e * sse + rows[:, None] * ssr + cols[None, :] // GROUP, mask=live, other=0.0)
+            return q.to(tl.float32) * scale.to(tl.float32)
+        elif QUANT == 8:
+            q = tl.load(w + e * swe + rows[:, None] * swr + cols[None, :], mask=live, other=0.0)
+            scale = tl.load(ws + e * sse + (rows[:, None] // GROUP) * ssr + cols[None, :] // GROUP, mask=live,
+                            other=0.0)
             return q.to(tl.float32) * scale.to(tl.float32)
         else:
             return tl.load(w + e * swe + rows[:, None] * swr + cols[None, :], mask=live, other=0.0)
 
     @triton.jit
     def gate_up_kernel(x, w, ws, experts, act, touched, forwards, pairs, K, H, I, sx, swe, swr, sse, ssr, sa,
-                       INT4: tl.constexpr, GROUP: tl.constexpr,
+                       QUANT: tl.constexpr, GROUP: tl.constexpr,
                        PAIRS: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr, CHUNK: tl.constexpr,
                        COUNT: tl.constexpr, GDC: tl.constexpr):
         if GDC:  # the down kernel may launch now; it waits for these results before reading them
@@ -230,8 +266,8 @@ if triton is not None:
                     xt = tl.load(x + tok[:, None] * sx + hs[None, :], mask=live[:, None] & (hs[None, :] < H),
                                  other=0.0)
                     wmask = (cols[:, None] < I) & (hs[None, :] < H)
-                    wg = weight_tile(w, ws, e, cols, hs, wmask, swe, swr, sse, ssr, INT4, GROUP).to(xt.dtype)
-                    wu = weight_tile(w, ws, e, cols + I, hs, wmask, swe, swr, sse, ssr, INT4, GROUP).to(xt.dtype)
+                    wg = weight_tile(w, ws, e, cols, hs, wmask, swe, swr, sse, ssr, QUANT, GROUP).to(xt.dtype)
+                    wu = weight_tile(w, ws, e, cols + I, hs, wmask, swe, swr, sse, ssr, QUANT, GROUP).to(xt.dtype)
                     g += tl.dot(xt, tl.trans(wg))
                     u += tl.dot(xt, tl.trans(wu))
                 out = g / (1.0 + tl.exp(-g)) * u
@@ -240,7 +276,7 @@ if triton is not None:
 
     @triton.jit
     def down_kernel(act, w, ws, experts, wt, y, pairs, H, I, sa, swe, swr, sse, ssr, sy,
-                    INT4: tl.constexpr, GROUP: tl.constexpr,
+                    QUANT: tl.constexpr, GROUP: tl.constexpr,
                     PAIRS: tl.constexpr, BHO: tl.constexpr, BI: tl.constexpr, CHUNK: tl.constexpr,
                     GDC: tl.constexpr):
         if GDC:
@@ -260,7 +296,7 @@ if triton is not None:
                     at = tl.load(act + rows[:, None] * sa + js[None, :], mask=live[:, None] & (js[None, :] < I),
                                  other=0.0)
                     wmask = (cols[:, None] < H) & (js[None, :] < I)
-                    wd = weight_tile(w, ws, e, cols, js, wmask, swe, swr, sse, ssr, INT4, GROUP).to(at.dtype)
+                    wd = weight_tile(w, ws, e, cols, js, wmask, swe, swr, sse, ssr, QUANT, GROUP).to(at.dtype)
                     acc += tl.dot(at, tl.trans(wd))
                 scale = tl.load(wt + rows, mask=live, other=0.0)
                 tl.store(y + rows[:, None] * sy + cols[None, :], acc * scale[:, None],

@@ -16,6 +16,7 @@ sweep in the record.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import statistics
@@ -25,7 +26,7 @@ import torch
 
 from ..errors import InvalidInput
 from ..models import fused_moe
-from ..models.fused_moe import Int4, Tiles
+from ..models.fused_moe import Fp8Block, Int4, Tiles
 from ..models.moe import by_expert, gathered, grouped
 from .shapes import SHAPES, copy_bandwidth
 
@@ -48,9 +49,9 @@ def add_parser(sub) -> None:
                    help=f"MoE shapes: {', '.join(moe_shapes)}")
     p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), help="token counts, 1 to 64")
     p.add_argument("--paths", nargs="+", default=["fused", "grouped", "gathered"], choices=PATHS)
-    p.add_argument("--quant", nargs="+", default=["bf16"], choices=["bf16", "int4"],
-                   help="expert weights: bfloat16, and/or INT4 packs (group 32, bfloat16 scales) read packed "
-                        "by the fused kernels, each against its own floor")
+    p.add_argument("--quant", nargs="+", default=["bf16"], choices=["bf16", "int4", "fp8"],
+                   help="expert weights: bfloat16, INT4 packs (group 32, bfloat16 scales) and/or FP8 with a "
+                        "scale per 128 x 128 block, read as stored by the fused kernels, each against its own floor")
     p.add_argument("--tune", action="store_true", help="sweep the fused kernels' tiles; write the best per shape")
     p.add_argument("--tiles-out", default=str(fused_moe.TILES_FILE), help="where --tune writes the tiles")
     p.add_argument("--repeats", type=int, default=15, help="timed repeats (median reported)")
@@ -105,11 +106,10 @@ class Layer:
         self.e, self.k, self.h, self.i = cfg.moe.num_experts, cfg.moe.top_k, cfg.hidden_size, cfg.moe.expert_size
         self.quant, self.dtype = quant, dtype
         gen = torch.Generator(device=device).manual_seed(0)
-        make = self.packed if quant == "int4" else self.dense
+        make = {"int4": self.packed, "fp8": self.fp8}.get(quant, self.dense)
         one = [make(1, 2 * self.i, self.h, gen), make(1, self.h, self.i, gen)]
         # bytes as bfloat16 weights and scales: what the GPU reads (the CPU tests run float32)
-        self.expert_bytes = sum(w.packed[0].numel() * 4 + w.scale[0].numel() * 2 if quant == "int4"
-                                else w[0].numel() * 2 for w in one)
+        self.expert_bytes = sum(stored_bytes(w) for w in one)
         one_token = self.k * self.expert_bytes
         self.copies = max(1, min(8, math.ceil(L2_SAFE / one_token)))
         self.stacks = [(make(self.e, 2 * self.i, self.h, gen), make(self.e, self.h, self.i, gen))
@@ -128,6 +128,10 @@ class Layer:
         words = torch.randint(-2**31, 2**31 - 1, (e, rows, cols // 8), device=gen.device, dtype=torch.int32,
                               generator=gen)
         return Int4(words, torch.full((e, rows, cols // 32), 0.005, device=gen.device, dtype=self.dtype))
+
+    def fp8(self, e: int, rows: int, cols: int, gen) -> Fp8Block:
+        w = (torch.randn(e, rows, cols, device=gen.device, generator=gen) * 0.5).to(torch.float8_e4m3fn)
+        return Fp8Block(w, torch.full((e, -(-rows // 128), -(-cols // 128)), 0.04, device=gen.device))
 
     def distinct(self, t: int) -> int:
         return self.inputs[t][1].unique().numel()  # sync: outside any timing
@@ -170,6 +174,15 @@ def fits(timed, tokens: list[int]) -> dict | None:
         return None
 
 
+def stored_bytes(w) -> int:
+    """One expert's bytes as the GPU stores them (weights and scales; bfloat16 scales for INT4)."""
+    if isinstance(w, Int4):
+        return w.packed[0].numel() * 4 + w.scale[0].numel() * 2
+    if isinstance(w, Fp8Block):
+        return w.weight[0].numel() + w.scale[0].numel() * 4
+    return w[0].numel() * 2
+
+
 def tune(layer: Layer, tokens: list[int], bandwidth: float, repeats: int) -> tuple[Tiles, list[dict]]:
     """The tiles with the least summed time over floor across `tokens`: gate-up and down swept apart,
     then the pipeline depth."""
@@ -200,12 +213,11 @@ def tune(layer: Layer, tokens: list[int], bandwidth: float, repeats: int) -> tup
 def bench_shape(name: str, args, bandwidth: float, quant: str = "bf16") -> dict:
     device = torch.device("cuda")
     layer = Layer(name, device, args.tokens, quant)
-    int4 = quant == "int4"
-    key = fused_moe.shape_key(layer.e, layer.h, layer.i, layer.k, int4)
+    key = fused_moe.shape_key(layer.e, layer.h, layer.i, layer.k, quant)
     out: dict = {"key": key, "quant": quant, "copies": layer.copies, "expert_bytes": layer.expert_bytes,
                  "tokens": {}}
-    tiles = fused_moe.tiles_for(layer.e, layer.h, layer.i, layer.k, int4)
-    paths = ["fused"] if int4 else args.paths  # the other paths read bfloat16 weights
+    tiles = fused_moe.tiles_for(layer.e, layer.h, layer.i, layer.k, quant)
+    paths = args.paths if quant == "bf16" else ["fused"]  # the other paths read bfloat16 weights
     if args.tune:
         tiles, out["sweep"] = tune(layer, args.tokens, bandwidth, args.repeats)
     out["tiles"] = asdict(tiles)
@@ -239,11 +251,14 @@ def check_fused(layer: Layer, t: int, tiles: Tiles) -> dict:
     gu, dn = layer.stacks[0]
     got = fused_moe.fused_moe(x, experts, weights, gu, dn, tiles=tiles)
     out = {"rows_bitwise_alone": None, "rel_err_vs_grouped": None}
-    if isinstance(gu, Int4) and t > 8:  # dequantizing more experts may not fit beside the stacks
+    quantized = isinstance(gu, (Int4, Fp8Block))
+    if quantized and t > 8:  # dequantizing more experts may not fit beside the stacks
         want = None
-    elif isinstance(gu, Int4):  # only the touched experts, renumbered: a whole stack dequantized may not fit
+    elif quantized:  # only the touched experts, renumbered: a whole stack dequantized may not fit
         used = experts.unique()
-        sub = [Int4(w.packed[used], w.scale[used], w.group).dequantized(x.dtype) for w in (gu, dn)]
+        sub = [dataclasses.replace(w, **{f.name: getattr(w, f.name)[used] for f in dataclasses.fields(w)
+                                         if isinstance(getattr(w, f.name), torch.Tensor)}).dequantized(x.dtype)
+               for w in (gu, dn)]
         want = grouped(x, torch.searchsorted(used, experts), weights, *sub)
     else:
         want = grouped(x, experts, weights, gu, dn)
