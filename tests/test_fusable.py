@@ -233,3 +233,23 @@ def test_gumbel_argmax_compiled_equals_eager():
     ids = rs.vocab_ids(300)
     for seed, logits in ((rs.seeds(1), x[:, 0]), (rs.seeds(torch.arange(4).expand(3, 4)), x)):
         assert torch.equal(compiled(gumbel_argmax)(logits, seed, ids), gumbel_argmax(logits, seed, ids))
+
+
+def test_mla_rope_entry_and_latent_softmax_compiled_equal_eager():
+    """MLA's fusable parts: the rotation of q's rotary part with the cache entry (interleaved pairs or
+    not), and the attention weights from the latent and rotary scores with the mask."""
+    from eaglet.models.mla import latent_softmax, rope_entry
+
+    g = torch.Generator().manual_seed(0)
+    for b, t, nh in ((1, 1, 4), (2, 5, 3)):
+        q_pe, k_pe = torch.randn(b, t, nh, 8, generator=g), torch.randn(b, t, 8, generator=g)
+        c, cos, sin = torch.randn(b, t, 16, generator=g), torch.randn(b, t, 1, 8, generator=g), torch.randn(b, t, 1, 8, generator=g)
+        for interleaved in (True, False):
+            want = rope_entry(q_pe, k_pe, c, cos, sin, interleaved)
+            got = compiled(rope_entry)(q_pe, k_pe, c, cos, sin, interleaved)
+            assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(got, want))
+        nope, pe = torch.randn(b, nh, t, 12, generator=g), torch.randn(b, nh, t, 12, generator=g)
+        mask = torch.where(torch.rand(b, 1, t, 12, generator=g) < 0.3, float("-inf"), 0.0)
+        mask[..., 0] = 0.0
+        assert torch.allclose(compiled(latent_softmax)(nope, pe, mask, 0.3), latent_softmax(nope, pe, mask, 0.3),
+                              atol=1e-6)

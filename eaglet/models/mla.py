@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..kernels import EAGER, Kernels
+from ..kernels import EAGER, Kernels, fusable
 from .linear import Linear
 
 
@@ -49,6 +49,8 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(m.kv_lora_rank, nh * (m.qk_nope_head_dim + m.v_head_dim), bias=False, kernels=kernels)
         self.o_proj = Linear(nh * m.v_head_dim, h, bias=config.o_bias, kernels=kernels)
         self.scale = config.rope.softmax_scale() / math.sqrt(qk)  # YaRN's mscale_all_dim squared, as DeepSeek
+        self.rope_entry = kernels.fuse(rope_entry)  # on the GPU one kernel each instead of a dozen
+        self.latent_softmax = kernels.fuse(latent_softmax)
 
     def fuse(self) -> None:
         """Nothing to fuse: the absorbed form reads kv_b_proj's weight as it is."""
@@ -58,13 +60,30 @@ class MLAttention(nn.Module):
         q = self.q_proj(x) if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_pe = q.view(b, t, self.nh, -1).split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
         c, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
-        q_pe = rotate(q_pe, cos, sin, m.rope_interleave)  # (B, T, nh, R)
-        k_pe = rotate(k_pe[:, :, None], cos, sin, m.rope_interleave)[:, :, 0]  # (B, T, R)
-        entry = torch.cat([self.kv_a_layernorm(c), k_pe], -1)  # (B, T, kv_lora_rank + R): what the cache keeps
+        q_pe, entry = self.rope_entry(q_pe, k_pe, self.kv_a_layernorm(c), cos, sin, m.rope_interleave)
         latent, mask = cache.latent(self.layer, entry, meta)  # (B, S, W) to attend over, bias (B, 1, T, S)
-        attend = attend_absorbed if cache.absorbed else attend_expanded
-        o = attend(q_nope, q_pe, latent, mask, self.kv_b_proj.weight, m, self.scale)  # (B, T, nh, v)
+        if cache.absorbed:
+            o = attend_absorbed(q_nope, q_pe, latent, mask, self.kv_b_proj.weight, m, self.scale,
+                                self.latent_softmax)
+        else:
+            o = attend_expanded(q_nope, q_pe, latent, mask, self.kv_b_proj.weight, m, self.scale)  # (B, T, nh, v)
         return self.o_proj(o.reshape(b, t, -1))
+
+
+@fusable
+def rope_entry(q_pe: torch.Tensor, k_pe: torch.Tensor, c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """q's rotary part (B, T, nh, R) rotated, and what the cache keeps of each token: the normed
+    latent c and the rotated shared key k_pe (B, T, R), (B, T, kv_lora_rank + R)."""
+    k_pe = rotate(k_pe[:, :, None], cos, sin, interleaved)[:, :, 0]
+    return rotate(q_pe, cos, sin, interleaved), torch.cat([c, k_pe], -1)
+
+
+@fusable
+def latent_softmax(nope: torch.Tensor, pe: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention weights from the latent and rotary scores (B, nh, T, S) and the mask's bias, in float32
+    and back to the scores' dtype."""
+    return ((nope + pe) * scale).float().add(mask).softmax(-1).to(nope.dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -89,15 +108,16 @@ def attend_expanded(q_nope, q_pe, latent, mask, w_kv, m, scale) -> torch.Tensor:
     return o.transpose(1, 2)
 
 
-def attend_absorbed(q_nope, q_pe, latent, mask, w_kv, m, scale) -> torch.Tensor:
+def attend_absorbed(q_nope, q_pe, latent, mask, w_kv, m, scale, softmax=latent_softmax) -> torch.Tensor:
     """kv_b_proj's key rows folded into the query and its value rows into the output: attention in
-    the latent space, nothing expanded per cached token: (B, T, nh, v)."""
+    the latent space, nothing expanded per cached token: (B, T, nh, v). `softmax`: latent_softmax,
+    compiled where the model compiles."""
     nh = q_nope.shape[2]
     w = w_kv.view(nh, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
     w_k, w_v = w[:, :m.qk_nope_head_dim], w[:, m.qk_nope_head_dim:]
     c, k_pe = latent[..., :m.kv_lora_rank], latent[..., m.kv_lora_rank:]
     q_lat = torch.einsum("bthn,hnc->bhtc", q_nope, w_k)  # (B, nh, T, kv_lora_rank)
-    scores = (torch.einsum("bhtc,bsc->bhts", q_lat, c) + torch.einsum("bthr,bsr->bhts", q_pe, k_pe)) * scale
-    p = (scores.float() + mask).softmax(-1).to(c.dtype)  # (B, nh, T, S)
+    p = softmax(torch.einsum("bhtc,bsc->bhts", q_lat, c), torch.einsum("bthr,bsr->bhts", q_pe, k_pe), mask,
+                scale)  # (B, nh, T, S)
     o_lat = torch.einsum("bhts,bsc->bthc", p, c)  # (B, T, nh, kv_lora_rank)
     return torch.einsum("bthc,hvc->bthv", o_lat, w_v)
