@@ -1,6 +1,8 @@
 """The random-weight shapes behind `eaglet bench --shape` and the bytes its roofline divides by."""
 import dataclasses
 
+import pytest
+
 import torch
 
 from eaglet.models.llama import CausalLM
@@ -104,7 +106,8 @@ def test_bench_shape_of_a_sliced_moe_shape(monkeypatch, tmp_path):
     """`eaglet bench --shape` on a tiny sliced MLA + MoE shape (the kimi-k2 kind, on the CPU): the
     forward curve with the distinct experts a layer touched and the bytes ratios; an untrained
     EAGLE-3 head's speculation (τ near 1, milliseconds a step); the slice's figures: one MoE layer's
-    cost from the slice timed again with one MoE layer, the 61-layer model's from it; a record."""
+    cost from the slice timed again with one MoE layer, the 61-layer model's from it; transformers'
+    model of the same tensors decoding beside it; a record."""
     import json
 
     from eaglet.cli import main
@@ -122,6 +125,7 @@ def test_bench_shape_of_a_sliced_moe_shape(monkeypatch, tmp_path):
                  "--repeats", "1", "--tree", "2,2,4", "--out", str(tmp_path)]) == 0
     rec = json.loads(next(tmp_path.glob("bench-shape-tiny-k2-cpu-*.json")).read_text())["results"]
     assert rec["experts"]["1"] == 8 and rec["experts"]["1"] < rec["experts"]["16"] <= 16
+    assert rec["decode"]["transformers"]["tok_s"] > 0 and rec["decode"]["eager"]["vs_transformers"] > 0
     assert rec["bytes_ratio"]["1"] == 1 and rec["bytes_ratio"]["16"] > 1
     spec = rec["speculation"]
     assert set(spec) == {"eagle3-chain3", "eagle3-tree2,2,4"}
@@ -130,3 +134,43 @@ def test_bench_shape_of_a_sliced_moe_shape(monkeypatch, tmp_path):
     for t in ("1", "64"):  # the whole model: base + 60 MoE layers at one layer's cost
         assert abs(sl["whole_ms"][t] - (sl["base_ms"][t] + 60 * sl["moe_layer_ms"][t])) < 1e-9
         assert abs(sl["base_ms"][t] + 3 * sl["moe_layer_ms"][t] - rec["forward_ms"]["eager"][t]) < 1e-9
+
+
+TINY = dict(hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
+            vocab_size=256)
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v2-lite", "kimi-k2"])
+@torch.inference_mode()
+def test_transformers_twin_holds_the_same_weights(monkeypatch, name):
+    """transformers' model of a random shape, given eaglet's tensors (no copy: the same storage),
+    computes eaglet's logits: the side-by-side baseline of `bench --shape` runs the same weights.
+    Tiny versions of the MoE shapes (MLA and DeepSeek-V3's routing included), routed as trained
+    models route (the benchmarks' spread off)."""
+    from eaglet.kvcache import KVCache
+    from eaglet.models.moe import SparseMoE
+    from eaglet.perf import shapes
+    from eaglet.perf.hf_twin import hf_twin
+
+    from .test_model_parity import eaglet_step
+
+    s = SHAPES[name]
+    width = TINY["intermediate_size"] if s.model_type == "mixtral" else 32  # Mixtral's experts: the MLP's width
+    tiny = dataclasses.replace(s, **TINY, moe=dataclasses.replace(s.moe, num_experts=16, expert_size=width,
+                                                                   n_group=min(s.moe.n_group, 4),
+                                                                   topk_group=min(s.moe.topk_group, 2)))
+    if s.mla is not None:
+        tiny = dataclasses.replace(tiny, head_dim=8, num_kv_heads=4, mla=dataclasses.replace(
+            s.mla, q_lora_rank=s.mla.q_lora_rank and 32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+            v_head_dim=8))
+    monkeypatch.setitem(shapes.SHAPES, "tiny", tiny)
+    model = shapes.random_model("tiny", "cpu", torch.float32)
+    for m in model.modules():
+        if isinstance(m, SparseMoE):
+            m.spread = False
+    hf = hf_twin(model)
+    assert hf.model.embed_tokens.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(0))
+    want = eaglet_step(model, KVCache.for_model(model.config, 1, 32, torch.float32, "cpu"), ids)
+    got = hf(ids).logits
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()

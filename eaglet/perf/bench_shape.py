@@ -2,8 +2,8 @@
 decode against the roofline (the bytes a step reads over the measured copy bandwidth: for MoE, the
 experts actually routed to), the cost of one forward over T = 1..256 tokens (a verify of T draft
 nodes) with the distinct experts a layer touched and the bytes ratio each forward would cost at a
-decode step's efficiency, and speculation with an untrained EAGLE-3 head (τ about 1: what a
-speculation step costs). A sliced shape (kimi-k2: its dense first layer and three MoE layers) is
+decode step's efficiency, speculation with an untrained EAGLE-3 head (τ about 1: what a
+speculation step costs), and transformers' own model of the same tensors decoding beside it. A sliced shape (kimi-k2: its dense first layer and three MoE layers) is
 also timed with one MoE layer only; the difference gives the cost of one MoE layer, and the whole
 model's figures follow from its layer count."""
 from __future__ import annotations
@@ -50,6 +50,22 @@ def speculation_costs(model, prompt: list[int], cfg, device, repeats: int, tree:
                      "ms_per_step": secs * 1e3 / max(m.drafts, 1), **r}
         gen.fresh()
     return out
+
+
+def transformers_decode(model, prompt: list[int], n_new: int, device, repeats: int) -> dict:
+    """transformers' own model holding the same tensors (perf/hf_twin.py), greedy `generate` of n_new
+    tokens after the prompt: its tok/s. It routes as its router says (the benchmark spread is
+    eaglet's only), which for a decode step reads the same k experts a layer."""
+    from .hf_twin import hf_twin
+
+    hf = hf_twin(model)
+    ids = torch.tensor([prompt], device=device)
+
+    @torch.inference_mode()
+    def run(_):
+        hf.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, pad_token_id=0)
+    r = run_systems({"transformers": run}, [prompt], device, repeats)["transformers"]
+    return {"tok_s": n_new / statistics.median(r["seconds"]), **r}
 
 
 def slice_figures(model, curve: dict, context: int, graphs: bool, layers: int) -> dict:
@@ -101,6 +117,10 @@ def run_shape_bench(args) -> dict:
                                                     experts=experts)
         if experts:
             results["experts"] = experts
+    results["decode"]["transformers"] = transformers_decode(model, prompt, args.max_new_tokens, device, args.repeats)
+    for mode in modes:
+        results["decode"][mode]["vs_transformers"] = (results["decode"][mode]["tok_s"]
+                                                      / results["decode"]["transformers"]["tok_s"])
     best_mode = "graphed" if "graphed" in modes else "eager"
     results["speculation"] = speculation_costs(model, prompt, cfg, device, args.repeats, args.tree,
                                                graphs=modes[best_mode])
@@ -113,6 +133,8 @@ def run_shape_bench(args) -> dict:
     results["bytes_ratio"] = bytes_ratios(model, ctx + args.max_new_tokens // 2, results.get("experts"))
     if results["roofline"]:
         for mode, d in results["decode"].items():
+            if mode == "transformers":
+                continue
             d["vs_roofline"] = d["tok_s"] / results["roofline"]["ceiling_tok_s"]
             d["vs_weights_ceiling"] = d["tok_s"] / results["roofline"]["weights_ceiling_tok_s"]
             results["forward_ms"][mode + "_vs_roofline_1tok"] = (
@@ -129,11 +151,12 @@ def run_shape_bench(args) -> dict:
 def print_shape(args, dtype, results: dict, modes: dict) -> None:
     print(f"shape {args.shape}, {str(dtype).split('.')[-1]}, batch 1, context {args.context}")
     for mode, d in results["decode"].items():
-        rf = results["roofline"]
+        rf = results["roofline"] if mode != "transformers" else None
         roof = (f"  ({d['vs_roofline']:.1%} of the {rf['ceiling_tok_s']:.0f} tok/s roofline; "
                 f"{d['vs_weights_ceiling']:.1%} of all weight bytes at that bandwidth, {rf['weights_ceiling_tok_s']:.0f})"
                 if rf else "")
-        print(f"plain decode, {mode:<8}{d['tok_s']:8.1f} tok/s{roof}")
+        vs = f", {d['vs_transformers']:.2f}x transformers" if "vs_transformers" in d else ""
+        print(f"plain decode, {mode:<12}{d['tok_s']:8.1f} tok/s{vs}{roof}")
     moe = "experts" in results
     sliced = results.get("slice")
     print(f"{'tokens':>8}" + "".join(f"{m + ' ms':>14}" for m in modes) + f"{'x decode':>10}"
