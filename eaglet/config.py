@@ -84,6 +84,7 @@ class MoEConfig:
     scaling: float = 1.0  # routed_scaling_factor
     shared_experts: int = 0  # n_shared_experts: one dense MLP of shared_experts x expert_size beside
     router_fp32: bool = False  # the router's logits in float32 whatever the model's dtype (DeepSeek)
+    stored: tuple[str, int] | None = None  # routed experts kept quantized: ("int4", group) or ("fp8", block)
 
     def sparse(self, layer: int) -> bool:
         return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0

@@ -111,3 +111,36 @@ def test_bad_quantized_checkpoints_are_refused_by_name(tiny_dirs, tmp_path):
     save_file(state, str(d / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="is missing"):
         load_model(d, dtype="float32", device="cpu", tokenizer=False)
+
+
+@pytest.mark.parametrize("method", ["fp8", "int4"])
+@torch.inference_mode()
+def test_quantized_experts_stay_stored_for_the_fused_kernels(tiny_dirs, tmp_path, method):
+    """With the fused MoE kernels (Triton's interpreter here), a quantized checkpoint's routed experts
+    stay as stored (INT4 packs, FP8 blocks) and the kernels read them so: a prefill of 9 tokens, one
+    of 70 (64 tokens at a time) and a decode step give the logits of the same checkpoint dequantized
+    at load."""
+    import dataclasses
+
+    from eaglet.kernels import EAGER
+    from eaglet.kvcache import KVCache
+    from eaglet.models.fused_moe import Fp8Block, Int4
+    from eaglet.models.moe import SparseMoE
+
+    from .test_model_parity import eaglet_step
+
+    write_quantized(tiny_dirs["qwen3_moe"][0], tmp_path / method, method)
+    plain = load_model(tmp_path / method, dtype="float32", device="cpu", tokenizer=False).model
+    kept = load_model(tmp_path / method, dtype="float32", device="cpu", tokenizer=False,
+                      kernels=dataclasses.replace(EAGER, moe=True)).model
+    layer = next(m for m in kept.modules() if isinstance(m, SparseMoE))
+    assert isinstance(layer.stacks()[0], Fp8Block if method == "fp8" else Int4)
+    assert kept.config.moe.stored == (("fp8", 8) if method == "fp8" else ("int4", 32))
+    assert plain.config.moe.stored is None  # no kernels: dequantized as before
+    g = torch.Generator().manual_seed(0)
+    for t in (9, 70):
+        caches = [KVCache.for_model(m.config, 1, 128, torch.float32, "cpu") for m in (plain, kept)]
+        for n in (t, 1):
+            ids = torch.randint(0, 128, (1, n), generator=g)
+            a, b = (eaglet_step(m, c, ids) for m, c in zip((plain, kept), caches))
+            assert (a - b).abs().max() <= 1e-5 * a.abs().max(), (t, n)

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..kernels import EAGER, Kernels
-from . import fused_moe, gemv, moe_route
+from . import fused_moe, gemv, moe_route, moe_stored
 from .linear import Linear
 
 # model_type -> (the feed-forward module's name in a layer, an expert's gate / up / down names)
@@ -43,13 +43,16 @@ class Expert(nn.Module):
     every token) is fused for inference: gate and up one weight, and for a few rows one GEMV kernel
     with the SiLU·mul (models/gemv.py), as the dense MLP."""
 
-    def __init__(self, hidden: int, width: int, names: tuple[str, str, str], kernels: Kernels = EAGER):
+    def __init__(self, hidden: int, width: int, names: tuple[str, str, str], kernels: Kernels = EAGER,
+                 stored: tuple[str, int] | None = None):
         super().__init__()
         self.names, self.kernels = names, kernels
         gate, up, down = names
-        setattr(self, gate, Linear(hidden, width, bias=False, kernels=kernels))
-        setattr(self, up, Linear(hidden, width, bias=False, kernels=kernels))
-        setattr(self, down, Linear(width, hidden, bias=False, kernels=kernels))
+        make = (lambda i, o: moe_stored.StoredLinear(i, o, stored)) if stored else \
+            (lambda i, o: Linear(i, o, bias=False, kernels=kernels))  # routed experts kept as a release stores them
+        setattr(self, gate, make(hidden, width))
+        setattr(self, up, make(hidden, width))
+        setattr(self, down, make(width, hidden))
         self.fused = False
 
     def linears(self) -> tuple[Linear, Linear, Linear]:
@@ -92,7 +95,7 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
         names = NAMES[config.model_type][1]
         self.gate = Router(config.hidden_size, moe.num_experts, moe.score_bias)
-        self.experts = nn.ModuleList(Expert(config.hidden_size, moe.expert_size, names, kernels)
+        self.experts = nn.ModuleList(Expert(config.hidden_size, moe.expert_size, names, kernels, moe.stored)
                                      for _ in range(moe.num_experts))
         if moe.shared_experts:  # always on, beside the routed ones (DeepSeek)
             self.shared_experts = Expert(config.hidden_size, moe.expert_size * moe.shared_experts, names, kernels)
@@ -112,6 +115,17 @@ class SparseMoE(nn.Module):
 
     def fuse(self) -> None:
         """The experts' weights as two stacks, each expert's parameters views of them."""
+        if self.cfg.stored:
+            self.stored_stacks = moe_stored.stack(self.experts, self.cfg.stored)
+        else:
+            self.fuse_dense()
+        if self.cfg.shared_experts:
+            self.shared_experts.fuse()
+        if self.cfg.router_fp32:  # once, not a float32 copy of the router every forward
+            self.register_buffer("router32", self.gate.weight.data.float(), persistent=False)
+        self.fused = True
+
+    def fuse_dense(self) -> None:
         gate_up = torch.stack([torch.cat([e.linears()[0].weight.data, e.linears()[1].weight.data])
                                for e in self.experts])  # (E, 2I, H)
         down = torch.stack([e.linears()[2].weight.data for e in self.experts])  # (E, H, I)
@@ -121,11 +135,6 @@ class SparseMoE(nn.Module):
             g.weight.data, u.weight.data, d.weight.data = gate_up[i, :width], gate_up[i, width:], down[i]
         self.register_buffer("gate_up", gate_up, persistent=False)
         self.register_buffer("down", down, persistent=False)
-        if self.cfg.shared_experts:
-            self.shared_experts.fuse()
-        if self.cfg.router_fp32:  # once, not a float32 copy of the router every forward
-            self.register_buffer("router32", self.gate.weight.data.float(), persistent=False)
-        self.fused = True
 
     def route(self, x: torch.Tensor, kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """x (N, H) -> each token's expert weights (N, k) float32 and experts (N, k): the router's
@@ -167,19 +176,26 @@ class SparseMoE(nn.Module):
         if fast:  # the shared experts' output added in the kernels' final sum
             return fused_moe.fused_moe(x, experts, weights, gate_up, down, counts=(self.touched, self.forwards),
                                        add=shared).reshape(shape)
+        self.count(experts)
+        if self.cfg.stored:  # quantized experts, many tokens: the fused kernels, MAX_TOKENS at a time
+            m = fused_moe.MAX_TOKENS
+            out = torch.cat([fused_moe.fused_moe(x[i:i + m], experts[i:i + m], weights[i:i + m], gate_up, down)
+                             for i in range(0, x.shape[0], m)])
+        elif experts.numel() <= 2 * self.num_experts:  # few tokens: gathered, static shapes
+            out = gathered(x, experts, weights, gate_up, down)
+        elif has_grouped_mm(x):
+            out = grouped(x, experts, weights, gate_up, down)
         else:
-            self.count(experts)
-            if experts.numel() <= 2 * self.num_experts:  # few tokens: gathered, static shapes
-                out = gathered(x, experts, weights, gate_up, down)
-            elif has_grouped_mm(x):
-                out = grouped(x, experts, weights, gate_up, down)
-            else:
-                out = by_expert(x, experts, weights, gate_up, down)
+            out = by_expert(x, experts, weights, gate_up, down)
         if shared is not None:
             out = out + shared
         return out.reshape(shape)
 
-    def stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def stacks(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[fused_moe.Stack, fused_moe.Stack]:
+        if self.cfg.stored:
+            if not self.fused:
+                raise RuntimeError("quantized experts are read only by the fused kernels of a fused model")
+            return self.stored_stacks
         if self.fused:
             return self.gate_up, self.down
         # unfused (training, tests on the modules as loaded): stacked on the fly
@@ -195,6 +211,9 @@ class SparseMoE(nn.Module):
         self.reset_counts()
         if self.cfg.score_bias:
             self.gate.e_score_correction_bias.zero_()
+        for m in self.experts.modules():
+            if isinstance(m, moe_stored.StoredLinear):
+                m.reset_dtypes()
 
     def count(self, experts: torch.Tensor) -> None:
         """Add this forward's distinct experts to `touched` (device, no host sync)."""

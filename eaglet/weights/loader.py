@@ -3,10 +3,13 @@
 The model is built on the meta device, materialised on the target device and dtype, and filled
 from a stream of (name, tensor) pairs: a name the model does not have, a missing parameter or a
 shape mismatch is a ModelLoadError naming the tensor. Quantized checkpoints (FP8 blocks,
-compressed-tensors INT4 packs) are dequantized on the way in (quant.py).
+compressed-tensors INT4 packs) are dequantized on the way in (quant.py), except an MoE model's
+routed experts where the device runs the fused MoE kernels: those stay as stored and the kernels
+read them so (models/moe_stored.py).
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +20,7 @@ from ..config import ModelConfig, text_config
 from ..default_model import default_model_path
 from ..errors import ModelLoadError
 from ..kernels import Kernels
+from ..models import moe_stored
 from ..models.llama import CausalLM, compile_elementwise
 from ..tokenizer import Tokenizer
 from . import quant, safetensors_dir
@@ -118,11 +122,17 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype | None =
     hf = safetensors_dir.read_config(weights_dir)
     config = ModelConfig.from_hf(hf)
     quantized = hf.get("quantization_config") or text_config(hf).get("quantization_config")
-    quant.scheme(quantized)  # an unsupported one refused before the model is built
+    method = quant.scheme(quantized)  # an unsupported one refused before the model is built
+    kernels = Kernels.choose(dev) if kernels is None else kernels
+    keep = None
+    if method and config.moe is not None and kernels.moe and (stored := moe_stored.storable(*method)):
+        # routed experts stay as stored: the fused kernels read them packed (a quarter or half the bytes)
+        config = config.replace(moe=dataclasses.replace(config.moe, stored=stored))
+        keep = lambda name: moe_stored.ROUTED.search(name) is not None  # noqa: E731
     pairs = safetensors_dir.iter_tensors(weights_dir)
     if isinstance(hf.get("text_config"), dict) and hf.get("model_type") != config.model_type:  # a wrapper
         pairs = safetensors_dir.text_tensors(pairs)
-    pairs = quant.dequantized(pairs, quantized)
+    pairs = quant.dequantized(pairs, quantized, keep)
     model = build_model(config, pairs, dev, dt, source=str(path), kernels=kernels)
     tok = Tokenizer.from_dir(weights_dir, config) if tokenizer else None
     return LoadedModel(model=model, tokenizer=tok, config=config, path=path, weights_dir=weights_dir)

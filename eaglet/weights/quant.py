@@ -16,7 +16,7 @@ naming it.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -56,8 +56,11 @@ def scheme(quant: dict | None) -> tuple[str, dict] | None:
                          f"weight_block_size, compressed-tensors pack-quantized)")
 
 
-def dequantized(pairs: Iterable[tuple[str, torch.Tensor]], quant: dict | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs with every quantized weight replaced by its float32 dequantization."""
+def dequantized(pairs: Iterable[tuple[str, torch.Tensor]], quant: dict | None,
+                keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs with every quantized weight replaced by its float32 dequantization, except
+    those whose names `keep` accepts: their parts pass as stored (routed experts the fused kernels
+    read packed)."""
     s = scheme(quant)
     if s is None:
         yield from pairs
@@ -67,7 +70,8 @@ def dequantized(pairs: Iterable[tuple[str, torch.Tensor]], quant: dict | None) -
     held: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in pairs:
         base, _, part = name.rpartition(".")
-        if part not in parts or (method == "fp8" and part == "weight" and t.dtype != torch.float8_e4m3fn):
+        if (part not in parts or (method == "fp8" and part == "weight" and t.dtype != torch.float8_e4m3fn)
+                or (keep is not None and keep(name))):
             yield name, t
             continue
         got = held.setdefault(base, {})
