@@ -144,3 +144,32 @@ def test_quantized_experts_stay_stored_for_the_fused_kernels(tiny_dirs, tmp_path
             ids = torch.randint(0, 128, (1, n), generator=g)
             a, b = (eaglet_step(m, c, ids) for m, c in zip((plain, kept), caches))
             assert (a - b).abs().max() <= 1e-5 * a.abs().max(), (t, n)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method", ["fp8", "int4"])
+@torch.inference_mode()
+def test_quantized_experts_stay_stored_on_the_gpu(tiny_dirs, tmp_path, method):
+    """On the GPU in bfloat16 the fused kernels read the stored experts (chosen by default there) and
+    give the logits of the dequantized load (the kernels off) to bfloat16's rounding."""
+    from eaglet.kernels import Kernels
+    from eaglet.kvcache import KVCache
+    from eaglet.models.attention import AttnMeta
+    from eaglet.models.moe import SparseMoE
+    from eaglet.weights.loader import load_model as load
+
+    write_quantized(tiny_dirs["qwen3_moe"][0], tmp_path / method, method)
+    kept = load(tmp_path / method, dtype="bfloat16", device="cuda", tokenizer=False).model
+    plain = load(tmp_path / method, dtype="bfloat16", device="cuda", tokenizer=False,
+                 kernels=Kernels.choose("cuda", disable=("moe",))).model
+    assert kept.config.moe.stored and plain.config.moe.stored is None
+    assert any(isinstance(m, SparseMoE) for m in kept.modules())
+    ids = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(0)).cuda()
+
+    def logits(m):
+        cache = KVCache.for_model(m.config, 1, 128, torch.bfloat16, "cuda")
+        pos = torch.arange(70, device="cuda")[None]
+        hidden, _ = m(ids, pos, cache, AttnMeta.build(cache.lens, pos, 70))
+        return m.logits(hidden).float()
+    a, b = logits(plain), logits(kept)
+    assert (a - b).abs().max() <= 0.03 * a.abs().max()

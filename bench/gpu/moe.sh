@@ -16,7 +16,7 @@ case $phase in
     python3 -m eaglet bench-moe --shape ${SHAPES:-kimi-k2 qwen3-30b-a3b} ${TUNE:+--tune} --tiles-out "$out/moe_tiles.json" \
       --paths ${PATHS_:-fused grouped gathered} --quant ${QUANT:-bf16} --out "$out" 2>&1 | tee "$out/bench-moe.log" ;;
   test)
-    python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_moe.py -k "moe_graphed or gpu" 2>&1 | tee "$out/moe-test.log" ;;
+    python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_moe.py tests/test_quant.py -k "moe_graphed or gpu" 2>&1 | tee "$out/moe-test.log" ;;
   shapes)
     for s in ${SHAPES:-qwen3-30b-a3b deepseek-v2-lite mixtral-8x7b kimi-k2}; do
       python3 -m eaglet bench --shape $s --context 512 --max-new-tokens 128 --repeats 3 --out "$out" 2>&1 | tee -a "$out/bench-shape.log"
