@@ -3,9 +3,10 @@ decode against the roofline (the bytes a step reads over the measured copy bandw
 experts actually routed to), the cost of one forward over T = 1..256 tokens (a verify of T draft
 nodes) with the distinct experts a layer touched and the bytes ratio each forward would cost at a
 decode step's efficiency, speculation with an untrained EAGLE-3 head (τ about 1: what a
-speculation step costs), and transformers' own model of the same tensors decoding beside it. A sliced shape (kimi-k2: its dense first layer and three MoE layers) is
-also timed with one MoE layer only; the difference gives the cost of one MoE layer, and the whole
-model's figures follow from its layer count."""
+speculation step costs; its tokens checked against plain decoding's and graphed against eager),
+and transformers' own model of the same tensors decoding beside it. A sliced shape (kimi-k2: its
+dense first layer and three MoE layers) is also timed with one MoE layer only; the difference
+gives the cost of one MoE layer, and the whole model's figures follow from its layer count."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,10 +27,12 @@ def bytes_ratios(model, context: int, experts: dict | None) -> dict[str, float]:
     return {str(t): decode_bytes(model, context, t, experts[str(t)] if experts else None) / one for t in CURVE_TOKENS}
 
 
-def speculation_costs(model, prompt: list[int], cfg, device, repeats: int, tree: str, graphs: bool) -> dict:
+def speculation_costs(model, prompt: list[int], cfg, device, repeats: int, tree: str, graphs: bool,
+                      plain: list[int] | None = None) -> dict:
     """EAGLE-3 chain 3 and the tree `tree` with an untrained head of the target's shape: tok/s, τ
     and milliseconds a speculation step (draft, verify, accept), the prompt generated `repeats`
-    times after a warm-up."""
+    times after a warm-up; whether its tokens equal plain decoding's (`plain`) and, graphed, the
+    same setting's eager run."""
     from ..config import SpecConfig
     from ..generate import Generator
     from ..spec.speculator import Speculator
@@ -43,12 +46,18 @@ def speculation_costs(model, prompt: list[int], cfg, device, repeats: int, tree:
     for name, spec in settings.items():
         gen = Generator(model, None, Speculator(spec, head=head), graphs=graphs)
         seen = []
-        r = run_systems({name: lambda ids, gen=gen: seen.append(gen.generate([ids], cfg)[0].spec)},
+        r = run_systems({name: lambda ids, gen=gen: seen.append(gen.generate([ids], cfg)[0])},
                         [prompt], device, repeats)[name]
-        secs, m = statistics.median(r["seconds"]), seen[-1]
+        secs, m = statistics.median(r["seconds"]), seen[-1].spec
         out[name] = {"tok_s": cfg.max_new_tokens / secs, "accept_length": m.accept_length, "steps": m.drafts,
                      "ms_per_step": secs * 1e3 / max(m.drafts, 1), **r}
+        if plain is not None:
+            out[name]["equals_plain"] = seen[-1].tokens == plain
         gen.fresh()
+        if graphs:
+            eager = Generator(model, None, Speculator(spec, head=head), graphs=False)
+            out[name]["graphed_equals_eager"] = eager.generate([prompt], cfg)[0].tokens == seen[-1].tokens
+            eager.fresh()
     return out
 
 
@@ -107,9 +116,12 @@ def run_shape_bench(args) -> dict:
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     results: dict = {"shape": args.shape, "context": ctx, "decode": {}, "forward_ms": {}}
     modes = {"eager": False} if device.type != "cuda" or args.eager else {"eager": False, "graphed": True}
+    plain_tokens: dict = {}
     for mode, graphs in modes.items():
         gen = Generator(model, None, graphs=graphs)
-        r = run_systems({mode: lambda ids, gen=gen: gen.generate([ids], cfg)}, [prompt], device, args.repeats)[mode]
+        def run(ids, gen=gen, mode=mode):
+            plain_tokens[mode] = gen.generate([ids], cfg)[0].tokens
+        r = run_systems({mode: run}, [prompt], device, args.repeats)[mode]
         results["decode"][mode] = {"tok_s": args.max_new_tokens / statistics.median(r["seconds"]), **r}
         gen.fresh()  # free its cache before the curve allocates one
         experts: dict = {}
@@ -122,8 +134,10 @@ def run_shape_bench(args) -> dict:
         results["decode"][mode]["vs_transformers"] = (results["decode"][mode]["tok_s"]
                                                       / results["decode"]["transformers"]["tok_s"])
     best_mode = "graphed" if "graphed" in modes else "eager"
+    if "graphed" in modes:
+        results["decode"]["graphed"]["equals_eager"] = plain_tokens["graphed"] == plain_tokens["eager"]
     results["speculation"] = speculation_costs(model, prompt, cfg, device, args.repeats, args.tree,
-                                               graphs=modes[best_mode])
+                                               graphs=modes[best_mode], plain=plain_tokens[best_mode])
     if args.shape in SLICES:
         results["slice"] = slice_figures(model, results["forward_ms"][best_mode], ctx + args.max_new_tokens // 2,
                                          modes[best_mode], SLICES[args.shape])
@@ -170,5 +184,6 @@ def print_shape(args, dtype, results: dict, modes: dict) -> None:
     if sliced:
         print(f"the whole model ({sliced['layers']} layers) from the slice: {sliced['whole_decode_tok_s']:.1f} tok/s")
     for name, r in results["speculation"].items():
+        checks = "".join(f", {k.replace('_', ' ')}: {r[k]}" for k in ("equals_plain", "graphed_equals_eager") if k in r)
         print(f"{name} (untrained head): {r['tok_s']:.1f} tok/s, τ {r['accept_length']:.2f}, "
-              f"{r['ms_per_step']:.3f} ms a step")
+              f"{r['ms_per_step']:.3f} ms a step{checks}")
