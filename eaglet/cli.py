@@ -13,6 +13,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .args import add_model_args, add_sampling_args, add_spec_args, model_kernels, spec_config
+from .dist.commands import add_env_parser, cmd_env
 from .errors import EagletError, InvalidInput
 from .perf.bench_moe import add_parser as add_bench_moe_parser
 from .perf.bench_moe import cmd_bench_moe
@@ -118,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--json", action="store_true")
     add_serve_parsers(sub)
     add_bench_moe_parser(sub)
+    add_env_parser(sub)
     return parser
 
 
@@ -242,7 +244,7 @@ def cmd_compare(args) -> int:
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "data": cmd_data, "train-draft": cmd_train_draft,
             "eval-draft": cmd_eval_draft, "plan": cmd_plan, "compare": cmd_compare,
             "profile": cmd_profile, "serve": cmd_serve, "bench-serve": cmd_bench_serve,
-            "bench-moe": cmd_bench_moe}
+            "bench-moe": cmd_bench_moe, "env": cmd_env}
 
 
 def main(argv: list[str] | None = None) -> int:

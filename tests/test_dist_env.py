@@ -1,0 +1,83 @@
+"""The proof that NCCL settings reach every worker (eaglet/dist): workers apply `--nccl-env` before
+their communicator exists and report the environment at its creation; a setting applied only
+afterwards (the trap of the case eaglet starts from) is reported as not in effect; NCCL's debug
+lines are parsed for what it read and the transports it chose. On CPUs with gloo here."""
+import json
+
+import pytest
+
+from eaglet.cli import main
+from eaglet.dist.nccl import NcclLog, RankReport, check, parse_env_args, parse_log, table
+from eaglet.dist.workers import env_reports
+from eaglet.errors import InvalidInput
+
+# lines as NCCL 2.2x writes them with NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,ENV
+LOG = """\
+h200:4685:4685 [0] NCCL INFO Bootstrap : Using eth0:172.21.0.2<0>
+h200:4685:4685 [0] NCCL INFO NCCL_PROTO set by environment to LL
+h200:4685:4685 [0] NCCL INFO NCCL_ALGO set by environment to Ring
+NCCL version 2.27.3+cuda12.9
+h200:4685:4702 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/IPC/read
+h200:4685:4702 [0] NCCL INFO Channel 01/0 : 0[0] -> 1[1] via P2P/IPC/read
+h200:4685:4702 [0] NCCL INFO Channel 00/0 : 1[1] -> 0[0] [send] via NET/Socket/3
+h200:4685:4702 [0] NCCL INFO comm 0x5a0ca40 rank 0 nranks 2 cudaDev 0 nvmlDev 0 busId 18000 - Init COMPLETE
+"""
+
+
+def test_nccl_debug_lines_parse():
+    log = parse_log(LOG)
+    assert log.version == "2.27.3+cuda12.9"
+    assert log.settings == {"NCCL_PROTO": "LL", "NCCL_ALGO": "Ring"}
+    assert log.transports == {"0->1": "P2P", "1->0": "NET"}
+
+
+def test_nccl_env_arguments():
+    assert parse_env_args(["NCCL_PROTO=LL", "TORCH_NCCL_BLOCKING_WAIT=1"]) == {
+        "NCCL_PROTO": "LL", "TORCH_NCCL_BLOCKING_WAIT": "1"}
+    for bad, said in (("NCCL_PROTO", "expected KEY=VALUE"), ("CUDA_VISIBLE_DEVICES=0", "not an NCCL setting")):
+        with pytest.raises(InvalidInput, match=said):
+            parse_env_args([bad])
+
+
+def test_settings_reach_every_worker_at_communicator_creation():
+    """Two gloo workers: the requested setting in each one's environment when its communicator was
+    created, nothing to report."""
+    reports = env_reports(2, "cpu", {"NCCL_PROTO": "LL"})
+    assert [r.rank for r in reports] == [0, 1]
+    assert all(r.env_at_creation["NCCL_PROTO"] == "LL" and r.backend == "gloo" for r in reports)
+    assert check({"NCCL_PROTO": "LL"}, reports) == []
+
+
+def test_a_setting_applied_after_the_communicator_is_not_in_effect():
+    """The trap: a value put into each worker's environment only after its communicator exists is
+    there when asked afterwards (as /proc or a late print would show) but was not when NCCL read
+    its settings; eaglet names it, rank by rank."""
+    reports = env_reports(2, "cpu", {}, late={"NCCL_ALGO": "Ring"})
+    assert all(r.env_now["NCCL_ALGO"] == "Ring" and "NCCL_ALGO" not in r.env_at_creation for r in reports)
+    errors = check({"NCCL_ALGO": "Ring"}, reports)
+    assert len(errors) == 2 and all("set only afterwards: not in effect" in e for e in errors)
+    assert "rank 0" in errors[0] and "rank 1" in errors[1]
+
+
+def test_ranks_that_disagree_or_nccl_that_did_not_read_a_setting():
+    a = RankReport(0, "nccl", {"NCCL_PROTO": "LL", "NCCL_ALGO": "Ring"}, {}, "2.27.3", parse_log(LOG))
+    b = RankReport(1, "nccl", {"NCCL_PROTO": "LL", "NCCL_ALGO": "Tree"}, {}, "2.27.3", NcclLog(settings={"NCCL_PROTO": "LL"}))
+    errors = check({"NCCL_PROTO": "LL"}, [a, b])
+    assert errors == ["ranks disagree on NCCL_ALGO: rank 0: Ring, rank 1: Tree"]
+    errors = check({"NCCL_ALGO": "Ring"}, [a, b])
+    assert any("rank 1 had NCCL_ALGO=Tree" in e for e in errors)
+    c = RankReport(1, "nccl", {"NCCL_PROTO": "LL"}, {}, "2.27.3", NcclLog())
+    assert check({"NCCL_PROTO": "LL"}, [c]) == [
+        "NCCL_PROTO=LL requested, but NCCL on rank 1 did not report reading it (its log: nothing)"]
+    text = table([a, b])
+    assert "LL (NCCL: LL)" in text and "transport 0->1" in text and "P2P" in text
+
+
+def test_eaglet_env_command(capsys):
+    assert main(["env", "--json"]) == 0
+    assert "torch" in json.dumps(json.loads(capsys.readouterr().out))
+    assert main(["env", "--tp", "2", "--device", "cpu", "--nccl-env", "NCCL_PROTO=LL", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["errors"] == [] and [r["env_at_creation"]["NCCL_PROTO"] for r in out["ranks"]] == ["LL", "LL"]
+    assert main(["env", "--tp", "2", "--device", "cpu", "--nccl-env", "PROTO=LL"]) == 1
+    assert "not an NCCL setting" in capsys.readouterr().err
