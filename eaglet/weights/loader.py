@@ -105,9 +105,11 @@ def build_model(config: ModelConfig, pairs, device: torch.device, dtype: torch.d
 
 def load_model(path: str | Path | None = None, dtype: str | torch.dtype | None = None,
                device: str | torch.device | None = None, tokenizer: bool = True,
-               kernels: Kernels | None = None) -> LoadedModel:
+               kernels: Kernels | None = None, tp=None) -> LoadedModel:
     """Load a Llama-family model from a HF directory or a GGUF file (None: the embedded default),
-    running `kernels` (eaglet/kernels.py; default: the best the device has)."""
+    running `kernels` (eaglet/kernels.py; default: the best the device has). With `tp` (dist/tp.py's
+    TP: this rank of several), this rank's slice of a tensor-parallel model, its outputs summed over
+    the ranks of the default process group."""
     path = Path(path) if path is not None else default_model_path()
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist")
@@ -133,6 +135,13 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype | None =
     if isinstance(hf.get("text_config"), dict) and hf.get("model_type") != config.model_type:  # a wrapper
         pairs = safetensors_dir.text_tensors(pairs)
     pairs = quant.dequantized(pairs, quantized, keep)
+    if tp is not None and tp.world > 1:
+        from ..dist import tp as tensor_parallel
+
+        pairs = tensor_parallel.shard_pairs(pairs, config, tp)
+        config = tensor_parallel.local_config(config, tp)
     model = build_model(config, pairs, dev, dt, source=str(path), kernels=kernels)
+    if tp is not None and tp.world > 1:
+        tensor_parallel.all_reduce_outputs(model)
     tok = Tokenizer.from_dir(weights_dir, config) if tokenizer else None
     return LoadedModel(model=model, tokenizer=tok, config=config, path=path, weights_dir=weights_dir)

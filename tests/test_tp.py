@@ -1,0 +1,48 @@
+"""Tensor parallelism (eaglet/dist/tp.py) on CPUs with gloo: each rank holds a slice of every
+layer's heads and MLP width, and the ranks' logits equal the whole model's."""
+import pytest
+import torch
+
+from eaglet.dist.tp import TP, check, kv_heads, local_config
+from eaglet.dist.workers import run
+from eaglet.errors import InvalidInput
+
+
+def tp_logits(tp: TP, path: str) -> torch.Tensor:
+    """A prefill of 7 tokens and two decode steps on this rank's slice of the model at `path`."""
+    from eaglet.kvcache import KVCache
+    from eaglet.weights import load_model
+
+    from tests.test_model_parity import eaglet_step
+
+    model = load_model(path, dtype="float32", device="cpu", tokenizer=False, tp=tp).model
+    cache = KVCache.for_model(model.config, 2, 32, torch.float32, "cpu")
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        return torch.cat([eaglet_step(model, cache, ids[:, :7]), eaglet_step(model, cache, ids[:, 7:8]),
+                          eaglet_step(model, cache, ids[:, 8:9])], 1)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_logits_equal_the_whole_model(tiny_dirs, family, world):
+    path = str(tiny_dirs[family][0])
+    want = tp_logits(TP(0, 1), path)
+    got = run(tp_logits, world, "cpu", (path,))
+    for rank, logits in enumerate(got):
+        assert (logits - want).abs().max() <= 1e-5 * want.abs().max(), rank
+
+
+def test_kv_heads_split_or_replicate_and_bad_splits_are_refused(tiny_dirs):
+    from eaglet.config import ModelConfig
+
+    c = ModelConfig.from_file(tiny_dirs["llama3"][0] / "config.json")
+    assert (c.num_heads, c.num_kv_heads) == (4, 2)
+    assert [kv_heads(c, TP(r, 2)) for r in range(2)] == [(0, 1), (1, 1)]
+    assert [kv_heads(c, TP(r, 4)) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    assert local_config(c, TP(1, 4)).num_heads == 1
+    with pytest.raises(InvalidInput, match="attention heads"):
+        check(c, 3)
+    moe = ModelConfig.from_file(tiny_dirs["qwen3_moe"][0] / "config.json")
+    with pytest.raises(InvalidInput, match="MoE and MLA"):
+        check(moe, 2)
