@@ -46,3 +46,42 @@ def test_kv_heads_split_or_replicate_and_bad_splits_are_refused(tiny_dirs):
     moe = ModelConfig.from_file(tiny_dirs["qwen3_moe"][0] / "config.json")
     with pytest.raises(InvalidInput, match="MoE and MLA"):
         check(moe, 2)
+
+
+def tp_generate(tp: TP, path: str, head_dir: str) -> dict[str, list[list[int]]]:
+    """Greedy replies of this rank's slice of the model at `path`, plain and speculating: n-gram, the
+    model itself as a whole (unsharded) draft model (every draft accepted), and a random EAGLE-3
+    tree head; every rank runs the same loop."""
+    from pathlib import Path
+
+    from eaglet.config import SpecConfig
+    from eaglet.generate import GenerationConfig, Generator
+    from eaglet.spec.speculator import load_speculator
+    from eaglet.weights import load_model
+
+    model = load_model(path, dtype="float32", device="cpu", tokenizer=False, tp=tp).model
+    prompts = [[5 + i, 17, 33, 2 * i + 40, 9, 5 + i, 17] for i in range(3)]
+    cfg = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    settings = {"plain": None, "ngram": SpecConfig("ngram", steps=3), "draft": SpecConfig("draft", path, steps=3),
+                "eagle3-tree": SpecConfig("eagle3", head_dir, steps=3, topk=2, draft_tokens=6)}
+    out = {}
+    with torch.inference_mode():
+        for name, spec in settings.items():
+            sp = load_speculator(spec, model, Path(path)) if spec else None
+            out[name] = [c.tokens for c in Generator(model, None, sp).generate(prompts, cfg)]
+    return out
+
+
+def test_speculative_greedy_equals_plain_under_tensor_parallelism(tiny_dirs, tmp_path):
+    from eaglet.spec.drafters.eagle3_ckpt import save_eagle3
+    from eaglet.weights import load_model
+
+    from .test_spec_greedy import random_head
+
+    path = str(tiny_dirs["llama3"][0])
+    whole = load_model(path, dtype="float32", device="cpu", tokenizer=False).model
+    save_eagle3(random_head(whole.config), tmp_path / "head", dtype=torch.float32)
+    want = tp_generate(TP(0, 1), path, str(tmp_path / "head"))["plain"]
+    for rank, got in enumerate(run(tp_generate, 2, "cpu", (path, str(tmp_path / "head")))):
+        for name, replies in got.items():
+            assert replies == want, (rank, name)
