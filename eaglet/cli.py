@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compare-plain", action="store_true",
                    help="afterwards, run plain decoding on the same prompt and print the speedup")
     g.add_argument("--eager", action="store_true", help="no CUDA graphs (they are used on the GPU by default)")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: one worker a GPU (gloo workers with "
+                                                    "--device cpu); dense models")
+    g.add_argument("--nccl-env", nargs="+", metavar="KEY=VALUE",
+                   help="NCCL settings applied in every worker before its communicator exists (see `eaglet env`)")
     add_model_args(g)
     add_sampling_args(g)
     add_spec_args(g)
@@ -124,6 +128,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args) -> int:
+    if args.tp > 1:  # one worker a GPU (gloo on CPUs); rank 0 prints, the others follow
+        import torch
+
+        from .dist.nccl import parse_env_args
+        from .dist.workers import run
+
+        settings = parse_env_args(args.nccl_env)
+        spec_config(args, args.model)  # bad flags: one error here, not one a worker
+        device = "cuda" if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda") else "cpu"
+        if args.prompt == "-":
+            args.prompt = sys.stdin.read()
+        return run(generate_rank, args.tp, device, (args,), settings)[0]
+    return generate(args)
+
+
+def generate_rank(tp, args) -> int:
+    """`generate` on one rank of a tensor-parallel model (the workers of cmd_generate)."""
+    if tp.rank:
+        sys.stdout = sys.stderr = open(os.devnull, "w")
+    if args.device is None or args.device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            args.device = f"cuda:{tp.rank}"
+    return generate(args, tp)
+
+
+def generate(args, tp=None) -> int:
     from .generate import GenerationConfig, Generator
     from .sampling import SamplingParams
     from .weights import load_model
@@ -132,7 +164,7 @@ def cmd_generate(args) -> int:
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
                            sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed))
     spec = spec_config(args, args.model)  # flags are checked before the (slow) model load
-    loaded = load_model(args.model, args.dtype, args.device, kernels=model_kernels(args))
+    loaded = load_model(args.model, args.dtype, args.device, kernels=model_kernels(args), tp=tp)
     tok = loaded.tokenizer
     if tok is None:
         raise EagletError(f"{loaded.path}: the model directory has no tokenizer files")

@@ -85,3 +85,19 @@ def test_speculative_greedy_equals_plain_under_tensor_parallelism(tiny_dirs, tmp
     for rank, got in enumerate(run(tp_generate, 2, "cpu", (path, str(tmp_path / "head")))):
         for name, replies in got.items():
             assert replies == want, (rank, name)
+
+
+def test_generate_with_tensor_parallel_workers(capfd):
+    """`eaglet generate --tp 3` (SmolLM2's 9 heads, 3 KV heads: three ranks; gloo workers on the CPU)
+    prints what one process prints, once: rank 0 speaks, the others follow; bad flags fail before
+    any worker starts."""
+    from eaglet.cli import main
+
+    argv = ["generate", "The capital of France is", "--device", "cpu", "--max-new-tokens", "5", "--spec", "ngram"]
+    assert main(argv) == 0
+    one = capfd.readouterr().out
+    assert main(argv + ["--tp", "3"]) == 0
+    assert capfd.readouterr().out == one
+    assert main(argv + ["--tp", "2"]) == 1  # 9 heads do not split two ways: the worker's error, once
+    err = capfd.readouterr().err
+    assert err.count("do not split 2 ways") == 1
