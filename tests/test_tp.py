@@ -23,8 +23,7 @@ def tp_logits(tp: TP, path: str) -> torch.Tensor:
                           eaglet_step(model, cache, ids[:, 8:9])], 1)
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("family, world", [("llama3", 2), ("llama3", 4), ("qwen3", 2)])
 def test_tensor_parallel_logits_equal_the_whole_model(tiny_dirs, family, world):
     path = str(tiny_dirs[family][0])
     want = tp_logits(TP(0, 1), path)
