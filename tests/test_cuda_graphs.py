@@ -74,13 +74,8 @@ def test_seeded_sampling_graphed_equals_eager(tiny_dirs, spec):
     sp = Speculator(spec, draft_model=draft) if spec else None
     prompts = [[5 + i, 17, 33, 2 * i + 40, 9] for i in range(6)]
     cfg = GenerationConfig(max_new_tokens=48, ignore_eos=True, sampling=SamplingParams(0.9, top_p=0.95, seed=7))
-    out = {}
-    for graphs in (False, True):
-        gen = Generator(target, None, sp, graphs=graphs)
-        out[graphs] = [c.tokens for c in gen.generate(prompts, cfg)]
-        if graphs:
-            assert gen.decoder_in_use().graphs.captured > 0
-    assert out[True] == out[False]
+    eager, graphed = eager_and_graphed(target, sp, prompts, cfg)
+    assert graphed == eager
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
@@ -97,11 +92,16 @@ def test_moe_graphed_equals_eager(tiny_dirs, family, spec):
     draft = load_model(tiny_dirs["qwen3"][0], dtype="bfloat16", device="cuda", tokenizer=False).model
     sp = Speculator(spec, draft_model=draft) if spec else None
     prompts = [[5 + i, 17, 33, 2 * i + 40, 9, 11, 60 + i, 3, 21, 8, 90, 4][: 9 + i % 3] for i in range(6)]
-    cfg = GenerationConfig(max_new_tokens=48, ignore_eos=True)
-    out = {}
+    eager, graphed = eager_and_graphed(target, sp, prompts, GenerationConfig(max_new_tokens=48, ignore_eos=True))
+    assert graphed == eager
+
+
+def eager_and_graphed(target, sp, prompts, cfg) -> list[list[list[int]]]:
+    """The replies without CUDA graphs and with them (checked to have replayed graphs)."""
+    out = []
     for graphs in (False, True):
         gen = Generator(target, None, sp, graphs=graphs)
-        out[graphs] = [c.tokens for c in gen.generate(prompts, cfg)]
+        out.append([c.tokens for c in gen.generate(prompts, cfg)])
         if graphs:
             assert gen.decoder_in_use().graphs.captured > 0
-    assert out[True] == out[False]
+    return out

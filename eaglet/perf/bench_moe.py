@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import statistics
 from dataclasses import asdict, replace
 
 import torch
@@ -28,6 +27,7 @@ from ..errors import InvalidInput
 from ..models import fused_moe
 from ..models.fused_moe import Fp8Block, Int4, Tiles
 from ..models.moe import by_expert, gathered, grouped
+from . import curves
 from .shapes import SHAPES, copy_bandwidth
 
 PATHS = ("fused", "grouped", "gathered", "loop")
@@ -86,15 +86,7 @@ def time_ms(fn, repeats: int, graph: bool = True) -> float:
             fn()
         run = g.replay
     run()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return curves.time_ms(run, torch.device("cuda"), repeats)
 
 
 class Layer:
