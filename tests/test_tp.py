@@ -1,5 +1,5 @@
 """Tensor parallelism (eaglet/dist/tp.py) on CPUs with gloo: each rank holds a slice of every
-layer's heads and MLP width, and the ranks' logits equal the whole model's."""
+layer's heads (MLA's too) and MLP or expert width, and the ranks' logits equal the whole model's."""
 import pytest
 import torch
 
@@ -23,7 +23,8 @@ def tp_logits(tp: TP, path: str) -> torch.Tensor:
                           eaglet_step(model, cache, ids[:, 8:9])], 1)
 
 
-@pytest.mark.parametrize("family, world", [("llama3", 2), ("llama3", 4), ("qwen3", 2)])
+@pytest.mark.parametrize("family, world", [("llama3", 2), ("llama3", 4), ("qwen3", 2), ("qwen3_moe", 2),
+                                           ("mixtral", 2), ("deepseek_v3", 2)])
 def test_tensor_parallel_logits_equal_the_whole_model(tiny_dirs, family, world):
     path = str(tiny_dirs[family][0])
     want = tp_logits(TP(0, 1), path)
@@ -43,8 +44,9 @@ def test_kv_heads_split_or_replicate_and_bad_splits_are_refused(tiny_dirs):
     with pytest.raises(InvalidInput, match="attention heads"):
         check(c, 3)
     moe = ModelConfig.from_file(tiny_dirs["qwen3_moe"][0] / "config.json")
-    with pytest.raises(InvalidInput, match="MoE and MLA"):
-        check(moe, 2)
+    assert local_config(moe, TP(0, 2)).moe.expert_size == moe.moe.expert_size // 2
+    with pytest.raises(InvalidInput, match="expert width"):
+        check(moe.replace(moe=moe.moe.__class__(**{**moe.moe.__dict__, "expert_size": 33})), 2)
 
 
 def tp_generate(tp: TP, path: str, head_dir: str) -> dict[str, list[list[int]]]:
