@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="afterwards, run plain decoding on the same prompt and print the speedup")
     g.add_argument("--eager", action="store_true", help="no CUDA graphs (they are used on the GPU by default)")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: one worker a GPU (gloo workers with "
-                                                    "--device cpu); dense models")
+                                                    "--device cpu)")
     g.add_argument("--nccl-env", nargs="+", metavar="KEY=VALUE",
                    help="NCCL settings applied in every worker before its communicator exists (see `eaglet env`)")
     add_model_args(g)
