@@ -280,10 +280,9 @@ def test_routing_kernel_equals_the_torch_routing(moe):
 @torch.inference_mode()
 def test_fused_kernels_read_int4_packs(n):
     """Experts kept as compressed-tensors INT4 packs (eight values a int32, offset 8, a scale per 32
-    columns): the packs unpack as the loader's dequantization reads them, and the fused kernels,
-    unpacking tile by tile, equal the gathered path on the dequantized weights."""
+    columns): the fused kernels, unpacking tile by tile, equal the gathered path on the weights as the
+    loader dequantizes them."""
     from eaglet.models.fused_moe import Int4, fused_moe
-    from eaglet.weights.quant import unpack
 
     g = torch.Generator().manual_seed(n)
     e, k, h, i = 8, 3, 64, 32
@@ -291,8 +290,6 @@ def test_fused_kernels_read_int4_packs(n):
                    torch.rand(e, rows, cols // 32, generator=g) * 0.1)
               for rows, cols in ((2 * i, h), (h, i))]
     gate_up, down = stacks
-    shape = torch.tensor([h, i])
-    assert torch.equal(down.dequantized(torch.float32)[2], unpack("d", down.packed[2], down.scale[2], shape, 4, 32))
     x = torch.randn(n, h, generator=g)
     experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
     weights = torch.rand(n, k, generator=g)
@@ -330,11 +327,9 @@ def test_bench_moe_layers_and_their_checks(monkeypatch, quant):
 @torch.inference_mode()
 def test_fused_kernels_read_fp8_blocks(n):
     """Experts kept as float8 with a scale per 128 x 128 block (DeepSeek-V3's release format): the
-    stacks scale as the loader's dequantization does, and the fused kernels, scaling tile by tile
-    (blocks that cross tiles and end inside a stack included), equal the gathered path on the
-    dequantized weights."""
+    fused kernels, scaling tile by tile (blocks that cross tiles and end inside a stack included),
+    equal the gathered path on the weights as the loader dequantizes them."""
     from eaglet.models.fused_moe import Fp8Block, fused_moe
-    from eaglet.weights.quant import fp8_block
 
     g = torch.Generator().manual_seed(n)
     e, k, h, i = 6, 2, 320, 160
@@ -342,7 +337,6 @@ def test_fused_kernels_read_fp8_blocks(n):
                        torch.rand(e, -(-rows // 128), -(-cols // 128), generator=g) * 0.05)
               for rows, cols in ((2 * i, h), (h, i))]
     gate_up, down = stacks
-    assert torch.equal(down.dequantized(torch.float32)[1], fp8_block("d", down.weight[1], down.scale[1], (128, 128)))
     x = torch.randn(n, h, generator=g)
     experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
     weights = torch.rand(n, k, generator=g)

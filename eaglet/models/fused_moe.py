@@ -72,10 +72,11 @@ class Int4:
         return e, r, words * 8
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The stack as `dtype` weights (E, R, C), each value computed in float32 first."""
-        shifts = torch.arange(8, dtype=torch.int32, device=self.packed.device) * 4
-        q = ((self.packed[..., None] >> shifts) & 15).reshape(*self.packed.shape[:2], -1).float() - 8
-        return (q * self.scale.float().repeat_interleave(self.group, -1)[..., :q.shape[-1]]).to(dtype)
+        """The stack as `dtype` weights (E, R, C), each expert as the loader dequantizes it."""
+        from ..weights.quant import unpack
+
+        shape = torch.tensor(self.shape[1:])
+        return torch.stack([unpack("expert", p, s, shape, 4, self.group) for p, s in zip(self.packed, self.scale)]).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -92,9 +93,11 @@ class Fp8Block:
         return tuple(self.weight.shape)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        _, r, c = self.weight.shape
-        s = self.scale.float().repeat_interleave(self.block, 1)[:, :r].repeat_interleave(self.block, 2)[:, :, :c]
-        return (self.weight.float() * s).to(dtype)
+        """The stack as `dtype` weights (E, R, C), each expert as the loader dequantizes it."""
+        from ..weights.quant import fp8_block
+
+        blocks = (self.block, self.block)
+        return torch.stack([fp8_block("expert", w, s, blocks) for w, s in zip(self.weight, self.scale)]).to(dtype)
 
 
 Stack = torch.Tensor | Int4 | Fp8Block
