@@ -127,7 +127,8 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype | None =
     method = quant.scheme(quantized)  # an unsupported one refused before the model is built
     kernels = Kernels.choose(dev) if kernels is None else kernels
     keep = None
-    if method and config.moe is not None and kernels.moe and (stored := moe_stored.storable(*method)):
+    one_rank = tp is None or tp.world == 1  # experts are split by width over ranks: dequantized there
+    if method and config.moe is not None and kernels.moe and one_rank and (stored := moe_stored.storable(*method)):
         # routed experts stay as stored: the fused kernels read them packed (a quarter or half the bytes)
         config = config.replace(moe=dataclasses.replace(config.moe, stored=stored))
         keep = lambda name: moe_stored.ROUTED.search(name) is not None  # noqa: E731
