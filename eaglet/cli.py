@@ -13,7 +13,11 @@ import time
 from typing import TYPE_CHECKING
 
 from .args import add_model_args, add_sampling_args, add_spec_args, model_kernels, spec_config
+from .dist.bench_comm import add_parser as add_bench_comm_parser
+from .dist.bench_comm import cmd_bench_comm
 from .dist.commands import add_env_parser, cmd_env
+from .dist.launch import COMMANDS as TP_COMMANDS
+from .dist.launch import add_tp_args, launch, shard
 from .errors import EagletError, InvalidInput
 from .perf.bench_moe import add_parser as add_bench_moe_parser
 from .perf.bench_moe import cmd_bench_moe
@@ -37,11 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compare-plain", action="store_true",
                    help="afterwards, run plain decoding on the same prompt and print the speedup")
     g.add_argument("--eager", action="store_true", help="no CUDA graphs (they are used on the GPU by default)")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: one worker a GPU (gloo workers with "
-                                                    "--device cpu)")
-    g.add_argument("--nccl-env", nargs="+", metavar="KEY=VALUE",
-                   help="NCCL settings applied in every worker before its communicator exists (see `eaglet env`)")
     add_model_args(g)
+    add_tp_args(g)
     add_sampling_args(g)
     add_spec_args(g)
 
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(vs eaglet plain, transformers, the memory roofline) and time per phase; writes "
                                    "a JSON record and a PNG. --shape measures a random-weight model of a real shape.")
     add_model_args(b)
+    add_tp_args(b)
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--stop-at-eos", action="store_true",
                    help="end each reply at EOS (as served replies and speculative-decoding benchmarks do) and "
@@ -78,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "acceptance per depth (chains) and per ranked node (trees). Writes a record "
                                     "that `eaglet plan --profile` reads.")
     add_model_args(pr)
+    add_tp_args(pr)
     pr.add_argument("--spec", choices=["eagle3", "ngram", "draft"], default="eagle3")
     pr.add_argument("--draft", help="drafter (default: the bundled drafter of the default model)")
     pr.add_argument("--prompts", default="mtbench", help="mtbench, humaneval, sharegpt, a ShareGPT .json file "
@@ -124,38 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parsers(sub)
     add_bench_moe_parser(sub)
     add_env_parser(sub)
+    add_bench_comm_parser(sub)
     return parser
 
 
 def cmd_generate(args) -> int:
-    if args.tp > 1:  # one worker a GPU (gloo on CPUs); rank 0 prints, the others follow
-        import torch
-
-        from .dist.nccl import parse_env_args
-        from .dist.workers import run
-
-        settings = parse_env_args(args.nccl_env)
-        spec_config(args, args.model)  # bad flags: one error here, not one a worker
-        device = "cuda" if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda") else "cpu"
-        if args.prompt == "-":
-            args.prompt = sys.stdin.read()
-        return run(generate_rank, args.tp, device, (args,), settings)[0]
+    spec_config(args, args.model)  # bad flags: one error here, not one a worker
     return generate(args)
 
 
-def generate_rank(tp, args) -> int:
-    """`generate` on one rank of a tensor-parallel model (the workers of cmd_generate)."""
-    if tp.rank:
-        sys.stdout = sys.stderr = open(os.devnull, "w")
-    if args.device is None or args.device.startswith("cuda"):
-        import torch
-
-        if torch.cuda.is_available():
-            args.device = f"cuda:{tp.rank}"
-    return generate(args, tp)
-
-
-def generate(args, tp=None) -> int:
+def generate(args) -> int:
     from .generate import GenerationConfig, Generator
     from .sampling import SamplingParams
     from .weights import load_model
@@ -164,7 +145,7 @@ def generate(args, tp=None) -> int:
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
                            sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed))
     spec = spec_config(args, args.model)  # flags are checked before the (slow) model load
-    loaded = load_model(args.model, args.dtype, args.device, kernels=model_kernels(args), tp=tp)
+    loaded = load_model(args.model, args.dtype, args.device, kernels=model_kernels(args), tp=shard(args))
     tok = loaded.tokenizer
     if tok is None:
         raise EagletError(f"{loaded.path}: the model directory has no tokenizer files")
@@ -276,7 +257,7 @@ def cmd_compare(args) -> int:
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "data": cmd_data, "train-draft": cmd_train_draft,
             "eval-draft": cmd_eval_draft, "plan": cmd_plan, "compare": cmd_compare,
             "profile": cmd_profile, "serve": cmd_serve, "bench-serve": cmd_bench_serve,
-            "bench-moe": cmd_bench_moe, "env": cmd_env}
+            "bench-moe": cmd_bench_moe, "env": cmd_env, "bench-comm": cmd_bench_comm}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -285,7 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         out = getattr(args, "out", None)  # every --out names a directory: refuse a file before any work
         if isinstance(out, str) and os.path.exists(out) and not os.path.isdir(out):
             raise InvalidInput(f"--out {out}: exists and is not a directory")
-        return COMMANDS[args.command.replace("_", "-")](args)
+        name = args.command.replace("_", "-")
+        if name in TP_COMMANDS and args.tp != 1 and getattr(args, "shard", None) is None:
+            return launch(args, COMMANDS[name])  # workers, each running the command on its slice
+        return COMMANDS[name](args)
     except EagletError as e:
         print(f"eaglet: error: {e}", file=sys.stderr)
         return 1

@@ -32,6 +32,7 @@ import time
 import torch
 
 from ..args import model_kernels
+from ..dist.launch import shard
 from ..errors import InvalidInput
 
 DEFAULT_PROMPTS = ["What is the capital of France?", "Write a short poem about autumn leaves.",
@@ -152,11 +153,14 @@ def run_bench(args) -> dict:
     from ..weights import load_model
     from .record import write_record
 
-    names = args.systems or list(DEFAULT_SYSTEMS)
+    tp = shard(args)
+    whole = tp is None or tp.world == 1
+    # transformers holds the whole model on one device: not beside a tensor-parallel run by default
+    names = args.systems or [n for n in DEFAULT_SYSTEMS if whole or not n.startswith("transformers")]
     bad = [n for n in names if n not in SYSTEMS]
     if bad:
         raise InvalidInput(f"unknown system {bad[0]!r} (choose from {', '.join(SYSTEMS)})")
-    loaded = load_model(args.model, args.dtype, args.device, kernels=model_kernels(args))
+    loaded = load_model(args.model, args.dtype, args.device, kernels=model_kernels(args), tp=tp)
     model, tok = loaded.model, loaded.tokenizer
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     prompts = [tok.apply_chat([{"role": "user", "content": p}]) for p in bench_prompts(args.prompts, args.num_prompts)]

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ..config import SpecConfig
 from ..args import model_kernels
+from ..dist.launch import shard
 from ..errors import InvalidInput
 from .compare import load_record
 from .planner import Candidate, batch_policy, choose, plot
@@ -22,11 +23,11 @@ def parse_tree(text: str) -> tuple[int, int, int]:
 
 
 def load_target_and_drafter(model: str | None, dtype, device, method: str, draft: str | None, steps: int,
-                            kernels=None):
+                            kernels=None, tp=None):
     from ..spec.speculator import load_speculator
     from ..weights import load_model
 
-    loaded = load_model(model, dtype, device, kernels=kernels)
+    loaded = load_model(model, dtype, device, kernels=kernels, tp=tp)
     base = load_speculator(SpecConfig(method, draft, steps=steps), loaded.model,
                            None if model is None else loaded.path)
     return loaded, base
@@ -55,7 +56,7 @@ def run_profile(args) -> int:
     SpecConfig(args.spec, args.draft, steps=args.chain_steps)
     batch_sizes = sorted(set(args.batch_sizes) | {args.batch})
     loaded, base = load_target_and_drafter(args.model, args.dtype, args.device, args.spec, args.draft,
-                                           args.chain_steps, model_kernels(args))
+                                           args.chain_steps, model_kernels(args), shard(args))
     prompts = chat_prompts(loaded.tokenizer, args.prompts, args.num_prompts)
     topks = tuple(sorted({1} | {k for _, k, _ in trees}))
     costs = []

@@ -126,6 +126,9 @@ def environment() -> dict:
     else:
         env["gpu"] = None
         env["cpu"] = platform.processor() or platform.machine()
+    from ..dist.workers import summary
+
+    env["tensor_parallel"] = summary()  # the NCCL settings every rank held at communicator creation
     return env
 
 
@@ -155,6 +158,10 @@ def write_record(kind: str, flags: dict, results: dict, out_dir: str | Path, mod
     dev = "gpu" if rec["environment"]["gpu"] else "cpu"
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = out / f"{kind}-{dev}-{stamp}.json"
+    from ..dist.workers import GROUP
+
+    if GROUP.get("rank"):  # rank 0 writes a tensor-parallel run's records
+        return path
     for name, data in (raw or {}).items():  # first: a record never names a file that is not whole
         side = path.with_name(f"{path.stem}.{name}.json.gz")
         write_atomic(side, gzip.compress(json.dumps(data, separators=(",", ":")).encode(), mtime=0))

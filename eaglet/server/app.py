@@ -85,19 +85,21 @@ async def wait_disconnect(request: HTTPRequest) -> None:
 
 def build_app(generator: Generator, model_name: str, max_batch: int = 8, max_queue: int = 256,
               max_len: int | None = None, policy: SpecPolicy | None = None, api_key: str | None = None,
-              max_body: int = MAX_BODY, multi_step: int | None = None, spec_multi_step: int = 1) -> FastAPI:
+              max_body: int = MAX_BODY, multi_step: int | None = None, spec_multi_step: int = 1,
+              channel=None) -> FastAPI:
     """The app and its engine (started and stopped with the app's lifespan); `max_len` is each
     row's context (prompt + generated), at most the model's; `policy` chooses plain or a
     speculation setting per batch (default: always the generator's own); `api_key` and
     `max_body` are what guard.py checks before any route; `multi_step` and `spec_multi_step`: the
-    decoder steps a host round trip, plain and speculating (Engine)."""
+    decoder steps a host round trip, plain and speculating (Engine); `channel`: the engine leads
+    tensor-parallel ranks (dist/follow.py)."""
     tok = generator.tokenizer
     if tok is None:
         raise InvalidInput("serving needs a tokenizer; the model directory has none")
     max_len = min(max_len or generator.context, generator.context)
     vocab = generator.model.config.vocab_size
     metrics = ServerMetrics(model_name)
-    engine = Engine(generator, max_batch, max_queue, max_len, metrics, policy, multi_step, spec_multi_step)
+    engine = Engine(generator, max_batch, max_queue, max_len, metrics, policy, multi_step, spec_multi_step, channel)
 
     @asynccontextmanager
     async def lifespan(app):

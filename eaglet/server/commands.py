@@ -9,8 +9,11 @@ import sys
 from pathlib import Path
 
 from ..args import add_model_args, add_spec_args, model_kernels, spec_config
+from ..dist.launch import add_tp_args, shard
 from ..errors import EagletError
 from . import MAX_BODY, MULTI_STEP
+
+FAILED_GRACE_S = 3.0  # a tensor-parallel server answers 503 this long after a rank fails, then exits
 
 
 def add_serve_parsers(sub) -> None:
@@ -19,6 +22,7 @@ def add_serve_parsers(sub) -> None:
                                     "(streamed or not), /v1/models, /health, and Prometheus /metrics. Requests are "
                                     "batched continuously; the drafter flags are those of `generate`.")
     add_model_args(sv)
+    add_tp_args(sv)
     add_spec_args(sv)
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
@@ -120,7 +124,7 @@ def cmd_serve(args) -> int:
             print(f"[eaglet] warning: {args.spec_policy} profiled the {profiled} drafter; serving {spec.method}",
                   file=sys.stderr)
     max_spec = args.spec_max_batch if args.spec_max_batch is not None or table else 1
-    loaded = load_model(args.model, args.dtype, args.device, kernels=model_kernels(args))
+    loaded = load_model(args.model, args.dtype, args.device, kernels=model_kernels(args), tp=shard(args))
     if loaded.tokenizer is None:
         raise EagletError(f"{loaded.path}: the model directory has no tokenizer files")
     speculator = None
@@ -132,13 +136,55 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or ("SmolLM2-135M-Instruct" if path is None else
                                       path.stem if path.is_file() else path.resolve().name)
     policy = SpecPolicy(speculator, table, max_spec, args.spec_policy)
+    tp = shard(args)
+    channel = None
+    if tp is not None and tp.world > 1:  # rank 0 serves and leads; the other ranks follow its decoder
+        from ..dist.follow import Channel
+
+        channel = Channel()
     app = build_app(Generator(loaded.model, loaded.tokenizer, speculator, graphs=not args.eager), name,
                     args.max_batch, args.max_queue, args.max_model_len, policy, args.api_key, args.max_body_bytes,
-                    args.multi_step, args.spec_multi_step)
+                    args.multi_step, args.spec_multi_step, channel if tp is None or tp.rank == 0 else None)
+    if tp is not None and tp.rank:
+        from ..dist.follow import follow
+
+        follow(app.state.engine, channel)
+        return 0
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ranks = f", tensor-parallel over {tp.world} ranks" if channel else ""
     print(f"[eaglet] serving {name} ({policy.describe()}, {args.max_batch} rows, context "
-          f"{app.state.engine.max_len}) at http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+          f"{app.state.engine.max_len}{ranks}) at http://{args.host}:{args.port}/v1", file=sys.stderr)
+    if channel is None:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        return 0
+    return serve_leading(app, channel, args)
+
+
+def serve_leading(app, channel, args) -> int:
+    """Rank 0 of a tensor-parallel server: uvicorn until stopped; once any rank fails (the parent
+    sets the event), the engine stops (requests in flight and /health get 503) and the server
+    exits a few seconds later."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from ..dist import workers
+
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+
+    def watch() -> None:
+        workers.PEERS_FAILED.wait()
+        print("[eaglet] a tensor-parallel worker failed: the server stops", file=sys.stderr)
+        app.state.engine.stop()
+        time.sleep(FAILED_GRACE_S)  # long enough for clients and probes to see the 503s
+        server.should_exit = True
+
+    threading.Thread(target=watch, name="eaglet-peers", daemon=True).start()
+    server.run()
+    if workers.PEERS_FAILED.is_set():
+        raise EagletError("a tensor-parallel worker failed; the server stopped")
+    channel.send(None)  # the followers leave their loops
     return 0
 
 

@@ -124,17 +124,20 @@ class Chunk:
 
 class Engine:
     def __init__(self, generator: Generator, slots: int, max_queue: int, max_len: int, metrics: ServerMetrics,
-                 policy: SpecPolicy | None = None, multi_step: int | None = None, spec_multi_step: int = 1):
+                 policy: SpecPolicy | None = None, multi_step: int | None = None, spec_multi_step: int = 1,
+                 channel=None):
         """`generator` decodes with its own speculator (or plain); `policy` (default: always that)
         picks plain or a setting of its base speculator per batch; `multi_step`: plain decoding
         steps a host round trip (Decoder.trip; default MULTI_STEP on the GPU, 1 on the CPU), and
-        `spec_multi_step` speculation steps."""
+        `spec_multi_step` speculation steps. `channel` (dist/follow.py): rank 0 of tensor-parallel
+        ranks, whose decoder calls are sent to the other ranks first."""
         self.generator, self.slots, self.max_queue, self.max_len = generator, slots, max_queue, max_len
         self.multi_step, self.spec_multi_step = multi_step, spec_multi_step
         self.metrics = metrics
         self.policy = policy or SpecPolicy(generator.speculator)
         own = generator.speculator
         self.home = None if own is None else setting_name(own.spec)  # the generator's own setting
+        self.channel = channel
         self.dec: Decoder | None = None  # every batch's rows and cache (made at the first batch or warm-up)
         self.steps: dict[str, Step] = {}  # speculation setting -> its step on self.dec
         self.setting: str | None = None  # the current batch's setting
@@ -182,6 +185,10 @@ class Engine:
             drafted = [self.policy.speculator(s).spec.draft_tokens for s in self.settings() if s is not None]
             self.dec = Decoder(g.model, self.slots, self.max_len + max(drafted, default=0), g.graphs, g.lookahead,
                                g.observer, g.eos_ids())
+            if self.channel is not None:  # tensor-parallel rank 0: the other ranks make each call too
+                from ..dist.follow import Leader
+
+                self.dec = Leader(self.dec, self.steps, self.channel)
             self.dec.trip = self.multi_step or (MULTI_STEP if self.dec.device.type == "cuda" else 1)
         return self.dec
 
@@ -202,10 +209,14 @@ class Engine:
     def start(self) -> None:
         self.thread.start()
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def stop(self) -> None:
+        """Stop at the next step boundary: waiting and running requests get 503, /health too."""
         with self.cond:
             self.stopping = True
             self.cond.notify()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self.stop()
         self.thread.join(timeout)
 
     @property

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from ..args import add_model_args, model_kernels
+from ..dist.launch import add_tp_args, shard
 
 
 def add_train_parsers(sub) -> None:
@@ -51,6 +52,7 @@ def add_train_parsers(sub) -> None:
                                    "resumable checkpoints; exports the SGLang format to OUT/drafter. "
                                    "Data parallel under torchrun.")
     add_model_args(t)
+    add_tp_args(t)
     t.add_argument("--data", required=True, nargs="+", metavar="DIR",
                    help="directory written by `eaglet data`; several are read together (say, greedy and "
                         "sampled replies to the same prompts)")
@@ -106,6 +108,7 @@ def add_train_parsers(sub) -> None:
                        description="Greedy speculative generation over a prompt set; prints τ (bonus counted) "
                                    "and per-position acceptance for each setting, writes a JSON record.")
     add_model_args(e)
+    add_tp_args(e)
     e.add_argument("--spec", choices=["eagle3", "ngram", "draft"], default="eagle3")
     e.add_argument("--draft", help="drafter directory (default: the bundled drafter of the default model)")
     e.add_argument("--prompts", default="mtbench", help="mtbench, humaneval, or a JSONL file")
@@ -200,7 +203,8 @@ def cmd_train_draft(args) -> int:
                       shared_lm_head=args.shared_lm_head,
                       save_every=args.save_every, max_steps=args.max_steps, time_limit=args.time_limit,
                       seed=args.seed)
-    loaded = load_model(args.model, args.dtype, device, tokenizer=False, kernels=model_kernels(args, device))
+    loaded = load_model(args.model, args.dtype, device, tokenizer=False, kernels=model_kernels(args, device),
+                        tp=shard(args))
     try:
         result = Trainer(cfg, loaded.model).train()
         if torch.distributed.is_initialized():
@@ -226,7 +230,7 @@ def cmd_eval_draft(args) -> int:
     settings = [parse_setting(s, args.spec, args.draft) for s in args.settings]
     prompts = load_prompts(args.prompts)[: args.num_prompts]
     categories = (prompt_categories(args.prompts) or [])[: args.num_prompts] or None
-    loaded = load_model(args.model, args.dtype, args.device, kernels=model_kernels(args))
+    loaded = load_model(args.model, args.dtype, args.device, kernels=model_kernels(args), tp=shard(args))
     results = {}
     for text, spec in zip(args.settings, settings):
         sp = load_speculator(spec, loaded.model, None if args.model is None else loaded.path)

@@ -156,6 +156,9 @@ class Trainer:
         self.cfg, self.target, self.progress, self.log = cfg, target, progress, log
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
+        from ..dist.workers import GROUP
+
+        self.writer = self.rank == 0 and not GROUP.get("rank")  # tensor-parallel ranks: the head is rank 0's
         p = next(target.parameters())
         self.device = p.device
         rows = []
@@ -271,7 +274,7 @@ class Trainer:
         self.log(f"resumed from {self.ckpt} at step {self.step}")
 
     def checkpoint(self) -> None:
-        if self.rank == 0:
+        if self.writer:
             self.ckpt.parent.mkdir(parents=True, exist_ok=True)
             save_checkpoint(self.ckpt, head=self.head.state_dict(), optimizer=self.opt.state_dict(),
                             scheduler=self.sched.state_dict(), step=self.step, history=self.history,
@@ -281,7 +284,7 @@ class Trainer:
         if self.cfg.time_limit is None:
             return False
         flag = torch.tensor(float(time.perf_counter() - t0 > self.cfg.time_limit), device=self.device)
-        if self.world > 1:  # every rank stops after the same step
+        if torch.distributed.is_initialized():  # every rank (data or tensor parallel) stops after the same step
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag)
 
@@ -389,7 +392,7 @@ class Trainer:
             torch.distributed.all_reduce(counts)
             tokens, real, padded = counts.tolist()
         export = None
-        if self.rank == 0:
+        if self.writer:
             export = save_eagle3(self.head, Path(self.cfg.out) / "drafter", torch.bfloat16 if cuda else torch.float32,
                                  embed=self.head_embed)
             (Path(self.cfg.out) / "history.json").write_text(json.dumps(self.history))

@@ -1,0 +1,71 @@
+"""`eaglet serve --tp 2` on CPUs (gloo): rank 0 serves the OpenAI API and leads, rank 1 follows its
+decoder; the reply equals one process's; a killed worker turns /health to 503 and the server
+exits within 30 s."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import psutil
+
+from eaglet.cli import main
+
+from .serving import free_port
+from .test_server import wait_for
+
+
+def start(flags: list[str], port: int) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "eaglet", "serve", *flags, "--port", str(port),
+                             "--served-model-name", "tiny", "--max-batch", "4"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def health(port: int) -> int | None:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code
+    except httpx.TransportError:
+        return None
+
+
+def test_tensor_parallel_server(model_dir, capsys, monkeypatch):
+    monkeypatch.setenv("EAGLET_CACHE", str(model_dir.parent / "cache"))
+    flags = ["--model", str(model_dir), "--device", "cpu", "--spec", "ngram", "--spec-steps", "3"]
+    port = free_port()
+    proc = start(flags + ["--tp", "2"], port)
+    try:
+        prompt = "the quick brown fox"
+        assert main(["generate", "--chat", prompt, "--max-new-tokens", "20", *flags]) == 0
+        want = capsys.readouterr().out[:-1]
+
+        def up():
+            assert proc.poll() is None, proc.stdout.read()
+            return health(port) == 200
+        wait_for(up, 120)
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        for _ in range(2):  # a second request on the same (tensor-parallel) decoder
+            r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                          max_tokens=20, temperature=0)
+            assert r.choices[0].message.content == want
+
+        # a follower dies: 503, then the whole server exits, well within 30 s
+        server = psutil.Process(proc.pid)
+        listening = {p.pid for p in server.children(recursive=True)
+                     if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in p.net_connections())}
+        followers = [p for p in server.children() if p.pid not in listening and "spawn_main" in " ".join(p.cmdline())
+                     and "resource_tracker" not in " ".join(p.cmdline())]
+        assert len(listening) == 1 and len(followers) == 1, (listening, followers)
+        t0 = time.monotonic()
+        followers[0].kill()
+        wait_for(lambda: health(port) == 503, 15)
+        proc.wait(timeout=30)
+        assert time.monotonic() - t0 < 30
+        out = proc.stdout.read()
+        assert proc.returncode == 1 and "worker failed" in out and "tensor-parallel over 2 ranks" in out, out
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=30)
