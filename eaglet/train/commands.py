@@ -212,7 +212,7 @@ def cmd_train_draft(args) -> int:
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    if int(os.environ.get("RANK", "0")) == 0:  # one result (token counts are every rank's)
+    if result.get("export") is not None:  # the writing rank's result (token counts are every rank's)
         print(json.dumps(result))
         from ..perf.record import write_record
 

@@ -401,5 +401,5 @@ class Trainer:
                 "steps_this_run": self.step - first, "seconds_this_run": secs,
                 "assistant_tokens_this_run": tokens, "tokens_this_run": real, "padded_tokens_this_run": padded,
                 "tokens_per_s": tokens / max(secs, 1e-9),
-                "ms_per_step": {k: v["ms"] / max(1, self.step - first) for k, v in phases.items()}, "export": str(export),
+                "ms_per_step": {k: v["ms"] / max(1, self.step - first) for k, v in phases.items()}, "export": export and str(export),
                 "final_loss": self.history[-1]["loss"] if self.history else None}

@@ -39,7 +39,8 @@ class Eagle3Config:
                    num_heads: int | None = None, num_kv_heads: int | None = None,
                    num_layers: int = 1) -> "Eagle3Config":
         """A head of `num_layers` layers shaped like the target's (its MLP width and head counts unless given),
-        tapping the default layers 2, N//2, N-3."""
+        tapping the default layers 2, N//2, N-3. A tensor-parallel slice's head is the whole model's."""
+        target = target.whole or target
         layer = target.replace(num_layers=num_layers, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
                                sliding_window=None, tie_embeddings=False, model_type="llama",
                                moe=None, mla=None,  # a dense Llama layer whatever the target's
