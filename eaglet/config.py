@@ -85,6 +85,10 @@ class MoEConfig:
     shared_experts: int = 0  # n_shared_experts: one dense MLP of shared_experts x expert_size beside
     router_fp32: bool = False  # the router's logits in float32 whatever the model's dtype (DeepSeek)
     stored: tuple[str, int] | None = None  # routed experts kept quantized: ("int4", group) or ("fp8", block)
+    # expert parallelism (dist/tp.py): the routed experts this rank holds, (first, count), None: all of them;
+    # and its slice of the shared experts' width, None: shared_experts x expert_size
+    local_experts: tuple[int, int] | None = None
+    shared_width: int | None = None
 
     def sparse(self, layer: int) -> bool:
         return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
@@ -228,6 +232,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     moe: MoEConfig | None = None  # routed experts (Qwen3-MoE, Mixtral, DeepSeek); None: dense
     mla: MLAConfig | None = None  # latent attention (DeepSeek); head_dim is then its rotary part
+    # on a tensor-parallel rank's slice (dist/tp.py): the whole model's config (drafters are shaped by it)
+    whole: "ModelConfig | None" = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:

@@ -68,6 +68,25 @@ def test_gathered_grouped_and_by_expert_agree():
         assert (c - b).abs().max() <= 1e-5 * b.abs().max()
 
 
+@torch.inference_mode()
+def test_paths_skip_the_experts_of_another_rank():
+    """Expert parallelism: a layer holding experts 8 to 15 of 16 numbers them 0 to 7 and the others'
+    pairs 8 with weight 0 (SparseMoE.local); each path then adds exactly the held experts' pairs."""
+    g = torch.Generator().manual_seed(1)
+    e, k, h, i = 16, 3, 16, 12
+    gate_up, down = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
+    for n in (1, 5, 40):
+        x = torch.randn(n, h, generator=g)
+        experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
+        weights = torch.rand(n, k, generator=g)
+        here = experts >= 8
+        want = by_expert(x, experts, weights * here, gate_up, down)
+        local, w = experts.where(here, 16) - 8, weights * here
+        for path in (gathered, grouped, by_expert):
+            got = path(x, local, w, gate_up[8:], down[8:])
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (n, path.__name__)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 @torch.inference_mode()
 def test_distinct_expert_counters(tiny_dirs, family):

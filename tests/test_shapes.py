@@ -54,6 +54,22 @@ def test_moe_shapes_have_the_published_sizes_and_touched_bytes():
     assert 1.02e12 < whole < 1.05e12  # Kimi-K2: 1.04T parameters
 
 
+def test_touched_bytes_of_expert_parallel_ranks_add_up_to_the_whole_models():
+    """Under expert parallelism a rank reads only its own experts of those the tokens touch: what a
+    verify of 16 tokens reads beyond a decode's, summed over the ranks, is the whole model's."""
+    from eaglet.dist.tp import TP, local_config
+
+    c = SHAPES["qwen3-30b-a3b"]
+
+    def more(config):
+        with torch.device("meta"):
+            m = CausalLM(config).to(torch.bfloat16)
+        return decode_bytes(m, tokens=16) - decode_bytes(m)
+
+    ranks = [more(local_config(c, TP(r, 4, "ep"))) for r in range(4)]
+    assert abs(sum(ranks) - more(c)) <= 4 * 48 and ranks[0] == ranks[3]  # rounded per layer and rank
+
+
 def test_materializing_zeroes_the_moe_buffers():
     """A model built on the meta device and materialized holds whatever memory held until weights
     load; random_model loads none into buffers: post_materialize zeroes DeepSeek-V3's score bias and

@@ -1,36 +1,61 @@
 """Tensor parallelism (eaglet/dist/tp.py) on CPUs with gloo: each rank holds a slice of every
-layer's heads (MLA's too) and MLP or expert width, and the ranks' logits equal the whole model's."""
+layer's heads (MLA's too) and MLP or expert width, or its share of the routed experts whole (expert
+parallelism), and the ranks' logits equal the whole model's."""
+import dataclasses
+
 import pytest
 import torch
 
-from eaglet.dist.tp import TP, check, kv_heads, local_config
+from eaglet.dist.tp import TP, check, kv_heads, local_config, shard_pairs
 from eaglet.dist.workers import run
 from eaglet.errors import InvalidInput
 
 
-def tp_logits(tp: TP, path: str) -> torch.Tensor:
-    """A prefill of 7 tokens and two decode steps on this rank's slice of the model at `path`."""
+def tp_logits(tp: TP, path: str, moe: str = "tp", fused: bool = False) -> tuple[torch.Tensor, list[int]]:
+    """A prefill of 7 tokens and two decode steps on this rank's slice of the model at `path`, its MoE
+    layers split as `moe` says (`fused`: through the fused MoE kernels): the logits, and each MoE
+    layer's count of the distinct experts it touched."""
+    from eaglet.kernels import EAGER
     from eaglet.kvcache import KVCache
+    from eaglet.models.moe import SparseMoE
     from eaglet.weights import load_model
 
     from tests.test_model_parity import eaglet_step
 
-    model = load_model(path, dtype="float32", device="cpu", tokenizer=False, tp=tp).model
+    model = load_model(path, dtype="float32", device="cpu", tokenizer=False, tp=dataclasses.replace(tp, moe=moe),
+                       kernels=dataclasses.replace(EAGER, moe=fused)).model
     cache = KVCache.for_model(model.config, 2, 32, torch.float32, "cpu")
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        return torch.cat([eaglet_step(model, cache, ids[:, :7]), eaglet_step(model, cache, ids[:, 7:8]),
-                          eaglet_step(model, cache, ids[:, 8:9])], 1)
+        logits = torch.cat([eaglet_step(model, cache, ids[:, :7]), eaglet_step(model, cache, ids[:, 7:8]),
+                            eaglet_step(model, cache, ids[:, 8:9])], 1)
+    return logits, [int(m.touched) for m in model.modules() if isinstance(m, SparseMoE)]
 
 
 @pytest.mark.parametrize("family, world", [("llama3", 2), ("llama3", 4), ("qwen3", 2), ("qwen3_moe", 2),
                                            ("mixtral", 2), ("deepseek_v3", 2)])
 def test_tensor_parallel_logits_equal_the_whole_model(tiny_dirs, family, world):
     path = str(tiny_dirs[family][0])
-    want = tp_logits(TP(0, 1), path)
+    want, _ = tp_logits(TP(0, 1), path)
     got = run(tp_logits, world, "cpu", (path,))
-    for rank, logits in enumerate(got):
+    for rank, (logits, _) in enumerate(got):
         assert (logits - want).abs().max() <= 1e-5 * want.abs().max(), rank
+
+
+@pytest.mark.parametrize("family, fused", [("qwen3_moe", False), ("mixtral", False), ("deepseek_v3", False),
+                                           pytest.param("qwen3_moe", True, marks=pytest.mark.slow)])
+def test_expert_parallel_logits_equal_the_whole_model(tiny_dirs, family, fused):
+    """--moe-parallel ep at TP 2 (8, 4 and 8 routed experts: four, two and four whole experts a rank),
+    through the gathered and grouped paths (or the routing and fused kernels, in Triton's interpreter):
+    every rank's logits equal the whole model's, and since each rank counts only the experts it
+    holds, the ranks' distinct-expert counts add up to the whole model's, layer by layer."""
+    path = str(tiny_dirs[family][0])
+    want, touched = tp_logits(TP(0, 1), path)
+    got = run(tp_logits, 2, "cpu", (path, "ep", fused))
+    for rank, (logits, _) in enumerate(got):
+        assert (logits - want).abs().max() <= 1e-5 * want.abs().max(), rank
+    assert [a + b for a, b in zip(got[0][1], got[1][1])] == touched
+    assert all(0 < n < t for _, counts in got for n, t in zip(counts, touched))  # each rank a share
 
 
 def test_kv_heads_split_or_replicate_and_bad_splits_are_refused(tiny_dirs):
@@ -47,6 +72,76 @@ def test_kv_heads_split_or_replicate_and_bad_splits_are_refused(tiny_dirs):
     assert local_config(moe, TP(0, 2)).moe.expert_size == moe.moe.expert_size // 2
     with pytest.raises(InvalidInput, match="expert width"):
         check(moe.replace(moe=moe.moe.__class__(**{**moe.moe.__dict__, "expert_size": 33})), 2)
+
+
+def test_expert_parallel_slices_and_bad_splits_are_refused(tiny_dirs):
+    """Under EP rank 1 of 2 keeps experts 4 to 7 of 8 whole, renumbered 0 to 3; the shared experts,
+    the dense MLP and the heads are split by width as under TP, the router whole. A count of experts
+    that does not split is refused, naming it."""
+    from eaglet.config import ModelConfig
+
+    c = ModelConfig.from_file(tiny_dirs["deepseek_v3"][0] / "config.json")
+    m, h, i = c.moe, c.hidden_size, c.moe.expert_size
+    assert (m.num_experts, m.shared_experts, m.local_experts) == (8, 1, None)
+    local = local_config(c, TP(1, 2, "ep"))
+    assert (local.moe.local_experts, local.moe.expert_size, local.moe.shared_width) == ((4, 4), i, i // 2)
+    assert (local.num_heads, local.intermediate_size) == (c.num_heads // 2, c.intermediate_size // 2)
+    assert local_config(c, TP(1, 2)).moe.local_experts is None  # the default: each expert by width
+
+    g = torch.Generator().manual_seed(0)
+    layer = "model.layers.1.mlp."
+    pairs = {layer + "experts.5.gate_proj.weight": torch.randn(i, h, generator=g),
+             layer + "experts.7.down_proj.weight": torch.randn(h, i, generator=g),
+             layer + "experts.2.up_proj.weight": torch.randn(i, h, generator=g),
+             layer + "shared_experts.up_proj.weight": torch.randn(i, h, generator=g),
+             layer + "shared_experts.down_proj.weight": torch.randn(h, i, generator=g),
+             layer + "gate.weight": torch.randn(8, h, generator=g),
+             "model.layers.0.mlp.gate_proj.weight": torch.randn(c.intermediate_size, h, generator=g)}
+    got = dict(shard_pairs(pairs.items(), c, TP(1, 2, "ep")))
+    assert set(got) == {layer + "experts.1.gate_proj.weight", layer + "experts.3.down_proj.weight",
+                        layer + "shared_experts.up_proj.weight", layer + "shared_experts.down_proj.weight",
+                        layer + "gate.weight", "model.layers.0.mlp.gate_proj.weight"}  # expert 2: rank 0's
+    assert torch.equal(got[layer + "experts.1.gate_proj.weight"], pairs[layer + "experts.5.gate_proj.weight"])
+    assert torch.equal(got[layer + "experts.3.down_proj.weight"], pairs[layer + "experts.7.down_proj.weight"])
+    assert torch.equal(got[layer + "shared_experts.up_proj.weight"],
+                       pairs[layer + "shared_experts.up_proj.weight"][i // 2:])
+    assert torch.equal(got[layer + "shared_experts.down_proj.weight"],
+                       pairs[layer + "shared_experts.down_proj.weight"][:, i // 2:])
+    assert torch.equal(got[layer + "gate.weight"], pairs[layer + "gate.weight"])
+    assert got["model.layers.0.mlp.gate_proj.weight"].shape == (c.intermediate_size // 2, h)
+    mixtral = ModelConfig.from_file(tiny_dirs["mixtral"][0] / "config.json")  # 4 experts, w1 / w3 / w2
+    w1 = torch.randn(mixtral.moe.expert_size, mixtral.hidden_size, generator=g)
+    names = [f"model.layers.0.block_sparse_moe.experts.{e}.w1.weight" for e in range(4)]
+    assert [[(n, t.shape) for n, t in shard_pairs([(name, w1) for name in names], mixtral, TP(r, 2, "ep"))]
+            for r in range(2)] == [[(n, w1.shape) for n in names[:2]]] * 2
+
+    six = c.replace(moe=dataclasses.replace(m, num_experts=6, n_group=1))
+    check(six, 2, "ep")
+    with pytest.raises(InvalidInput, match="6 routed experts do not split 4 ways"):
+        check(six, 4, "ep")
+    check(six, 4)  # by width: 32 columns an expert split four ways
+    with pytest.raises(InvalidInput, match="--moe-parallel"):
+        TP(0, 2, "dp")
+
+
+def shard_of(args) -> TP:
+    from eaglet.dist.launch import shard
+
+    return shard(args)
+
+
+def test_launched_commands_get_the_moe_split_of_their_flags():
+    """`--tp 2 --moe-parallel ep` (dist/launch.py's flags): each worker's command loads its slice
+    with the experts whole."""
+    import argparse
+
+    from eaglet.dist.launch import add_tp_args, command_rank
+
+    parser = argparse.ArgumentParser()
+    add_tp_args(parser)
+    parser.add_argument("--device")
+    args = parser.parse_args(["--tp", "2", "--moe-parallel", "ep", "--device", "cpu"])
+    assert run(command_rank, args.tp, "cpu", (shard_of, args)) == [TP(0, 2, "ep"), TP(1, 2, "ep")]
 
 
 def tp_generate(tp: TP, path: str, head_dir: str) -> dict[str, list[list[int]]]:

@@ -69,3 +69,26 @@ def test_tensor_parallel_server(model_dir, capsys, monkeypatch):
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             proc.communicate(timeout=30)
+
+
+def test_records_of_tensor_parallel_runs_carry_every_ranks_nccl_settings(model_dir, tmp_path, capsys, monkeypatch):
+    """`bench --tp 2` writes one record (rank 0's) whose environment holds each rank's NCCL_*
+    settings at communicator creation; `eaglet compare` names the setting two runs differ in."""
+    monkeypatch.setenv("EAGLET_CACHE", str(model_dir.parent / "cache"))
+    paths = []
+    for algo in ("Ring", "Tree"):
+        out = tmp_path / algo
+        assert main(["bench", "--model", str(model_dir), "--device", "cpu", "--systems", "plain", "ngram",
+                     "--max-new-tokens", "8", "--num-prompts", "1", "--repeats", "1", "--out", str(out),
+                     "--tp", "2", "--nccl-env", f"NCCL_ALGO={algo}"]) == 0
+        records = sorted(out.glob("bench-*.json"))
+        assert len(records) == 1  # rank 0's alone
+        paths.append(records[0])
+    import json
+    tp = json.loads(paths[0].read_text())["environment"]["tensor_parallel"]
+    assert tp["world"] == 2 and tp["backend"] == "gloo" and tp["errors"] == []
+    assert [r["NCCL_ALGO"] for r in tp["at_creation"]] == ["Ring", "Ring"]
+    capsys.readouterr()
+    assert main(["compare", str(paths[0]), str(paths[1])]) == 0
+    text = capsys.readouterr().out
+    assert "environment.tensor_parallel.at_creation.1.NCCL_ALGO: \"Ring\" -> \"Tree\"" in text

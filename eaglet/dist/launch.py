@@ -4,11 +4,12 @@ load_model). Rank 0 talks to the user (prints, writes records, serves HTTP); the
 the same command with their output discarded and meet rank 0 in every collective."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
 from .nccl import parse_env_args
-from .tp import TP
+from .tp import MOE_SPLITS, TP
 
 COMMANDS = ("generate", "bench", "eval-draft", "profile", "serve", "train-draft")
 
@@ -16,7 +17,7 @@ COMMANDS = ("generate", "bench", "eval-draft", "profile", "serve", "train-draft"
 def add_tp_args(p) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: one worker a GPU (gloo workers with "
                                                     "--device cpu); rank 0 prints and writes")
-    p.add_argument("--moe-parallel", choices=["tp", "ep"], default="tp",
+    p.add_argument("--moe-parallel", choices=MOE_SPLITS, default="tp",
                    help="with --tp: split each routed expert by its width over the ranks (tp), or the experts "
                         "themselves (ep: each rank holds experts/N whole)")
     p.add_argument("--nccl-env", nargs="+", metavar="KEY=VALUE",
@@ -48,5 +49,5 @@ def command_rank(tp: TP, command, args) -> int:
 
         if torch.cuda.is_available():
             args.device = f"cuda:{torch.cuda.current_device()}"
-    args.shard = tp
+    args.shard = dataclasses.replace(tp, moe=args.moe_parallel)
     return command(args)

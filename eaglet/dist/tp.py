@@ -10,6 +10,12 @@ rank 0 only. Everything else is whole on every rank: embeddings, norms, routers,
 projections and cache, the output layer, and every drafter. `all_reduce_outputs` then sums the
 partial outputs over the ranks, once after attention and once after the MLP or MoE block, so all
 ranks hold the same residual stream and logits and walk the same decoding loop.
+
+MoE layers split one of two ways (TP.moe, `--moe-parallel`): each routed expert by its width as
+above ("tp"), or expert parallelism ("ep"): rank r holds experts [r E/N, (r+1) E/N) whole, renumbered
+from 0 (MoEConfig.local_experts); every rank routes with the whole router and computes only its own
+experts' pairs (models/moe.py), and the same all-reduce sums them. Shared experts, dense MLPs and
+attention split as above either way.
 """
 from __future__ import annotations
 
@@ -23,6 +29,8 @@ import torch
 from ..config import ModelConfig
 from ..errors import InvalidInput
 
+MOE_SPLITS = ("tp", "ep")  # MoE layers: each expert by its width, or whole experts over the ranks
+ROUTED = re.compile(r"\.experts\.(\d+)\.")  # a routed expert's tensor (not the shared experts')
 COLUMN = re.compile(r"\.(q_proj|q_b_proj|kv_b_proj|gate_proj|up_proj|w1|w3)\.(weight|bias)$")
 KV = re.compile(r"\.(k_proj|v_proj)\.(weight|bias)$")
 ROW = re.compile(r"\.(o_proj|down_proj|w2)\.(weight|bias)$")
@@ -30,17 +38,23 @@ ROW = re.compile(r"\.(o_proj|down_proj|w2)\.(weight|bias)$")
 
 @dataclass(frozen=True)
 class TP:
-    """This process's place among the tensor-parallel ranks."""
+    """This process's place among the tensor-parallel ranks, and how MoE layers split over them."""
     rank: int = 0
     world: int = 1
+    moe: str = "tp"  # one of MOE_SPLITS
+
+    def __post_init__(self):
+        if self.moe not in MOE_SPLITS:
+            raise InvalidInput(f"--moe-parallel {self.moe}: choose from {', '.join(MOE_SPLITS)}")
 
 
 def dense_mlp_used(c: ModelConfig) -> bool:
     return c.moe is None or bool(c.moe.dense_layers) or any(not c.moe.sparse(i) for i in range(c.num_layers))
 
 
-def check(c: ModelConfig, world: int) -> None:
-    """Refuse a model that does not split `world` ways, naming what does not divide."""
+def check(c: ModelConfig, world: int, moe: str = "tp") -> None:
+    """Refuse a model that does not split `world` ways, its MoE layers as `moe` says (TP.moe), naming
+    what does not divide."""
     if c.num_heads % world:
         raise InvalidInput(f"{c.num_heads} attention heads do not split {world} ways (--tp {world})")
     if c.mla is None:
@@ -50,9 +64,15 @@ def check(c: ModelConfig, world: int) -> None:
                                f"(--tp {world})")
     if dense_mlp_used(c) and c.intermediate_size % world:
         raise InvalidInput(f"MLP width {c.intermediate_size} does not split {world} ways (--tp {world})")
+    if c.moe is not None and moe == "ep":
+        if c.moe.num_experts % world:
+            raise InvalidInput(f"{c.moe.num_experts} routed experts do not split {world} ways "
+                               f"(--tp {world} --moe-parallel ep)")
+        if (shared := c.moe.expert_size * c.moe.shared_experts) % world:
+            raise InvalidInput(f"shared experts' width {shared} does not split {world} ways (--tp {world})")
+    elif c.moe is not None and c.moe.expert_size % world:
+        raise InvalidInput(f"expert width {c.moe.expert_size} does not split {world} ways (--tp {world})")
     if c.moe is not None:
-        if c.moe.expert_size % world:
-            raise InvalidInput(f"expert width {c.moe.expert_size} does not split {world} ways (--tp {world})")
         if c.moe.stored:
             raise InvalidInput(f"routed experts kept quantized ({c.moe.stored[0]}) are not split over ranks")
 
@@ -67,17 +87,28 @@ def kv_heads(c: ModelConfig, tp: TP) -> tuple[int, int]:
     return tp.rank // (tp.world // nkv), 1
 
 
+def experts_held(c: ModelConfig, tp: TP) -> tuple[int, int] | None:
+    """(first routed expert, count) held whole by this rank under expert parallelism; None otherwise."""
+    if c.moe is None or tp.moe != "ep":
+        return None
+    n = c.moe.num_experts // tp.world
+    return tp.rank * n, n
+
+
 def local_config(c: ModelConfig, tp: TP) -> ModelConfig:
     """The config of this rank's slice: a model of it is what the rank builds."""
     if tp.world == 1:
         return c
-    check(c, tp.world)
+    check(c, tp.world, tp.moe)
     heads = c.num_heads // tp.world
     kw = dict(num_heads=heads, intermediate_size=c.intermediate_size // tp.world,
               num_kv_heads=heads if c.mla is not None else kv_heads(c, tp)[1])
-    if c.moe is not None:
+    if held := experts_held(c, tp):
+        kw["moe"] = dataclasses.replace(c.moe, local_experts=held,
+                                        shared_width=c.moe.expert_size * c.moe.shared_experts // tp.world)
+    elif c.moe is not None:
         kw["moe"] = dataclasses.replace(c.moe, expert_size=c.moe.expert_size // tp.world)
-    return c.replace(**kw)
+    return c.replace(**kw, whole=c)
 
 
 def split(t: torch.Tensor, dim: int, tp: TP) -> torch.Tensor:
@@ -87,9 +118,15 @@ def split(t: torch.Tensor, dim: int, tp: TP) -> torch.Tensor:
 
 def shard_pairs(pairs: Iterable[tuple[str, torch.Tensor]], c: ModelConfig, tp: TP) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's (name, tensor) pairs cut to this rank's slice (see the module's docstring)."""
-    check(c, tp.world)
+    check(c, tp.world, tp.moe)
     first, count = kv_heads(c, tp)
+    own = experts_held(c, tp)
     for name, t in pairs:
+        if own and (m := ROUTED.search(name)):  # a whole expert: this rank's, renumbered, or none
+            e = int(m.group(1)) - own[0]
+            if 0 <= e < own[1]:
+                yield f"{name[:m.start()]}.experts.{e}.{name[m.end():]}", t
+            continue
         if COLUMN.search(name):
             t = split(t, 0, tp)
         elif KV.search(name) and c.mla is None:

@@ -17,6 +17,11 @@ them (the state dict keeps its names), and the forward works on the stacks:
 Each token's result depends on its own routing only. The layer counts, on the device and without a
 host sync, the forwards it ran and the distinct experts they touched (`touched`, `forwards`): what a
 verify of T tokens reads against a decode's k experts.
+
+Under expert parallelism (dist/tp.py) a layer holds `held` of the routed experts whole, from `first`
+on (MoEConfig.local_experts), numbered from 0. The router stays whole, so every rank chooses the same
+top k; a pair whose expert another rank holds gets the index `held` and the weight 0, adds nothing
+here, and is not counted. The ranks' partial outputs are summed after the layer.
 """
 from __future__ import annotations
 
@@ -93,12 +98,14 @@ class SparseMoE(nn.Module):
         self.cfg = moe = config.moe
         self.kernels = kernels
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
+        self.first, self.held = moe.local_experts or (0, moe.num_experts)  # the routed experts held here
         names = NAMES[config.model_type][1]
         self.gate = Router(config.hidden_size, moe.num_experts, moe.score_bias)
         self.experts = nn.ModuleList(Expert(config.hidden_size, moe.expert_size, names, kernels, moe.stored)
-                                     for _ in range(moe.num_experts))
+                                     for _ in range(self.held))
         if moe.shared_experts:  # always on, beside the routed ones (DeepSeek)
-            self.shared_experts = Expert(config.hidden_size, moe.expert_size * moe.shared_experts, names, kernels)
+            width = moe.shared_width or moe.expert_size * moe.shared_experts
+            self.shared_experts = Expert(config.hidden_size, width, names, kernels)
         self.register_buffer("touched", torch.zeros((), dtype=torch.long), persistent=False)
         self.register_buffer("forwards", torch.zeros((), dtype=torch.long), persistent=False)
         self.fused = False
@@ -141,15 +148,16 @@ class SparseMoE(nn.Module):
         scores (softmax or sigmoid of its float32 logits); the top k, within the best groups where
         the model groups its experts, chosen by the scores plus the learned bias where it has one;
         their scores as weights, renormalized where the model does, times its scaling factor.
-        With `kernel`, all after the logits in one Triton kernel (models/moe_route.py)."""
+        With `kernel`, all after the logits in one Triton kernel (models/moe_route.py). The experts
+        are numbered as held here: another rank's get the index `held` and the weight 0."""
         c = self.cfg
         if c.router_fp32:
             logits = F.linear(x.float(), self.router32 if self.fused else self.gate.weight.float())
         else:
             logits = self.gate(x)
         if kernel:  # the kernel reads the logits in float32 whatever their dtype
-            return moe_route.route(logits, c, self.gate.e_score_correction_bias if c.score_bias else None,
-                                   spread=self.spread)
+            return self.local(*moe_route.route(logits, c, self.gate.e_score_correction_bias if c.score_bias
+                                               else None, spread=self.spread))
         logits = logits.float()
         if self.spread:
             logits = torch.sin(logits * 1e4)
@@ -164,7 +172,15 @@ class SparseMoE(nn.Module):
         weights = scores.gather(1, experts)
         if c.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * c.scaling, experts
+        return self.local(weights * c.scaling, experts)
+
+    def local(self, weights: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chosen experts (N, k) numbered as held here; another rank's: index `held`, weight 0."""
+        if self.held == self.num_experts:
+            return weights, experts
+        experts = experts - self.first
+        here = (experts >= 0) & (experts < self.held)
+        return weights * here, experts.where(here, self.held)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -174,14 +190,19 @@ class SparseMoE(nn.Module):
         gate_up, down = self.stacks()
         shared = self.shared_experts(x) if self.cfg.shared_experts else None
         if fast:  # the shared experts' output added in the kernels' final sum
-            return fused_moe.fused_moe(x, experts, weights, gate_up, down, counts=(self.touched, self.forwards),
-                                       add=shared).reshape(shape)
+            counts = (self.touched, self.forwards)
+            if self.held < self.num_experts:  # the kernels index only the experts held here: another
+                # rank's pair runs on the last one with its weight 0 (a clamped index: right, if some work
+                # for nothing), and the pairs are counted here, where that expert does not count
+                self.count(experts)
+                experts, counts = experts.clamp(max=self.held - 1), None
+            return fused_moe.fused_moe(x, experts, weights, gate_up, down, counts=counts, add=shared).reshape(shape)
         self.count(experts)
         if self.cfg.stored:  # quantized experts, many tokens: the fused kernels, MAX_TOKENS at a time
             m = fused_moe.MAX_TOKENS
             out = torch.cat([fused_moe.fused_moe(x[i:i + m], experts[i:i + m], weights[i:i + m], gate_up, down)
                              for i in range(0, x.shape[0], m)])
-        elif experts.numel() <= 2 * self.num_experts:  # few tokens: gathered, static shapes
+        elif experts.numel() <= 2 * self.held:  # few tokens: gathered, static shapes
             out = gathered(x, experts, weights, gate_up, down)
         elif has_grouped_mm(x):
             out = grouped(x, experts, weights, gate_up, down)
@@ -216,18 +237,20 @@ class SparseMoE(nn.Module):
                 m.reset_dtypes()
 
     def count(self, experts: torch.Tensor) -> None:
-        """Add this forward's distinct experts to `touched` (device, no host sync)."""
-        hit = torch.zeros(self.num_experts, dtype=torch.bool, device=experts.device)
+        """Add this forward's distinct experts held here to `touched` (device, no host sync)."""
+        hit = torch.zeros(self.held + 1, dtype=torch.bool, device=experts.device)  # and one for another rank's
         hit.index_fill_(0, experts.reshape(-1), True)  # a scalar fill: nothing copied from the host
-        self.touched += hit.sum()
+        self.touched += hit[:self.held].sum()
         self.forwards += 1
 
 
 def gathered(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
              down: torch.Tensor) -> torch.Tensor:
     """Each token's k experts' weights gathered and applied: x (N, H), experts and weights (N, k),
-    gate_up (E, 2I, H), down (E, H, I) -> (N, H)."""
+    gate_up (E, 2I, H), down (E, H, I) -> (N, H). A pair of expert E (another rank's, weight 0) is
+    applied with expert E - 1's weights and adds 0."""
     n, k = experts.shape
+    experts = experts.clamp(max=gate_up.shape[0] - 1)
     gu = torch.einsum("nh,nkih->nki", x, gate_up[experts])  # (N, k, 2I)
     g, u = gu.chunk(2, -1)
     y = torch.einsum("nki,nkhi->nkh", F.silu(g) * u, down[experts])  # (N, k, H)
@@ -246,15 +269,16 @@ def has_grouped_mm(x: torch.Tensor) -> bool:
 def grouped(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
             down: torch.Tensor) -> torch.Tensor:
     """The (token, slot) pairs sorted by expert, each expert's run one group of a grouped matmul
-    (group ends found on the device: no host sync), summed back per token in slot order."""
+    (group ends found on the device: no host sync), summed back per token in slot order. Pairs of
+    expert E (another rank's) sort last, past every group: not computed, they add 0."""
     n, k = experts.shape
     flat = experts.reshape(-1)
     order = flat.argsort(stable=True)
-    ends = torch.searchsorted(flat[order], torch.arange(gate_up.shape[0], device=x.device), right=True)
-    ends = ends.to(torch.int32)
+    ranked = flat[order]
+    ends = torch.searchsorted(ranked, torch.arange(gate_up.shape[0], device=x.device), right=True).to(torch.int32)
     g, u = torch._grouped_mm(x[order // k], gate_up.transpose(1, 2), offs=ends).chunk(2, -1)
-    y = torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=ends)
-    y = y * weights.reshape(-1)[order].to(y.dtype)[:, None]
+    y = torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=ends)  # rows past the last group: not written
+    y = (y * weights.reshape(-1)[order].to(y.dtype)[:, None]).where(ranked[:, None] < gate_up.shape[0], 0)
     out = torch.empty_like(y).index_copy_(0, order, y).view(n, k, -1)
     acc = out[:, 0]
     for j in range(1, k):  # slot by slot, as the fused kernels sum
@@ -264,9 +288,12 @@ def grouped(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_
 
 def by_expert(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
               down: torch.Tensor) -> torch.Tensor:
-    """Expert by expert over the tokens routed to it (many tokens; sizes depend on the routing)."""
+    """Expert by expert over the tokens routed to it (many tokens; sizes depend on the routing), not
+    over pairs of expert E (another rank's)."""
     out = torch.zeros_like(x)
     for e in experts.unique().tolist():  # sync: the experts in use
+        if e == gate_up.shape[0]:
+            continue
         tok, slot = (experts == e).nonzero(as_tuple=True)
         g, u = F.linear(x[tok], gate_up[e]).chunk(2, -1)
         y = F.linear(F.silu(g) * u, down[e]) * weights[tok, slot].to(x.dtype)[:, None]

@@ -98,7 +98,8 @@ def decode_bytes(model: CausalLM, context: int = 0, tokens: int = 1, experts: fl
     """Bytes a batch-1 forward of `tokens` tokens must read: every weight once (the input embedding
     table only when tied to the output head, since a lookup reads one row; of the routed experts
     only those the tokens are expected to touch, `touched_experts`, or `experts` a layer where
-    measured), plus the cache of `context` tokens (K and V, or MLA's latents)."""
+    measured; of an expert-parallel rank's share, its part of them), plus the cache of `context`
+    tokens (K and V, or MLA's latents)."""
     c = model.config
     total = weight_bytes(model)
     if not c.tie_embeddings:
@@ -109,8 +110,10 @@ def decode_bytes(model: CausalLM, context: int = 0, tokens: int = 1, experts: fl
         if isinstance(layer.ffn, SparseMoE):
             moe = c.moe
             per_expert = sum(lin.weight.numel() for lin in layer.ffn.experts[0].linears()) * size
-            touched = touched_experts(moe.num_experts, moe.top_k, tokens) if experts is None else experts
-            total -= round((moe.num_experts - touched) * per_expert)
+            held = layer.ffn.held  # all E, or E / N under expert parallelism
+            touched = held / moe.num_experts * touched_experts(moe.num_experts, moe.top_k, tokens) \
+                if experts is None else experts
+            total -= round((held - touched) * per_expert)
     per_token = c.mla.width if c.mla is not None else 2 * c.num_kv_heads * c.head_dim
     return total + c.num_layers * per_token * context * size
 

@@ -127,7 +127,7 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype | None =
     method = quant.scheme(quantized)  # an unsupported one refused before the model is built
     kernels = Kernels.choose(dev) if kernels is None else kernels
     keep = None
-    one_rank = tp is None or tp.world == 1  # experts are split by width over ranks: dequantized there
+    one_rank = tp is None or tp.world == 1  # split over ranks (by width, or whole under EP): dequantized
     if method and config.moe is not None and kernels.moe and one_rank and (stored := moe_stored.storable(*method)):
         # routed experts stay as stored: the fused kernels read them packed (a quarter or half the bytes)
         config = config.replace(moe=dataclasses.replace(config.moe, stored=stored))
