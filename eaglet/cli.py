@@ -99,8 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
                         description="The cost model S = accept length x T_decode / (T_draft + T_verify + T_other). "
                                     "With --profile: picks chain/tree settings per batch size from an `eaglet "
                                     "profile` record (or says don't speculate), plots cost and gain curves, and "
-                                    "with --validate measures the choice and its neighbours. Without: the verdict "
-                                    "for numbers measured on any engine.")
+                                    "with --validate measures the choice and its neighbours. With --shape or --model "
+                                    "and --tp/--gpu/--link: a deployment's decode and verify costs from its bytes and "
+                                    "all-reduces, break-even accept lengths, the best chain; with --verify-ms too, "
+                                    "where another engine's time goes. Otherwise: the verdict for numbers measured "
+                                    "on any engine.")
     pl.add_argument("--profile", help="record written by `eaglet profile`")
     pl.add_argument("--batch-size", type=int, default=1, help="with --profile: the batch size to plan for")
     pl.add_argument("--plot", help="with --profile: PNG of cost and gain curves (default next to the record)")
@@ -110,13 +113,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --validate: also every chain up to the profiled depth and every profiled tree")
     pl.add_argument("--decode-ms", type=float, help="one plain decode step")
     pl.add_argument("--verify-ms", type=float, help="one verify forward of steps+1 tokens")
-    pl.add_argument("--draft-ms", type=float, default=0.0, help="one draft step (default 0: the ceiling)")
+    pl.add_argument("--draft-ms", type=float, help="one draft step (default: 0, the ceiling; with --shape/--model "
+                                                   "an estimate of an EAGLE-3 head's step)")
     pl.add_argument("--other-ms", type=float, default=0.0, help="accept/commit/bookkeeping per step")
     pl.add_argument("--steps", type=int, help="draft steps per verify (chain length)")
     pl.add_argument("--accept-len", type=float, help="measured accept length (tokens per verify, bonus counted)")
     pl.add_argument("--metrics-url", help="read the accept length from a running SGLang / vLLM / eaglet server's "
                                           "/metrics")
     pl.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    from .perf.plan_deploy import add_args as add_deployment_args
+
+    add_deployment_args(pl)
 
     cp = sub.add_parser("compare", help="every difference between two JSON records, next to the result deltas",
                         description="List every difference in flags, environment and model files between two "
@@ -212,6 +219,12 @@ def cmd_plan(args) -> int:
         from .perf.plan_cmd import plan_from_profile
 
         return plan_from_profile(args)
+    if args.shape or args.model:
+        from .perf.plan_deploy import plan_deployment
+
+        return plan_deployment(args)
+    if args.gpu or args.link or args.comm:
+        raise InvalidInput("--gpu, --link and --comm describe a deployment: give --shape or --model too")
     from .perf.external import accept_length_from_metrics, fetch_metrics
     from .perf.planner import external_verdict
 
@@ -221,7 +234,8 @@ def cmd_plan(args) -> int:
                            "--metrics-url (or give --profile)")
     if not args.decode_ms > 0 or not args.verify_ms > 0:
         raise InvalidInput("--decode-ms and --verify-ms must be positive")
-    if args.draft_ms < 0 or args.other_ms < 0 or args.steps < 1:
+    draft_ms = 0.0 if args.draft_ms is None else args.draft_ms
+    if draft_ms < 0 or args.other_ms < 0 or args.steps < 1:
         raise InvalidInput("--draft-ms and --other-ms must be >= 0 and --steps >= 1")
     source = "--accept-len"
     tau = args.accept_len
@@ -229,7 +243,7 @@ def cmd_plan(args) -> int:
         tau, source = accept_length_from_metrics(fetch_metrics(args.metrics_url))
     if not 1.0 <= tau <= args.steps + 1:
         raise InvalidInput(f"accept length {tau} is outside [1, steps + 1 = {args.steps + 1}]")
-    v = external_verdict(args.decode_ms, args.verify_ms, args.draft_ms, tau, args.steps, args.other_ms)
+    v = external_verdict(args.decode_ms, args.verify_ms, draft_ms, tau, args.steps, args.other_ms)
     if args.json:
         print(json.dumps({**vars(v), "accept_length": tau, "accept_length_source": source, "inputs": vars(args)}))
     else:

@@ -52,7 +52,13 @@ SHAPES = {
                       scaling=2.827, shared_experts=1, router_fp32=True),
         mla=MLAConfig(1536, 512, 128, 64, 128)),
 }
-SLICES = {"kimi-k2": 61}  # a sliced shape -> the whole model's layer count
+# Kimi-K2.5's language model: Kimi-K2's architecture, its release keeping the routed experts INT4
+SHAPES["kimi-k2.5"] = SHAPES["kimi-k2"]
+SLICES = {"kimi-k2": 61, "kimi-k2.5": 61}  # a sliced shape -> the whole model's layer count
+# routed experts as each release stores them (MoEConfig.stored), for the planner's bytes (perf/step_model.py):
+# Kimi-K2's FP8 with a scale per 128 x 128 block, Kimi-K2.5's compressed-tensors INT4 packs with a bfloat16
+# scale per 32 (their config.json quantization_config); the random-weight models keep every weight in one dtype
+RELEASED = {"kimi-k2": ("fp8", 128), "kimi-k2.5": ("int4", 32)}
 
 
 def random_model(name: str, device, dtype: torch.dtype, seed: int = 0, kernels: Kernels | None = None) -> CausalLM:
