@@ -232,6 +232,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     moe: MoEConfig | None = None  # routed experts (Qwen3-MoE, Mixtral, DeepSeek); None: dense
     mla: MLAConfig | None = None  # latent attention (DeepSeek); head_dim is then its rotary part
+    # vocabulary-parallel (dist/vocab.py): the (first, count) rows of the embedding and output layer
+    # this rank holds; None: all vocab_size of them
+    vocab_slice: tuple[int, int] | None = None
     # on a tensor-parallel rank's slice (dist/tp.py): the whole model's config (drafters are shaped by it)
     whole: "ModelConfig | None" = dataclasses.field(default=None, compare=False, repr=False)
 

@@ -124,6 +124,40 @@ def test_expert_parallel_slices_and_bad_splits_are_refused(tiny_dirs):
         TP(0, 2, "dp")
 
 
+def vocab_parallel(tp: TP, table: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor):
+    """This rank's rows of `table` as the loader cuts them: the lookup of `ids`, the logits of
+    `hidden`, the gathered whole table and the rows held."""
+    from eaglet.dist import vocab
+
+    first, n = vocab.rows(len(table), tp.rank, tp.world)
+    mine = vocab.slice_rows(table, first, n)
+    return (vocab.lookup(mine, ids, first), vocab.gather(hidden @ mine.T, len(table)),
+            vocab.whole_table(mine, len(table)), n)
+
+
+def test_vocabulary_parallel_lookup_and_logits_equal_the_whole_tables(tiny_dirs):
+    from eaglet.config import ModelConfig
+
+    """128 rows over 3 ranks (43 a rank, the last padded with one zero row): each rank holds its
+    third, and the lookup, the logits over all 128 ids and the gathered table are the whole
+    table's, bitwise."""
+    g = torch.Generator().manual_seed(0)
+    table, hidden = torch.randn(128, 16, generator=g), torch.randn(2, 5, 16, generator=g)
+    ids = torch.tensor([[0, 42, 43, 85, 86, 127, 5]])
+    for rank, (rows, logits, whole, n) in enumerate(run(vocab_parallel, 3, "cpu", (table, ids, hidden))):
+        assert n == 43, rank
+        assert torch.equal(rows, table[ids]) and torch.equal(whole, table), rank
+        assert logits.shape == (2, 5, 128) and torch.allclose(logits, hidden @ table.T, atol=1e-6), rank
+    # the loader's rows by name: the tables split, nothing else
+    c = ModelConfig.from_file(tiny_dirs["llama3"][0] / "config.json")
+    got = dict(shard_pairs([("lm_head.weight", table), ("model.embed_tokens.weight", table),
+                            ("model.norm.weight", table[0])], c, TP(1, 2)))
+    assert torch.equal(got["lm_head.weight"], table[64:]) and torch.equal(got["model.embed_tokens.weight"],
+                                                                            table[64:])
+    assert torch.equal(got["model.norm.weight"], table[0])
+    assert local_config(c, TP(1, 2)).vocab_slice == (64, 64)
+
+
 def shard_of(args) -> TP:
     from eaglet.dist.launch import shard
 

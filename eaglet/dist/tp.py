@@ -6,10 +6,11 @@ where there are fewer KV heads than ranks; MLA's heads / N; the MLP's and each e
 shared experts' too) and `shard_pairs` slices the checkpoint's tensors as they stream in by name:
 column-parallel projections (q / q_b / kv_b, gate and up) keep their rank's rows, k / v their KV
 heads' rows, row-parallel ones (o_proj, down) their rank's columns, a row-parallel bias stays on
-rank 0 only. Everything else is whole on every rank: embeddings, norms, routers, MLA's latent
-projections and cache, the output layer, and every drafter. `all_reduce_outputs` then sums the
-partial outputs over the ranks, once after attention and once after the MLP or MoE block, so all
-ranks hold the same residual stream and logits and walk the same decoding loop.
+rank 0 only, and the input embedding and output layer their rank's rows of the vocabulary
+(dist/vocab.py: the lookup all-reduced, the logits all-gathered). Everything else is whole on every
+rank: norms, routers, MLA's latent projections and cache, and every drafter. `all_reduce_outputs`
+then sums the partial outputs over the ranks, once after attention and once after the MLP or MoE
+block, so all ranks hold the same residual stream and logits and walk the same decoding loop.
 
 MoE layers split one of two ways (TP.moe, `--moe-parallel`): each routed expert by its width as
 above ("tp"), or expert parallelism ("ep"): rank r holds experts [r E/N, (r+1) E/N) whole, renumbered
@@ -28,12 +29,14 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import InvalidInput
+from . import vocab
 
 MOE_SPLITS = ("tp", "ep")  # MoE layers: each expert by its width, or whole experts over the ranks
 ROUTED = re.compile(r"\.experts\.(\d+)\.")  # a routed expert's tensor (not the shared experts')
 COLUMN = re.compile(r"\.(q_proj|q_b_proj|kv_b_proj|gate_proj|up_proj|w1|w3)\.(weight|bias)$")
 KV = re.compile(r"\.(k_proj|v_proj)\.(weight|bias)$")
 ROW = re.compile(r"\.(o_proj|down_proj|w2)\.(weight|bias)$")
+VOCAB = re.compile(r"^(model\.embed_tokens|lm_head)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ def local_config(c: ModelConfig, tp: TP) -> ModelConfig:
                                         shared_width=c.moe.expert_size * c.moe.shared_experts // tp.world)
     elif c.moe is not None:
         kw["moe"] = dataclasses.replace(c.moe, expert_size=c.moe.expert_size // tp.world)
-    return c.replace(**kw, whole=c)
+    return c.replace(**kw, vocab_slice=vocab.rows(c.vocab_size, tp.rank, tp.world), whole=c)
 
 
 def split(t: torch.Tensor, dim: int, tp: TP) -> torch.Tensor:
@@ -127,7 +130,9 @@ def shard_pairs(pairs: Iterable[tuple[str, torch.Tensor]], c: ModelConfig, tp: T
             if 0 <= e < own[1]:
                 yield f"{name[:m.start()]}.experts.{e}.{name[m.end():]}", t
             continue
-        if COLUMN.search(name):
+        if VOCAB.match(name):
+            t = vocab.slice_rows(t, *vocab.rows(c.vocab_size, tp.rank, tp.world))
+        elif COLUMN.search(name):
             t = split(t, 0, tp)
         elif KV.search(name) and c.mla is None:
             t = t[first * c.head_dim:(first + count) * c.head_dim]

@@ -244,7 +244,8 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, config: ModelConfig, kernels: Kernels = EAGER):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rows = config.vocab_size if config.vocab_slice is None else config.vocab_slice[1]
+        self.embed_tokens = nn.Embedding(rows, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, kernels) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config, kernels)
@@ -258,7 +259,8 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config, self.kernels = config, kernels
         self.model = Decoder(config, kernels)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, kernels=kernels)
+        rows = config.vocab_size if config.vocab_slice is None else config.vocab_slice[1]  # dist/vocab.py
+        self.lm_head = Linear(config.hidden_size, rows, bias=False, kernels=kernels)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -270,7 +272,7 @@ class CausalLM(nn.Module):
         """input_ids, positions: (B, T). Writes K/V of the new tokens into `cache` at meta.slots
         (the caller commits them). Returns hidden (B, T, H) after the final norm, and when `capture`
         names layers, the residual stream entering each, concatenated: (B, T, len(capture) * H)."""
-        h = embed(self.model.embed_tokens.weight, input_ids)  # (B, T, H)
+        h = self.embed(input_ids)  # (B, T, H)
         cos, sin = self.model.rotary(positions, h.dtype)
         taps, residual = {}, None
         for i, layer in enumerate(self.model.layers):
@@ -280,8 +282,38 @@ class CausalLM(nn.Module):
         aux = torch.cat([taps[i] for i in capture], -1) if capture else None  # in capture's order, repeats kept
         return self.model.norm(h, residual)[0], aux
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The input embedding of `ids` (...) -> (..., H) (a collective under vocabulary parallelism)."""
+        if self.config.vocab_slice is None:
+            return embed(self.model.embed_tokens.weight, ids)
+        from ..dist import vocab
+
+        return vocab.lookup(self.model.embed_tokens.weight, ids, self.config.vocab_slice[0])
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # (..., V)
+        """(..., H) -> (..., V) over the whole vocabulary (gathered under vocabulary parallelism)."""
+        if self.config.vocab_slice is None:
+            return self.lm_head(hidden)
+        from ..dist import vocab
+
+        return vocab.gather(self.lm_head(hidden), self.config.vocab_size)
+
+    def output_weight(self) -> torch.Tensor:
+        """The whole (V, H) output layer (see whole_table)."""
+        return self.whole_table(self.lm_head.weight)
+
+    def input_weight(self) -> torch.Tensor:
+        """The whole (V, H) embedding table (see whole_table)."""
+        return self.whole_table(self.model.embed_tokens.weight)
+
+    def whole_table(self, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` itself, or under vocabulary parallelism a copy of the whole table gathered from
+        every rank's rows (a collective: every rank calls it; training and drafter loading use it)."""
+        if self.config.vocab_slice is None:
+            return weight
+        from ..dist import vocab
+
+        return vocab.whole_table(weight, self.config.vocab_size)
 
     def fuse_projections(self) -> None:
         """For inference: q/k/v and gate/up each as one matmul (see fuse_linears)."""

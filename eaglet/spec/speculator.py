@@ -65,7 +65,7 @@ def load_speculator(spec: SpecConfig, target: CausalLM, target_path: Path | None
     path = spec.draft or (bundled_drafter() if target_path is None else None)
     if path is None:
         raise ModelLoadError("--spec eagle3 needs --draft PATH (an EAGLE-3 drafter directory) for this model")
-    head, embed = load_eagle3(path, target.config, device, dtype, target.lm_head.weight, target.kernels)
+    head, embed = load_eagle3(path, target.config, device, dtype, target.output_weight(), target.kernels)
     head.fuse_projections()
     if head.kernels.compile:
         compile_elementwise(head)

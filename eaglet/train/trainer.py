@@ -161,6 +161,7 @@ class Trainer:
         self.writer = self.rank == 0 and not GROUP.get("rank")  # tensor-parallel ranks: the head is rank 0's
         p = next(target.parameters())
         self.device = p.device
+        self.target_out = target.output_weight()  # (V, H) whole, also where the target's ranks split it
         rows = []
         for d in (cfg.data,) if isinstance(cfg.data, str) else cfg.data:
             got = read_shards(d)
@@ -188,7 +189,7 @@ class Trainer:
         head = self.new_head()
         if self.cfg.shared_lm_head and not head.cfg.shared_lm_head:  # turned to land near the target's rows
             try:
-                head = onto_target_output(head, self.target.lm_head.weight.detach().float())
+                head = onto_target_output(head, self.target_out.detach().float())
             except ValueError as e:
                 raise InvalidInput(f"--shared-lm-head: {e} ({self.cfg.init_from})") from None
             self.log(f"drafting through the target's output layer ({head.cfg.draft_vocab_size} ids) from now on")
@@ -201,7 +202,7 @@ class Trainer:
         counts = token_counts(self.rows, tcfg.vocab_size)
         if self.cfg.init_from:  # fine-tune an existing drafter (e.g. one trained for an older target)
             head, self.head_embed = load_eagle3(self.cfg.init_from, tcfg, self.device, torch.float32,
-                                                self.target.lm_head.weight)
+                                                self.target_out)
             size, had = self.cfg.intermediate_size, head.cfg.layer.intermediate_size
             if size and size != had:  # the same function in a wider MLP (Eagle3Head.widen_mlp)
                 try:
@@ -216,7 +217,7 @@ class Trainer:
                 raise InvalidInput(f"--draft-vocab: {self.cfg.init_from} drafts through the target's output layer")
             ids = most_frequent(counts, self.cfg.draft_vocab).to(had.device) if self.cfg.draft_vocab else had
             if not torch.equal(ids, had):  # re-chosen from this data (Eagle3Head.with_vocab)
-                head = head.with_vocab(ids, self.target.lm_head.weight)
+                head = head.with_vocab(ids, self.target_out)
                 self.log(f"draft vocabulary re-chosen: {len(ids)} ids, {int(torch.isin(ids, had).sum())} of the "
                          f"drafter's {len(had)} kept, covering {coverage(counts, had):.2%} of assistant tokens before")
             self.log(f"initialised from {self.cfg.init_from}; its draft vocabulary of {len(ids)} ids covers "
@@ -231,7 +232,7 @@ class Trainer:
             raise InvalidInput(f"--num-attention-heads/--num-key-value-heads: {e}") from None
         head = Eagle3Head(replace(hcfg, shared_lm_head=self.cfg.shared_lm_head)).to(self.device)
         if self.cfg.shared_lm_head:  # nothing learned to turn: the target's layer in place of random rows
-            head.share_lm_head(self.target.lm_head.weight.detach().float())
+            head.share_lm_head(self.target_out.detach().float())
         ids = most_frequent(counts, hcfg.draft_vocab_size)
         head.set_vocab(ids.to(self.device))
         self.log(f"draft vocabulary {len(ids)} ids covers {coverage(counts, ids):.2%} of assistant tokens")
@@ -301,7 +302,7 @@ class Trainer:
             cache, meta = AppendKV(self.target.config.num_layers), AttnMeta.build(zeros, pos, ids.shape[1],
                                                                                    sliding_window=window)
         hidden, taps = self.target(ids, pos, cache, meta, capture=self.head.cfg.aux_layers)
-        target = Targets.from_hidden(self.head, hidden, self.target.lm_head.weight, self.cfg.target_temperature)
+        target = Targets.from_hidden(self.head, hidden, self.target_out, self.cfg.target_temperature)
         return taps.to(hdtype), target  # no (B, T, V) logits
 
     def head_loss(self, ids, mask, embed, taps, target, cuda):
@@ -347,7 +348,7 @@ class Trainer:
             torch.backends.cuda.matmul.allow_tf32 = True  # restored by train()
         hdtype = next(self.head.parameters()).dtype  # float32; the target may be bfloat16 (its inputs follow the head)
         # the drafter's own embedding where it brings one (it drafts with it), else the target's
-        embed = (self.target.model.embed_tokens.weight if self.head_embed is None else self.head_embed).to(hdtype)
+        embed = (self.target.input_weight() if self.head_embed is None else self.head_embed).to(hdtype)
         timer = PhaseTimer(self.device)
         bar = tqdm(total=self.total, initial=self.step, desc="train-draft", disable=not self.progress or self.rank)
         t0, tokens, real, padded, first = time.perf_counter(), 0, 0, 0, self.step

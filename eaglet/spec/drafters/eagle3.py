@@ -28,15 +28,18 @@ class Eagle3Drafter(NeuralDrafter):
         cache = KVCache(c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, p.dtype, p.device)
         super().__init__(spec, target.config.vocab_size, cache, c.hidden_size)
         self.head, self.taps, self.kernels = head, head.cfg.aux_layers, head.kernels
-        self.embed_weight = embed.to(p) if embed is not None else target.model.embed_tokens.weight
+        # the drafter's own embedding table where it brings one, else the target's (which under
+        # vocabulary parallelism is a lookup over the ranks: CausalLM.embed)
+        self.own_embed = embed.to(p) if embed is not None else None
+        self.target_embed = target.embed
         self.d2t_ids = head.draft_to_target()
         self.full_vocab = head.cfg.draft_vocab_size == target.config.vocab_size
         # draft ids embed through their own rows (one gather a level instead of two)
-        self.draft_embed = self.embed_weight if self.full_vocab else self.embed_weight[self.d2t_ids]  # (Vd, H)
+        self.draft_embed = None if self.full_vocab else self.embed(self.d2t_ids)  # (Vd, H)
         self.pend_feats = torch.zeros(batch, spec.steps + 1, c.hidden_size, dtype=p.dtype, device=p.device)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return embed(self.embed_weight, ids)
+        return self.target_embed(ids) if self.own_embed is None else embed(self.own_embed, ids)
 
     def to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self.full_vocab else self.d2t_ids[ids]
@@ -62,4 +65,5 @@ class Eagle3Drafter(NeuralDrafter):
 
     def draft_step(self, ids, state, depth, mask, pending):
         positions, meta = self.level_meta(*ids.shape, depth, mask, pending)
-        return self.head.step(embed(self.draft_embed, ids), state, positions, self.cache, meta)
+        x = self.embed(ids) if self.draft_embed is None else embed(self.draft_embed, ids)
+        return self.head.step(x, state, positions, self.cache, meta)
