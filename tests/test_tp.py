@@ -33,7 +33,7 @@ def tp_logits(tp: TP, path: str, moe: str = "tp", fused: bool = False) -> tuple[
 
 
 @pytest.mark.parametrize("family, world", [("llama3", 2), ("llama3", 4), ("qwen3", 2), ("qwen3_moe", 2),
-                                           ("mixtral", 2), ("deepseek_v3", 2)])
+                                           ("qwen3_moe", 4), ("mixtral", 2), ("deepseek_v3", 2), ("deepseek_v3", 4)])
 def test_tensor_parallel_logits_equal_the_whole_model(tiny_dirs, family, world):
     path = str(tiny_dirs[family][0])
     want, _ = tp_logits(TP(0, 1), path)
@@ -42,20 +42,22 @@ def test_tensor_parallel_logits_equal_the_whole_model(tiny_dirs, family, world):
         assert (logits - want).abs().max() <= 1e-5 * want.abs().max(), rank
 
 
-@pytest.mark.parametrize("family, fused", [("qwen3_moe", False), ("mixtral", False), ("deepseek_v3", False),
-                                           pytest.param("qwen3_moe", True, marks=pytest.mark.slow)])
-def test_expert_parallel_logits_equal_the_whole_model(tiny_dirs, family, fused):
-    """--moe-parallel ep at TP 2 (8, 4 and 8 routed experts: four, two and four whole experts a rank),
-    through the gathered and grouped paths (or the routing and fused kernels, in Triton's interpreter):
-    every rank's logits equal the whole model's, and since each rank counts only the experts it
-    holds, the ranks' distinct-expert counts add up to the whole model's, layer by layer."""
+@pytest.mark.parametrize("family, world, fused", [("qwen3_moe", 2, False), ("qwen3_moe", 4, False),
+                                                  ("mixtral", 2, False), ("deepseek_v3", 2, False),
+                                                  ("deepseek_v3", 4, False),
+                                                  pytest.param("qwen3_moe", 2, True, marks=pytest.mark.slow)])
+def test_expert_parallel_logits_equal_the_whole_model(tiny_dirs, family, world, fused):
+    """--moe-parallel ep at TP 2 and 4 (8, 4 and 8 routed experts: 4 or 2, 2, and 4 or 2 whole experts
+    a rank), through the gathered and grouped paths (or the routing and fused kernels, in Triton's
+    interpreter): every rank's logits equal the whole model's, and since each rank counts only the
+    experts it holds, the ranks' distinct-expert counts add up to the whole model's, layer by layer."""
     path = str(tiny_dirs[family][0])
     want, touched = tp_logits(TP(0, 1), path)
-    got = run(tp_logits, 2, "cpu", (path, "ep", fused))
+    got = run(tp_logits, world, "cpu", (path, "ep", fused))
     for rank, (logits, _) in enumerate(got):
         assert (logits - want).abs().max() <= 1e-5 * want.abs().max(), rank
-    assert [a + b for a, b in zip(got[0][1], got[1][1])] == touched
-    assert all(0 < n < t for _, counts in got for n, t in zip(counts, touched))  # each rank a share
+    assert [sum(ns) for ns in zip(*(counts for _, counts in got))] == touched
+    assert all(n < t for _, counts in got for n, t in zip(counts, touched))  # each rank a share
 
 
 def test_kv_heads_split_or_replicate_and_bad_splits_are_refused(tiny_dirs):
@@ -193,6 +195,7 @@ def tp_generate(tp: TP, path: str, head_dir: str) -> dict[str, list[list[int]]]:
     prompts = [[5 + i, 17, 33, 2 * i + 40, 9, 5 + i, 17] for i in range(3)]
     cfg = GenerationConfig(max_new_tokens=24, ignore_eos=True)
     settings = {"plain": None, "ngram": SpecConfig("ngram", steps=3), "draft": SpecConfig("draft", path, steps=3),
+                "eagle3-chain": SpecConfig("eagle3", head_dir, steps=3),
                 "eagle3-tree": SpecConfig("eagle3", head_dir, steps=3, topk=2, draft_tokens=6)}
     out = {}
     with torch.inference_mode():
