@@ -1,6 +1,6 @@
 """`eaglet serve --tp 2` on CPUs (gloo): rank 0 serves the OpenAI API and leads, rank 1 follows its
 decoder; the reply equals one process's; a killed worker turns /health to 503 and the server
-exits within 30 s."""
+exits within 30 s; a hung one fails the request in flight with 503 after the collective timeout."""
 import os
 import signal
 import subprocess
@@ -17,8 +17,8 @@ from .serving import free_port
 from .test_server import wait_for
 
 
-def start(flags: list[str], port: int) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def start(flags: list[str], port: int, **env) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
     return subprocess.Popen([sys.executable, "-m", "eaglet", "serve", *flags, "--port", str(port),
                              "--served-model-name", "tiny", "--max-batch", "4"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -29,6 +29,17 @@ def health(port: int) -> int | None:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code
     except httpx.TransportError:
         return None
+
+
+def the_follower(proc: subprocess.Popen, port: int) -> psutil.Process:
+    """Rank 1 of a `serve --tp 2`: the spawned worker that does not listen on `port`."""
+    server = psutil.Process(proc.pid)
+    listening = {p.pid for p in server.children(recursive=True)
+                 if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in p.net_connections())}
+    followers = [p for p in server.children() if p.pid not in listening and "spawn_main" in " ".join(p.cmdline())
+                 and "resource_tracker" not in " ".join(p.cmdline())]
+    assert len(listening) == 1 and len(followers) == 1, (listening, followers)
+    return followers[0]
 
 
 def test_tensor_parallel_server(model_dir, capsys, monkeypatch):
@@ -52,14 +63,9 @@ def test_tensor_parallel_server(model_dir, capsys, monkeypatch):
             assert r.choices[0].message.content == want
 
         # a follower dies: 503, then the whole server exits, well within 30 s
-        server = psutil.Process(proc.pid)
-        listening = {p.pid for p in server.children(recursive=True)
-                     if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in p.net_connections())}
-        followers = [p for p in server.children() if p.pid not in listening and "spawn_main" in " ".join(p.cmdline())
-                     and "resource_tracker" not in " ".join(p.cmdline())]
-        assert len(listening) == 1 and len(followers) == 1, (listening, followers)
+        follower = the_follower(proc, port)
         t0 = time.monotonic()
-        followers[0].kill()
+        follower.kill()
         wait_for(lambda: health(port) == 503, 15)
         proc.wait(timeout=30)
         assert time.monotonic() - t0 < 30
@@ -92,3 +98,35 @@ def test_records_of_tensor_parallel_runs_carry_every_ranks_nccl_settings(model_d
     assert main(["compare", str(paths[0]), str(paths[1])]) == 0
     text = capsys.readouterr().out
     assert "environment.tensor_parallel.at_creation.1.NCCL_ALGO: \"Ring\" -> \"Tree\"" in text
+
+
+def test_a_hung_worker_fails_the_request_in_flight_and_the_server_exits(model_dir, monkeypatch):
+    """A follower that stops answering (SIGSTOP: alive, silent): the request in flight waits out the
+    collective timeout (EAGLET_DIST_TIMEOUT) and gets 503 with an OpenAI-shaped error, not silence;
+    /health turns 503 and the server exits with an error."""
+    monkeypatch.setenv("EAGLET_CACHE", str(model_dir.parent / "cache"))
+    port = free_port()
+    proc = start(["--model", str(model_dir), "--device", "cpu", "--spec", "none", "--tp", "2"], port,
+                 EAGLET_DIST_TIMEOUT="15")
+    follower = None
+    try:
+        def up():
+            assert proc.poll() is None, proc.stdout.read()
+            return health(port) == 200
+        wait_for(up, 120)
+        follower = the_follower(proc, port)
+        follower.suspend()
+        t0 = time.monotonic()
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=90,
+                       json={"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 20})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text
+        assert time.monotonic() - t0 < 45
+        proc.wait(timeout=60)
+        out = proc.stdout.read()
+        assert proc.returncode == 1 and "worker failed" in out and "timed out" in out.lower(), out
+    finally:
+        if follower is not None and follower.is_running():
+            follower.kill()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)

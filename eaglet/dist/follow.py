@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import datetime
 import logging
+import pickle
+
+from ..errors import EagletError
 
 log = logging.getLogger("eaglet.server")
 
@@ -23,22 +26,39 @@ IDLE_TIMEOUT = datetime.timedelta(days=365)  # a follower waits for the next cal
 
 
 class Channel:
-    """Rank 0 to the others: one pickled call at a time over its own gloo group (the model's
-    collectives stay on theirs)."""
+    """Rank 0 to the others: one pickled call at a time (its length, then its bytes) over its own
+    gloo group (the model's collectives stay on theirs). A follower waits for the next call as long
+    as the server idles; rank 0 waits for the followers to take it at most the collective timeout
+    (workers.TIMEOUT_S), so a hung rank fails the call instead of hanging the server."""
 
     def __init__(self):
         import torch.distributed as dist
 
-        self.dist = dist
+        from .workers import TIMEOUT_S
+
+        self.dist, self.timeout = dist, datetime.timedelta(seconds=TIMEOUT_S)
         self.group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
     def send(self, msg) -> None:
-        self.dist.broadcast_object_list([msg], src=0, group=self.group)
+        import torch
+
+        data = torch.frombuffer(bytearray(pickle.dumps(msg)), dtype=torch.uint8)
+        for t in (torch.tensor([len(data)]), data):
+            try:
+                self.dist.broadcast(t, src=0, group=self.group, async_op=True).wait(timeout=self.timeout)
+            except RuntimeError as e:
+                raise EagletError(f"the tensor-parallel ranks did not take rank 0's call: timed out after "
+                                  f"{self.timeout.total_seconds():.0f} s (EAGLET_DIST_TIMEOUT): a rank hangs "
+                                  f"({e})") from None
 
     def recv(self):
-        box = [None]
-        self.dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+        import torch
+
+        size = torch.zeros(1, dtype=torch.long)
+        self.dist.broadcast(size, src=0, group=self.group)
+        data = torch.empty(int(size), dtype=torch.uint8)
+        self.dist.broadcast(data, src=0, group=self.group)
+        return pickle.loads(data.numpy().tobytes())
 
 
 class Leader:

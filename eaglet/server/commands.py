@@ -161,9 +161,9 @@ def cmd_serve(args) -> int:
 
 
 def serve_leading(app, channel, args) -> int:
-    """Rank 0 of a tensor-parallel server: uvicorn until stopped; once any rank fails (the parent
-    sets the event), the engine stops (requests in flight and /health get 503) and the server
-    exits a few seconds later."""
+    """Rank 0 of a tensor-parallel server: uvicorn until stopped. Once any rank fails (the parent
+    sets the event) or rank 0's engine stops (a collective failed or timed out: a hung rank), the
+    requests in flight and /health get 503 and the server exits a few seconds later."""
     import threading
     import time
 
@@ -173,16 +173,22 @@ def serve_leading(app, channel, args) -> int:
 
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
 
+    failed = threading.Event()
+
     def watch() -> None:
-        workers.PEERS_FAILED.wait()
+        peers, engine = workers.PEERS_FAILED, app.state.engine  # peers: None under torchrun
+        while not (server.started and not server.should_exit
+                   and ((peers is not None and peers.is_set()) or not engine.thread.is_alive())):
+            time.sleep(0.2)
+        failed.set()
         print("[eaglet] a tensor-parallel worker failed: the server stops", file=sys.stderr)
-        app.state.engine.stop()
+        engine.stop()
         time.sleep(FAILED_GRACE_S)  # long enough for clients and probes to see the 503s
         server.should_exit = True
 
     threading.Thread(target=watch, name="eaglet-peers", daemon=True).start()
     server.run()
-    if workers.PEERS_FAILED.is_set():
+    if failed.is_set():
         raise EagletError("a tensor-parallel worker failed; the server stopped")
     channel.send(None)  # the followers leave their loops
     return 0

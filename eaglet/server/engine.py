@@ -42,7 +42,9 @@ oldest has waited ADMIT_WAIT; a batch of up to ADMIT_SHARE rows, or an idle one,
 
 Failures: an error in one row's output fails that request alone; an error in a step fails the
 requests of that batch (the decoder's state is shared) and the engine starts a new batch; any
-other error stops the engine thread, fails every request, and /health turns 503. All are logged.
+other error, and under tensor parallelism any error in a step (a collective that failed or timed
+out: the ranks may be out of step), stops the engine thread, fails every request, and /health
+turns 503. All are logged.
 """
 from __future__ import annotations
 
@@ -438,6 +440,13 @@ class Engine:
         try:
             outputs = fn()
         except Exception as e:
+            if self.channel is not None:  # tensor-parallel: the ranks may be out of step; the engine stops
+                rows = {id(r.request) for r in (self.batcher.rows if self.batcher else []) if r is not None}
+                for req in requests:  # those without a row; the engine's exit (_run) fails the rows
+                    if id(req) not in rows:  # (not released: that too would be a call on the other ranks)
+                        self._fail(req, APIError(503, f"the engine stopped: {e}", "server_error",
+                                                 code="engine_dead"))
+                raise
             log.exception("decoding failed; failing its %d requests", len(requests))
             for req in requests:
                 if req.row is not None and self.batcher is not None:
