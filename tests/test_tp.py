@@ -234,3 +234,42 @@ def test_generate_with_tensor_parallel_workers(capfd):
     assert main(argv + ["--tp", "2"]) == 1  # 9 heads do not split two ways: the worker's error, once
     err = capfd.readouterr().err
     assert err.count("do not split 2 ways") == 1
+
+
+def tp_shape_bench(tp: TP, config, out: str, moe: str) -> dict:
+    """`eaglet bench --shape` on this rank (its slice of random weights of `config`, registered as
+    the shape "tiny-tp": spawned workers do not see the test's registry)."""
+    from eaglet.cli import build_parser
+    from eaglet.perf import shapes
+    from eaglet.perf.bench_shape import run_shape_bench
+
+    shapes.SHAPES["tiny-tp"] = config
+    args = build_parser().parse_args(["bench", "--shape", "tiny-tp", "--device", "cpu", "--dtype", "float32",
+                                      "--context", "16", "--max-new-tokens", "6", "--repeats", "1",
+                                      "--tree", "2,2,4", "--out", out])
+    args.shard = dataclasses.replace(tp, moe=moe)
+    bench = run_shape_bench(args)
+    with torch.device("meta"):
+        model = shapes.CausalLM(local_config(config, args.shard) if tp.world > 1 else config)
+    return bench, shapes.decode_bytes(model, 16)
+
+
+@pytest.mark.parametrize("moe", ["tp", "ep"])
+def test_shape_bench_under_tensor_parallelism(tmp_path, moe):
+    """`bench --shape --tp 2` (random weights at a shape's sizes, dist/launch.py's workers): every
+    rank builds its slice of a Qwen3-MoE-like shape, the ranks decode and speculate in step (the
+    same tokens on both: what both hold whole is drawn alike), a rank's roofline bytes are about
+    half the model's, and rank 0 alone writes the record, without a transformers baseline."""
+    from eaglet.perf.shapes import SHAPES
+
+    q = SHAPES["qwen3-30b-a3b"]
+    tiny = dataclasses.replace(q, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=4, num_kv_heads=2,
+                               head_dim=16, vocab_size=256, moe=dataclasses.replace(q.moe, num_experts=16,
+                                                                                      expert_size=16, top_k=2))
+    (one, whole), = run(tp_shape_bench, 1, "cpu", (tiny, str(tmp_path / "1"), moe))
+    two = run(tp_shape_bench, 2, "cpu", (tiny, str(tmp_path / "2"), moe))
+    assert "transformers" in one["decode"] and "transformers" not in two[0][0]["decode"]
+    for name, s in two[0][0]["speculation"].items():
+        assert s["equals_plain"] and s["accept_length"] == two[1][0]["speculation"][name]["accept_length"], name
+    assert [b for _, b in two] == [two[0][1]] * 2 and 0.4 * whole < two[0][1] < 0.6 * whole
+    assert len(list((tmp_path / "2").glob("bench-shape-tiny-tp-*.json"))) == 1

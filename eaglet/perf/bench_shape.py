@@ -110,7 +110,10 @@ def run_shape_bench(args) -> dict:
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    model = random_model(args.shape, device, dtype, kernels=model_kernels(args, device))
+    from ..dist.launch import shard
+
+    tp = shard(args)
+    model = random_model(args.shape, device, dtype, kernels=model_kernels(args, device), tp=tp)
     ctx = args.context
     prompt = torch.randint(0, model.config.vocab_size, (ctx,), generator=torch.Generator().manual_seed(1)).tolist()
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True)
@@ -129,10 +132,12 @@ def run_shape_bench(args) -> dict:
                                                     experts=experts)
         if experts:
             results["experts"] = experts
-    results["decode"]["transformers"] = transformers_decode(model, prompt, args.max_new_tokens, device, args.repeats)
-    for mode in modes:
-        results["decode"][mode]["vs_transformers"] = (results["decode"][mode]["tok_s"]
-                                                      / results["decode"]["transformers"]["tok_s"])
+    if tp is None or tp.world == 1:  # (transformers' model of one rank's slice would mean nothing)
+        results["decode"]["transformers"] = transformers_decode(model, prompt, args.max_new_tokens, device,
+                                                                args.repeats)
+        for mode in modes:
+            results["decode"][mode]["vs_transformers"] = (results["decode"][mode]["tok_s"]
+                                                          / results["decode"]["transformers"]["tok_s"])
     best_mode = "graphed" if "graphed" in modes else "eager"
     if "graphed" in modes:
         results["decode"]["graphed"]["equals_eager"] = plain_tokens["graphed"] == plain_tokens["eager"]

@@ -61,15 +61,24 @@ SLICES = {"kimi-k2": 61, "kimi-k2.5": 61}  # a sliced shape -> the whole model's
 RELEASED = {"kimi-k2": ("fp8", 128), "kimi-k2.5": ("int4", 32)}
 
 
-def random_model(name: str, device, dtype: torch.dtype, seed: int = 0, kernels: Kernels | None = None) -> CausalLM:
+def random_model(name: str, device, dtype: torch.dtype, seed: int = 0, kernels: Kernels | None = None,
+                 tp=None) -> CausalLM:
     """The named shape with N(0, 0.02) weights and unit norms, built directly on `device`, running
     `kernels` (default: the best the device has). MoE layers route their tokens as if uniformly
-    (SparseMoE.route_spread): random weights alone would send every token to the same experts."""
+    (SparseMoE.route_spread): random weights alone would send every token to the same experts.
+    With `tp` (dist/tp.py's TP), this rank's slice, its outputs summed over the ranks: every rank
+    draws the same weights for its same-shaped tensors, so what all ranks hold whole (norms,
+    routers, MLA's latent projections) agrees and every rank routes alike."""
     if name not in SHAPES:
         raise InvalidInput(f"unknown shape {name!r} (choose from {', '.join(SHAPES)})")
     kernels = Kernels.choose(device) if kernels is None else kernels
+    config = SHAPES[name]
+    if tp is not None and tp.world > 1:
+        from ..dist.tp import local_config
+
+        config = local_config(config, tp)
     with torch.device("meta"):
-        model = CausalLM(SHAPES[name], kernels)
+        model = CausalLM(config, kernels)
     model = model.to_empty(device=device).to(dtype)
     model.post_materialize()
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -83,6 +92,10 @@ def random_model(name: str, device, dtype: torch.dtype, seed: int = 0, kernels: 
     for m in model.modules():
         if isinstance(m, SparseMoE):
             m.route_spread()
+    if tp is not None and tp.world > 1:
+        from ..dist.tp import all_reduce_outputs
+
+        all_reduce_outputs(model)
     if kernels.compile:
         compile_elementwise(model)
     return model.eval().requires_grad_(False)
