@@ -54,6 +54,18 @@ def test_moe_shapes_have_the_published_sizes_and_touched_bytes():
     assert 1.02e12 < whole < 1.05e12  # Kimi-K2: 1.04T parameters
 
 
+def test_the_multi_gpu_shapes_have_their_published_sizes():
+    """The shapes tensor parallelism is measured on (issue 55): Llama-3.1-70B's 70.6B parameters
+    and Qwen3-235B-A22B's 235B, 22B of them active a token (their model cards), on the meta device."""
+    with torch.device("meta"):
+        llama = CausalLM(SHAPES["llama-3.1-70b"]).to(torch.bfloat16)
+        qwen = CausalLM(SHAPES["qwen3-235b-a22b"]).to(torch.bfloat16)
+    assert 70.5e9 < weight_bytes(llama) / 2 < 70.6e9
+    assert 235.0e9 < weight_bytes(qwen) / 2 < 235.2e9
+    c = SHAPES["qwen3-235b-a22b"]
+    assert 22.1e9 < (decode_bytes(qwen) / 2 + c.vocab_size * c.hidden_size) < 22.3e9  # the embedding counted
+
+
 def test_touched_bytes_of_expert_parallel_ranks_add_up_to_the_whole_models():
     """Under expert parallelism a rank reads only its own experts of those the tokens touch: what a
     verify of 16 tokens reads beyond a decode's, summed over the ranks, is the whole model's."""

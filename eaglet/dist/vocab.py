@@ -13,6 +13,9 @@ import torch.distributed as dist
 
 from ..models.llama import embed
 
+# torch 2.13 renamed all_gather_into_tensor (same arguments); pyproject admits torch from 2.5
+_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def rows(vocab: int, rank: int, world: int) -> tuple[int, int]:
     """(first row, rows held) of `rank` among `world`: every rank holds ceil(vocab / world) rows."""
@@ -43,7 +46,7 @@ def gather(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     """Each rank's (..., R) logits -> the whole (..., vocab) on every rank: one all-gather."""
     world = dist.get_world_size()
     out = logits.new_empty(world * logits.shape[0], *logits.shape[1:])  # the ranks' along dim 0 (gloo's form)
-    dist.all_gather_into_tensor(out, logits.contiguous())
+    _gather(out, logits.contiguous())
     whole = out.view(world, *logits.shape).movedim(0, -2).reshape(*logits.shape[:-1], world * logits.shape[-1])
     return whole if whole.shape[-1] == vocab else whole[..., :vocab].contiguous()
 
@@ -52,5 +55,5 @@ def whole_table(weight: torch.Tensor, vocab: int) -> torch.Tensor:
     """The whole (vocab, H) table from every rank's rows (R, H): one all-gather, a new tensor."""
     world = dist.get_world_size()
     out = weight.new_empty(world * weight.shape[0], *weight.shape[1:])
-    dist.all_gather_into_tensor(out, weight.detach().contiguous())
+    _gather(out, weight.detach().contiguous())
     return out[:vocab]

@@ -17,6 +17,11 @@ SHAPES = {
         num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, max_position=131072,
         rope=RopeConfig(theta=500000.0, kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                         original_max_position=8192)),
+    "llama-3.1-70b": ModelConfig(
+        model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
+        num_heads=64, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, max_position=131072,
+        rope=RopeConfig(theta=500000.0, kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                        original_max_position=8192)),
     "qwen3-8b": ModelConfig(
         model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
         num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, max_position=40960,
@@ -30,6 +35,10 @@ SHAPES = {
         model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
         num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, max_position=40960,
         rope=RopeConfig(theta=1000000.0), qk_norm=True, moe=MoEConfig(128, 8, 768, True)),
+    "qwen3-235b-a22b": ModelConfig(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=94,
+        num_heads=64, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, max_position=40960,
+        rope=RopeConfig(theta=1000000.0), qk_norm=True, moe=MoEConfig(128, 8, 1536, True)),
     "mixtral-8x7b": ModelConfig(
         model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,
         num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, max_position=32768,
