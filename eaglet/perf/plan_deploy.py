@@ -26,6 +26,8 @@ def add_args(pl) -> None:
     """The plan parser's deployment flags."""
     from .shapes import SHAPES
 
+    pl.add_argument("--record-dir", metavar="DIR", help="with --shape/--model: also write the prediction as a JSON "
+                                                          "record there (its inputs and environment)")
     pl.add_argument("--shape", help=f"a model shape eaglet knows: {', '.join(SHAPES)}")
     pl.add_argument("--model", help="a HF model directory: its config.json (weights not needed)")
     pl.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs)")
@@ -194,22 +196,29 @@ def plan_deployment(args) -> int:
     diag = None
     if args.verify_ms is not None:
         diag = diagnose(d, args.decode_ms, args.verify_ms, args.steps, tau, draft, args.other_ms, target, moe_shape)
+    payload = {"deployment": describe(d, target), "fixed_ms_solved": left, "draft_ms": draft,
+               "draft_ms_source": "given" if args.draft_ms is not None else "estimate",
+               "steps": [{**dataclasses.asdict(r), "ms": r.ms, "bytes_total": r.bytes.total} for r in rows],
+               "settings": [vars(s) for s in table], "acceptance": source, "best": vars(best) if best else None,
+               "diagnosis": None if diag is None else {
+                   **dataclasses.asdict(diag), "excess_ms": diag.excess_ms,
+                   "decode_left_ms": diag.decode.left_ms, "verify_left_ms": diag.verify.left_ms}}
+    if args.record_dir:
+        from .record import write_record
+
+        flags = {k: v for k, v in vars(args).items() if k != "func"}
+        payload["record"] = str(write_record("plan-deployment", flags, json.loads(json.dumps(payload, default=str)),
+                                             args.record_dir))
     if args.json:
-        print(json.dumps({"deployment": describe(d, target), "fixed_ms_solved": left, "draft_ms": draft,
-                          "draft_ms_source": "given" if args.draft_ms is not None else "estimate",
-                          "steps": [{**dataclasses.asdict(r), "ms": r.ms, "bytes_total": r.bytes.total} for r in rows],
-                          "settings": [vars(s) for s in table], "acceptance": source,
-                          "best": vars(best) if best else None,
-                          "diagnosis": None if diag is None else {
-                              **dataclasses.asdict(diag), "excess_ms": diag.excess_ms,
-                              "decode_left_ms": diag.decode.left_ms, "verify_left_ms": diag.verify.left_ms}},
-                         default=str))
+        print(json.dumps(payload, default=str))
         return 0
     if diag is not None:  # the verdict on today's numbers first, then the model, then where they part
         print("\n".join(diag.verdict.lines(tau, args.verify_ms)))
     print_prediction(d, target, rows, left, draft, args.draft_ms is None, table, best, source)
     if diag is not None:
         print("\n".join(lines(diag, tau, args.steps)))
+    if args.record_dir:
+        print(f"record: {payload['record']}")
     return 0
 
 
