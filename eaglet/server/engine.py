@@ -16,22 +16,18 @@ request draws from its own counter-based stream: the same text whatever runs bes
 Speculation (policy.py): a batch decodes plain or with one speculation setting, chosen by the
 SpecPolicy when the batch starts from the load: the requests it starts with (those admitted plus
 those still waiting, capped at its rows), or the most requests the server held at
-once in the last LOAD_WINDOW seconds if that is more. Clients that send their next request when
-the last one ends leave a moment with few requests between batches; by the instant count alone a
-batch would start speculating there. A window of 30 s spans the gap between one load run and the
-next (a load generator's start, another server's run beside it: ~8 s at 64 streams); with 2 s the
-burst of a new run met a batch started by its first request alone, whose setting (chosen for one)
-turned plain as the burst joined it (BENCHMARKS.md, twentieth session). An idle batch whose choice
-would now differ is replaced by a new one. When requests wait to join a speculating batch and the
-grown batch (running + waiting, capped) is one the policy decodes plain, or larger
-than any batch the policy chooses the batch's setting for (SpecPolicy.reach, as far as warm-up
-captures that setting's graphs), the batch turns plain where it stands (its decoder decodes plain
-on the same cache, Batcher.to_plain) and takes them in: nobody waits for the speculating
-requests to finish. (Moving the requests to a batch of the grown size's setting, each prefilled again, was measured
-to lose far more than it gains: BENCHMARKS.md, nineteenth session.) One decoder, and so
-one KV cache of --max-batch rows, serves every batch whatever its setting: plain batches run its plain
-step, each speculation setting a step of its own on the same rows (its drafter and the drafter's
-cache made the first time the setting is chosen, then kept with its CUDA graphs).
+once in the last LOAD_WINDOW seconds if that is more: clients that send their next request when
+the last one ends leave moments with few requests between batches, where the instant count alone
+would start a batch speculating; 30 s spans the gap between one load run and the next. An idle
+batch whose choice would now differ is replaced by a new one. When requests wait to join a
+speculating batch and the grown batch (running + waiting, capped) is one the policy decodes plain,
+or larger than any batch the policy chooses the batch's setting for (SpecPolicy.reach, as far as
+warm-up captures that setting's graphs), the batch turns plain where it stands (Batcher.to_plain,
+on the same cache) and takes them in: nobody waits for the speculating requests to finish (moving
+them to a new batch, each prefilled again, loses far more: docs/notebook.md). One decoder, and so
+one KV cache of --max-batch rows, serves every batch whatever its setting: plain batches run its
+plain step, each speculation setting a step of its own on the same rows (its drafter and the
+drafter's cache made the first time the setting is chosen, then kept with its CUDA graphs).
 
 Admissions into a running batch come in groups: each is a prefill and a sync that stalls the
 pipelined steps (~6 ms on the H200 at 64 speculating rows), and speculating rows finish at
@@ -52,11 +48,9 @@ import asyncio
 import logging
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import suppress
-from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -64,7 +58,6 @@ import torch
 from ..generate import Generator
 from ..runtime.decoder import Decoder, Step
 from ..spec.loop import SpecStep
-from ..sampling import SamplingParams
 from ..spec.metrics import SpecMetrics
 from . import MULTI_STEP
 from .batcher import Batcher, Output
@@ -72,56 +65,16 @@ from .load import LoadMeter
 from .metrics import ENGINE_PARTS, ServerMetrics
 from .policy import PLAIN, SpecPolicy, setting_name
 from .protocol import APIError
+from .request import Chunk, Request, put_all
 
 log = logging.getLogger("eaglet.server")
 ADMIT_SHARE = 8  # a running batch admits once 1/ADMIT_SHARE of its running count waits (or free rows' worth),
 ADMIT_WAIT = 0.02  # or once the oldest waiting request has waited this long (seconds)
 
 
-def put_all(items: list[tuple[asyncio.Queue, "Chunk"]]) -> None:
-    """On the event loop: each chunk into its request's queue."""
-    for queue, chunk in items:
-        queue.put_nowait(chunk)
-
-
 def graphs_on(generator: Generator) -> bool:
     """Whether the generator's decoders run CUDA graphs (on the GPU, unless --eager)."""
     return generator.graphs and next(generator.model.parameters()).device.type == "cuda"
-
-
-@dataclass(eq=False)
-class Request:
-    prompt: list[int]
-    max_tokens: int  # already within the context (the app checks)
-    sampling: SamplingParams
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    # set by Engine.generate (event loop side)
-    loop: asyncio.AbstractEventLoop | None = None
-    queue: asyncio.Queue | None = None
-    arrival: float = 0.0
-    # engine thread side
-    row: int | None = None
-    done: bool = False
-    first_at: float | None = None
-    last_at: float | None = None
-
-
-@dataclass
-class Chunk:
-    """Engine -> HTTP: new text of one request; the last one has finish_reason (or error)."""
-    text: str
-    tokens: int
-    finish_reason: str | None = None
-    completion_tokens: int = 0  # set on the last chunk
-    spec: SpecMetrics | None = None  # the request's draft counters, on the last chunk
-    error: APIError | None = None
-
-    def then(self, nxt: "Chunk") -> "Chunk":
-        """This chunk and the next one (not an error) as one."""
-        return Chunk(self.text + nxt.text, self.tokens + nxt.tokens, nxt.finish_reason, nxt.completion_tokens,
-                     nxt.spec)
 
 
 class Engine:
