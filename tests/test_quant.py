@@ -173,3 +173,46 @@ def test_quantized_experts_stay_stored_on_the_gpu(tiny_dirs, tmp_path, method):
         return m.logits(hidden).float()
     a, b = logits(plain), logits(kept)
     assert (a - b).abs().max() <= 0.03 * a.abs().max()
+
+
+
+def stored_logits(tp, path: str, moe: str = "tp") -> tuple[torch.Tensor, str, int]:
+    """A prefill of 9 tokens and a decode step on this rank of `path` (its MoE layers split as `moe`
+    says) with the fused MoE kernels (Triton's interpreter): the logits, the routed experts' storage
+    and how many this rank holds."""
+    import dataclasses
+
+    from eaglet.kernels import EAGER
+    from eaglet.kvcache import KVCache
+    from eaglet.models.moe import SparseMoE
+
+    from .test_model_parity import eaglet_step
+
+    model = load_model(path, dtype="float32", device="cpu", tokenizer=False, tp=dataclasses.replace(tp, moe=moe),
+                       kernels=dataclasses.replace(EAGER, moe=True)).model
+    layer = next(m for m in model.modules() if isinstance(m, SparseMoE))
+    cache = KVCache.for_model(model.config, 1, 32, torch.float32, "cpu")
+    ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        logits = torch.cat([eaglet_step(model, cache, ids[:, :9]), eaglet_step(model, cache, ids[:, 9:])], 1)
+    return logits, type(layer.stacks()[0]).__name__, layer.held
+
+
+@pytest.mark.parametrize("method", ["fp8", "int4"])
+def test_expert_parallel_ranks_keep_quantized_experts_as_stored(tiny_dirs, tmp_path, method):
+    """`--tp 2 --moe-parallel ep` on a quantized checkpoint (as Kimi-K2.5's INT4 experts must run: a
+    terabyte once dequantized): each rank keeps its 4 of the 8 experts packed as stored, and the
+    logits equal one process's with every expert stored; split by width, they are dequantized."""
+    from eaglet.dist.tp import TP
+    from eaglet.dist.workers import run
+
+    write_quantized(tiny_dirs["qwen3_moe"][0], tmp_path / method, method)
+    path = str(tmp_path / method)
+    want, kind, held = stored_logits(TP(0, 1), path)
+    assert kind == ("Fp8Block" if method == "fp8" else "Int4") and held == 8
+    for logits, kind_r, held_r in run(stored_logits, 2, "cpu", (path, "ep")):
+        assert (kind_r, held_r) == (kind, 4)
+        assert (logits - want).abs().max() <= 1e-5 * want.abs().max()
+    for logits, kind_r, held_r in run(stored_logits, 2, "cpu", (path, "tp")):
+        assert kind_r == "Tensor" and held_r == 8  # each expert split by width: dequantized
+        assert (logits - want).abs().max() <= 1e-5 * want.abs().max()

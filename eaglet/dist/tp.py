@@ -16,7 +16,8 @@ MoE layers split one of two ways (TP.moe, `--moe-parallel`): each routed expert 
 above ("tp"), or expert parallelism ("ep"): rank r holds experts [r E/N, (r+1) E/N) whole, renumbered
 from 0 (MoEConfig.local_experts); every rank routes with the whole router and computes only its own
 experts' pairs (models/moe.py), and the same all-reduce sums them. Shared experts, dense MLPs and
-attention split as above either way.
+attention split as above either way. Routed experts a checkpoint stores quantized (INT4 packs, FP8
+blocks) stay as stored under EP, each a whole expert; split by width they are dequantized at load.
 """
 from __future__ import annotations
 
@@ -75,9 +76,9 @@ def check(c: ModelConfig, world: int, moe: str = "tp") -> None:
             raise InvalidInput(f"shared experts' width {shared} does not split {world} ways (--tp {world})")
     elif c.moe is not None and c.moe.expert_size % world:
         raise InvalidInput(f"expert width {c.moe.expert_size} does not split {world} ways (--tp {world})")
-    if c.moe is not None:
-        if c.moe.stored:
-            raise InvalidInput(f"routed experts kept quantized ({c.moe.stored[0]}) are not split over ranks")
+    if c.moe is not None and c.moe.stored and moe != "ep":
+        raise InvalidInput(f"routed experts kept quantized ({c.moe.stored[0]}) are not split by width: "
+                           f"--moe-parallel ep keeps them whole, as stored")
 
 
 def kv_heads(c: ModelConfig, tp: TP) -> tuple[int, int]:

@@ -200,6 +200,7 @@ class SparseMoE(nn.Module):
         self.count(experts)
         if self.cfg.stored:  # quantized experts, many tokens: the fused kernels, MAX_TOKENS at a time
             m = fused_moe.MAX_TOKENS
+            experts = experts.clamp(max=self.held - 1)  # another rank's pairs (weight 0) on one held here
             out = torch.cat([fused_moe.fused_moe(x[i:i + m], experts[i:i + m], weights[i:i + m], gate_up, down)
                              for i in range(0, x.shape[0], m)])
         elif experts.numel() <= 2 * self.held:  # few tokens: gathered, static shapes

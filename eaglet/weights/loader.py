@@ -127,8 +127,9 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype | None =
     method = quant.scheme(quantized)  # an unsupported one refused before the model is built
     kernels = Kernels.choose(dev) if kernels is None else kernels
     keep = None
-    one_rank = tp is None or tp.world == 1  # split over ranks (by width, or whole under EP): dequantized
-    if method and config.moe is not None and kernels.moe and one_rank and (stored := moe_stored.storable(*method)):
+    # split over ranks by width, routed experts are dequantized; whole (one rank, or EP) they stay as stored
+    whole = tp is None or tp.world == 1 or tp.moe == "ep"
+    if method and config.moe is not None and kernels.moe and whole and (stored := moe_stored.storable(*method)):
         # routed experts stay as stored: the fused kernels read them packed (a quarter or half the bytes)
         config = config.replace(moe=dataclasses.replace(config.moe, stored=stored))
         keep = lambda name: moe_stored.ROUTED.search(name) is not None  # noqa: E731
