@@ -155,3 +155,33 @@ def test_bad_inputs_are_one_error_line(capsys, args):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("eaglet: error:")
     assert main(["plan", "--gpu", "h200", "--decode-ms", "12"]) == 1  # a deployment flag without a model
+
+
+def test_expert_parallel_steps_wait_for_the_busiest_rank(capsys):
+    """Under --moe-parallel ep a rank reads whole experts, and a step lasts as long as its busiest rank:
+    the expected most distinct experts one rank's E/N are touched by, against a simulation of uniform
+    routing (k of E without replacement per token) within 3%; one rank reads all that is touched.
+    Kimi-K2.5 on 8 ranks: a decode's 8 experts crowd about 2.6 onto the busiest rank, 2.6x the routed
+    bytes of the split by width; by 64 tokens every rank reads most of its own and the two near."""
+    import random
+
+    from eaglet.perf.step_model import busiest_rank
+
+    rng = random.Random(0)
+    for e, n, t, k in ((384, 8, 1, 8), (384, 8, 16, 8), (128, 4, 4, 8)):
+        touched = touched_experts(e, k, t)
+        runs, most = 1500, 0
+        for _ in range(runs):
+            hit = set().union(*(rng.sample(range(e), k) for _ in range(t)))
+            most += max(sum(1 for x in hit if x // (e // n) == r) for r in range(n))
+        sim = most / runs
+        assert busiest_rank(e, n, touched) == pytest.approx(sim, rel=0.03), (e, n, t)
+    assert busiest_rank(384, 1, 31.0) == pytest.approx(31.0)
+    c = SHAPES["kimi-k2.5"].replace(num_layers=61)
+    width, whole = (Deployment(c, 8, GPUS["rtx-pro-6000"], 1.0, LINKS["pcie5"], experts=RELEASED["kimi-k2.5"],
+                               moe_split=split) for split in ("tp", "ep"))
+    assert step_bytes(whole, 1).routed / step_bytes(width, 1).routed == pytest.approx(2.56, abs=0.05)
+    assert 1 < step_bytes(whole, 64).routed / step_bytes(width, 64).routed < 1.15
+    assert step_bytes(whole, 1).attention == step_bytes(width, 1).attention
+    p = plan_json(capsys, "--moe-parallel", "ep", "--accept-rate", "0.5")
+    assert p["deployment"]["moe_parallel"] == "ep"

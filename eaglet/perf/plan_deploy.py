@@ -40,6 +40,9 @@ def add_args(pl) -> None:
     pl.add_argument("--context", type=int, default=1024, help="tokens in the cache")
     pl.add_argument("--experts-format", choices=list(FORMATS), help="routed experts as stored (default: the "
                                                                       "shape's release, or the config's quantization)")
+    pl.add_argument("--moe-parallel", choices=["tp", "ep"], default="tp",
+                    help="routed experts split by width over the ranks (tp), or whole, E/N a rank (ep: a step waits "
+                         "for the rank its tokens' experts crowd most)")
     pl.add_argument("--routing-spread", type=float, default=1.0,
                     help="distinct experts beyond a token's k, as a fraction of uniform routing's (1: uniform; "
                          "from the MoE counters: (measured - k) / (uniform - k))")
@@ -92,7 +95,7 @@ def deployment(args) -> tuple[Deployment, str, str | None]:
     c, target, released, moe_shape = model_config(args)
     if args.tp < 1:
         raise InvalidInput(f"--tp {args.tp}: must be at least 1")
-    check(c, args.tp)  # heads, KV heads and widths split N ways, or one error naming what does not
+    check(c, args.tp, args.moe_parallel)  # heads, KV heads, widths (experts) split N ways, or an error naming it
     if args.gpu is None:
         raise InvalidInput(f"--gpu is needed (one of {', '.join(hardware.GPUS)})")
     comm = link = None
@@ -119,7 +122,7 @@ def deployment(args) -> tuple[Deployment, str, str | None]:
         fmt = FORMATS[args.experts_format]
         experts = released if released and fmt and released[0] == fmt[0] else fmt
     return Deployment(c, args.tp, hardware.gpu(args.gpu), eff, link, comm, experts, args.context,
-                      args.routing_spread), target, moe_shape
+                      args.routing_spread, moe_split=args.moe_parallel), target, moe_shape
 
 
 def solve_alpha(tau: float, steps: int) -> float:
@@ -227,7 +230,7 @@ def describe(d: Deployment, target: str) -> dict:
     return {"model": target, "layers": c.num_layers, "tp": d.tp, "gpu": d.gpu.name, "gpu_source": d.gpu.source,
             "link": d.link.name if d.link else None, "link_source": d.link.source if d.link else None,
             "comm_curve": d.comm is not None, "experts": d.experts, "efficiency": d.efficiency,
-            "context": d.context, "routing_spread": d.spread, "fixed_ms": d.fixed_ms}
+            "context": d.context, "routing_spread": d.spread, "fixed_ms": d.fixed_ms, "moe_parallel": d.moe_split}
 
 
 def print_prediction(d: Deployment, target: str, rows, left, draft: float, estimated: bool, table, best,
@@ -238,7 +241,9 @@ def print_prediction(d: Deployment, target: str, rows, left, draft: float, estim
     comm = "a measured bench-comm curve" if d.comm is not None else d.link.name if d.link else "none"
     print(f"{target.split(' ', 1)[1]}: {c.num_layers} layers on {d.tp} x {d.gpu.name} "
           f"({d.gpu.bandwidth_gb_s:.0f} GB/s at "
-          f"{d.efficiency:.0%}), all-reduces: {comm}; " + (f"routed experts {fmt}; " if c.moe else "")
+          f"{d.efficiency:.0%}), all-reduces: {comm}; "
+          + (f"routed experts {fmt}, {'whole, E/N a rank' if d.moe_split == 'ep' else 'split by width'}; "
+             if c.moe else "")
           + f"context {d.context}")
     b = one.bytes
     print(f"a rank reads {b.total / 1e9:.2f} GB a decode step: attention {b.attention / 1e9:.2f}, dense MLPs "

@@ -10,7 +10,9 @@ A rank's bytes (batch 1, weights in bfloat16 but the routed experts, which read 
   dense MLPs and shared experts: split by width
   routed experts: of each MoE layer, the distinct experts T tokens route to, k + s(E(1 - (1-k/E)^T) - k)
     with s = 1 for uniform routing (`spread` < 1 where tokens share experts more, as measured by the
-    MoE counters); each expert split by width, so a rank reads 1/N of every touched expert
+    MoE counters); each expert split by width, so a rank reads 1/N of every touched expert; or under
+    expert parallelism (`moe_split` "ep") each rank holds E/N experts whole and the step waits for
+    the busiest: the expected most distinct experts one rank's E/N are touched by (`busiest_rank`)
   norms and routers: whole on every rank
   output layer: vocabulary-parallel (split over the ranks, as vLLM and SGLang do); the input embedding
     is a lookup of T rows, not counted (as shapes.decode_bytes)
@@ -52,6 +54,7 @@ class Deployment:
     context: int = 1024  # tokens in the cache
     spread: float = 1.0  # distinct experts beyond a token's k, as a fraction of uniform routing's
     fixed_ms: float = 0.0
+    moe_split: str = "tp"  # routed experts split by width ("tp") or whole, E/N a rank ("ep")
 
     def allreduce_us(self, nbytes: float) -> float:
         if self.tp == 1:
@@ -83,11 +86,30 @@ def distinct_experts(d: Deployment, tokens: int) -> float:
     return m.top_k + d.spread * (touched_experts(m.num_experts, m.top_k, tokens) - m.top_k)
 
 
+def busiest_rank(experts: int, ranks: int, touched: float) -> float:
+    """The expected largest number of distinct experts any one of `ranks` ranks reads, each holding
+    experts / ranks of them, when `touched` of the `experts` are read, each alike likely: the largest
+    of `ranks` counts Binomial(experts / ranks, touched / experts) (taken as independent), by
+    E[max] = sum over m >= 1 of 1 - P(count < m)^ranks."""
+    from math import comb
+
+    held, p = experts // ranks, min(1.0, touched / experts)
+    pmf = [comb(held, i) * p ** i * (1 - p) ** (held - i) for i in range(held + 1)]
+    below, out = 0.0, 0.0
+    for m in range(1, held + 1):
+        below += pmf[m - 1]
+        out += 1 - min(1.0, below) ** ranks
+    return out
+
+
 def step_bytes(d: Deployment, tokens: int) -> StepBytes:
     c, n = d.config, d.tp
     h = c.hidden_size
     attn = norms = mlp = shared = routed = 0.0
     experts = distinct_experts(d, tokens) if c.moe is not None else 0.0
+    # whole experts a rank reads (EP: its busiest rank's), or expert-equivalents (TP: 1/N of each)
+    per_rank = busiest_rank(c.moe.num_experts, n, experts) if c.moe is not None and d.moe_split == "ep" and n > 1 \
+        else experts / n
     for layer in range(c.num_layers):
         attn += attention_params(c, n)
         norms += 2 * h
@@ -95,7 +117,7 @@ def step_bytes(d: Deployment, tokens: int) -> StepBytes:
             m = c.moe
             norms += h * m.num_experts  # the router
             shared += 3 * h * m.expert_size * m.shared_experts / n
-            routed += experts * 3 * h * m.expert_size / n * bytes_per_param(d.experts) / BF16
+            routed += per_rank * 3 * h * m.expert_size * bytes_per_param(d.experts) / BF16
         else:
             mlp += 3 * h * c.intermediate_size / n + ((2 * c.intermediate_size + h) / n if c.mlp_bias else 0)
     head = c.vocab_size * h / n + h
