@@ -24,11 +24,23 @@ h200:4685:4702 [0] NCCL INFO comm 0x5a0ca40 rank 0 nranks 2 cudaDev 0 nvmlDev 0 
 """
 
 
+# the forms of the same lines in older NCCL (2.7 to 2.11): channels without "/0", shared memory
+OLDER = """\
+node7:2201:2230 [1] NCCL INFO NCCL_P2P_LEVEL set by environment to LOC
+node7:2201:2230 [1] NCCL INFO Channel 00 : 1[89000] -> 0[3d000] via direct shared memory
+node7:2201:2230 [1] NCCL INFO Channel 01 : 1[89000] -> 2[b1000] via SHM/direct/direct
+node7:2201:2230 [1] NCCL INFO Channel 00/0 : 1[89000] -> 3[da000] via P2P/direct pointer
+"""
+
+
 def test_nccl_debug_lines_parse():
     log = parse_log(LOG)
     assert log.version == "2.27.3+cuda12.9"
     assert log.settings == {"NCCL_PROTO": "LL", "NCCL_ALGO": "Ring"}
     assert log.transports == {"0->1": "P2P", "1->0": "NET"}
+    old = parse_log(OLDER)
+    assert old.settings == {"NCCL_P2P_LEVEL": "LOC"}
+    assert old.transports == {"1->0": "SHM", "1->2": "SHM", "1->3": "P2P"}
 
 
 def test_nccl_env_arguments():

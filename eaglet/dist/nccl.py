@@ -16,8 +16,9 @@ PREFIXES = ("NCCL_", "TORCH_NCCL_")  # what NCCL reads, and what torch's NCCL pr
 
 SET_BY_ENV = re.compile(r"\b(NCCL_\w+) set by environment to (\S+)")
 VERSION = re.compile(r"NCCL version (\S+)")
-# "Channel 00/0 : 0[0] -> 1[1] via P2P/IPC/read" (and "... [send] via NET/Socket/3")
-CHANNEL = re.compile(r"Channel \d+/\d+ : (\d+)\[\w+\] -> (\d+)\[\w+\](?: \[\w+\])? via (\w+)")
+# "Channel 00/0 : 0[0] -> 1[1] via P2P/IPC/read" (P2P/CUMEM, P2P/direct pointer), "... [send] via
+# NET/Socket/3"; before NCCL 2.12 without "/0", and "via SHM/direct/direct" or "via direct shared memory"
+CHANNEL = re.compile(r"Channel \d+(?:/\d+)? : (\d+)\[\w+\] -> (\d+)\[\w+\](?: \[\w+\])? via (\w+)( shared memory)?")
 
 
 def parse_env_args(items: list[str] | None) -> dict[str, str]:
@@ -52,7 +53,7 @@ def parse_log(text: str) -> NcclLog:
         if m := SET_BY_ENV.search(line):
             log.settings[m[1]] = m[2]
         elif m := CHANNEL.search(line):
-            log.transports.setdefault(f"{m[1]}->{m[2]}", m[3])
+            log.transports.setdefault(f"{m[1]}->{m[2]}", "SHM" if m[4] else m[3])
         elif m := VERSION.search(line):
             log.version = m[1]
     return log
