@@ -50,6 +50,13 @@ def test_layers_and_names(tiny_dirs, family):
     assert moe.fused and moe.experts[2].linears()[2].weight.data_ptr() == moe.down[2].data_ptr()
 
 
+def routed_tokens(g, n: int, e: int, k: int, h: int):
+    """n random tokens of width h, each routed to k distinct of e experts with random weights."""
+    x = torch.randn(n, h, generator=g)
+    experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
+    return x, experts, torch.rand(n, k, generator=g)
+
+
 @torch.inference_mode()
 def test_gathered_grouped_and_by_expert_agree():
     """The few-token path (gathered weights, static shapes), the grouped matmul over pairs sorted by
@@ -59,9 +66,7 @@ def test_gathered_grouped_and_by_expert_agree():
     e, k, h, i = 8, 3, 16, 12
     gate_up, down = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
     for n in (1, 5, 40):
-        x = torch.randn(n, h, generator=g)
-        experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
-        weights = torch.rand(n, k, generator=g)
+        x, experts, weights = routed_tokens(g, n, e, k, h)
         a, b = gathered(x, experts, weights, gate_up, down), by_expert(x, experts, weights, gate_up, down)
         c = grouped(x, experts, weights, gate_up, down)
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
@@ -76,9 +81,7 @@ def test_paths_skip_the_experts_of_another_rank():
     e, k, h, i = 16, 3, 16, 12
     gate_up, down = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
     for n in (1, 5, 40):
-        x = torch.randn(n, h, generator=g)
-        experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
-        weights = torch.rand(n, k, generator=g)
+        x, experts, weights = routed_tokens(g, n, e, k, h)
         here = experts >= 8
         want = by_expert(x, experts, weights * here, gate_up, down)
         local, w = experts.where(here, 16) - 8, weights * here
