@@ -231,6 +231,17 @@ def test_generate_with_tensor_parallel_workers(capfd):
     one = capfd.readouterr().out
     assert main(argv + ["--tp", "3"]) == 0
     assert capfd.readouterr().out == one
+    # the bundled EAGLE-3 drafter embeds its draft vocabulary through rows of the target's split
+    # table: the same text (lossless either way) and the same accept length (the same drafts)
+    import re
+
+    eagle = argv[:-1] + ["eagle3", "--max-new-tokens", "12"]
+    outs = []
+    for tp in ("1", "3"):
+        assert main(eagle + ["--tp", tp]) == 0
+        got = capfd.readouterr()
+        outs.append((got.out, re.search(r"eagle3 accept length ([\d.]+)", got.err)[1]))
+    assert outs[0] == outs[1]
     assert main(argv + ["--tp", "2"]) == 1  # 9 heads do not split two ways: the worker's error, once
     err = capfd.readouterr().err
     assert err.count("do not split 2 ways") == 1
