@@ -244,6 +244,11 @@ class ModelConfig:
                                  f"num_key_value_heads {self.num_kv_heads}")
 
     @property
+    def vocab_rows(self) -> int:
+        """Rows of the embedding and output layer this model holds: all, or its vocabulary slice's."""
+        return self.vocab_size if self.vocab_slice is None else self.vocab_slice[1]
+
+    @property
     def default_eagle_layers(self) -> tuple[int, int, int]:
         """Layers whose *input* residual stream EAGLE-3 taps: 2, N//2, N-3 (see docs/eagle3.md)."""
         n = self.num_layers

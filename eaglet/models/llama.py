@@ -244,8 +244,7 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, config: ModelConfig, kernels: Kernels = EAGER):
         super().__init__()
-        rows = config.vocab_size if config.vocab_slice is None else config.vocab_slice[1]
-        self.embed_tokens = nn.Embedding(rows, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_rows, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, kernels) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config, kernels)
@@ -259,8 +258,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config, self.kernels = config, kernels
         self.model = Decoder(config, kernels)
-        rows = config.vocab_size if config.vocab_slice is None else config.vocab_slice[1]  # dist/vocab.py
-        self.lm_head = Linear(config.hidden_size, rows, bias=False, kernels=kernels)
+        self.lm_head = Linear(config.hidden_size, config.vocab_rows, bias=False, kernels=kernels)  # dist/vocab.py
         self.tie_weights()
 
     def tie_weights(self) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ModelConfig
+from ..dist.tp import MOE_SPLITS
 from ..errors import InvalidInput
 from . import hardware
 from .cost import Costs, chain_tau, tau_from_positions
@@ -40,7 +41,7 @@ def add_args(pl) -> None:
     pl.add_argument("--context", type=int, default=1024, help="tokens in the cache")
     pl.add_argument("--experts-format", choices=list(FORMATS), help="routed experts as stored (default: the "
                                                                       "shape's release, or the config's quantization)")
-    pl.add_argument("--moe-parallel", choices=["tp", "ep"], default="tp",
+    pl.add_argument("--moe-parallel", choices=MOE_SPLITS, default="tp",
                     help="routed experts split by width over the ranks (tp), or whole, E/N a rank (ep: a step waits "
                          "for the rank its tokens' experts crowd most)")
     pl.add_argument("--routing-spread", type=float, default=1.0,

@@ -126,8 +126,9 @@ def decode_bytes(model: CausalLM, context: int = 0, tokens: int = 1, experts: fl
     """Bytes a batch-1 forward of `tokens` tokens must read: every weight once (the input embedding
     table only when tied to the output head, since a lookup reads one row; of the routed experts
     only those the tokens are expected to touch, `touched_experts`, or `experts` a layer where
-    measured; of an expert-parallel rank's share, its part of them), plus the cache of `context`
-    tokens (K and V, or MLA's latents)."""
+    measured; of an expert-parallel rank's share, its expected part of them: the mean rank's, where
+    the planner's step model takes the busiest rank's), plus the cache of `context` tokens (K and V,
+    or MLA's latents)."""
     c = model.config
     total = weight_bytes(model)
     if not c.tie_embeddings:
