@@ -133,13 +133,21 @@ class SparseMoE(nn.Module):
         self.fused = True
 
     def fuse_dense(self) -> None:
-        gate_up = torch.stack([torch.cat([e.linears()[0].weight.data, e.linears()[1].weight.data])
-                               for e in self.experts])  # (E, 2I, H)
-        down = torch.stack([e.linears()[2].weight.data for e in self.experts])  # (E, H, I)
-        width = gate_up.shape[1] // 2
+        g0, _, d0 = self.experts[0].linears()
+        width, hidden, n = g0.weight.shape[0], g0.weight.shape[1], len(self.experts)
+        # filled expert by expert, each expert's tensors freed as it becomes a view: one layer's
+        # experts are tens of GB at Kimi-K2's width, and a stack of copies would hold them twice
+        gate_up = g0.weight.new_empty(n, 2 * width, hidden)  # (E, 2I, H)
         for i, e in enumerate(self.experts):
-            g, u, d = e.linears()
-            g.weight.data, u.weight.data, d.weight.data = gate_up[i, :width], gate_up[i, width:], down[i]
+            g, u, _ = e.linears()
+            gate_up[i, :width].copy_(g.weight.data)
+            gate_up[i, width:].copy_(u.weight.data)
+            g.weight.data, u.weight.data = gate_up[i, :width], gate_up[i, width:]
+        down = d0.weight.new_empty(n, hidden, width)  # (E, H, I), once gate and up are freed
+        for i, e in enumerate(self.experts):
+            d = e.linears()[2]
+            down[i].copy_(d.weight.data)
+            d.weight.data = down[i]
         self.register_buffer("gate_up", gate_up, persistent=False)
         self.register_buffer("down", down, persistent=False)
 

@@ -133,8 +133,13 @@ def run_shape_bench(args) -> dict:
         if experts:
             results["experts"] = experts
     if tp is None or tp.world == 1:  # (transformers' model of one rank's slice would mean nothing)
-        results["decode"]["transformers"] = transformers_decode(model, prompt, args.max_new_tokens, device,
-                                                                args.repeats)
+        try:
+            results["decode"]["transformers"] = transformers_decode(model, prompt, args.max_new_tokens, device,
+                                                                    args.repeats)
+        except torch.OutOfMemoryError as e:  # its forward's own buffers beside eaglet's model: recorded, not fatal
+            results["transformers_skipped"] = f"out of memory: {str(e).splitlines()[0]}"
+            torch.cuda.empty_cache()
+    if "transformers" in results["decode"]:
         for mode in modes:
             results["decode"][mode]["vs_transformers"] = (results["decode"][mode]["tok_s"]
                                                           / results["decode"]["transformers"]["tok_s"])

@@ -88,7 +88,7 @@ def random_model(name: str, device, dtype: torch.dtype, seed: int = 0, kernels: 
         config = local_config(config, tp)
     with torch.device("meta"):
         model = CausalLM(config, kernels)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)  # (in `dtype` from the start: Kimi-K2's slice is 107 GB)
     model.post_materialize()
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
