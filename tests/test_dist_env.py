@@ -3,11 +3,12 @@ their communicator exists and report the environment at its creation; a setting 
 afterwards (the trap of the case eaglet starts from) is reported as not in effect; NCCL's debug
 lines are parsed for what it read and the transports it chose. On CPUs with gloo here."""
 import json
+from pathlib import Path
 
 import pytest
 
 from eaglet.cli import main
-from eaglet.dist.nccl import NcclLog, RankReport, check, parse_env_args, parse_log, table
+from eaglet.dist.nccl import NcclLog, RankReport, check, notes, parse_env_args, parse_log, table
 from eaglet.dist.workers import env_reports
 from eaglet.errors import InvalidInput
 
@@ -37,7 +38,7 @@ def test_nccl_debug_lines_parse():
     log = parse_log(LOG)
     assert log.version == "2.27.3+cuda12.9"
     assert log.settings == {"NCCL_PROTO": "LL", "NCCL_ALGO": "Ring"}
-    assert log.transports == {"0->1": "P2P", "1->0": "NET"}
+    assert log.transports == {"0->1": "P2P", "1->0": "NET"} and log.ranks == 2
     old = parse_log(OLDER)
     assert old.settings == {"NCCL_P2P_LEVEL": "LOC"}
     assert old.transports == {"1->0": "SHM", "1->2": "SHM", "1->3": "P2P"}
@@ -93,3 +94,24 @@ def test_eaglet_env_command(capsys):
     assert out["errors"] == [] and [r["env_at_creation"]["NCCL_PROTO"] for r in out["ranks"]] == ["LL", "LL"]
     assert main(["env", "--tp", "2", "--device", "cpu", "--nccl-env", "PROTO=LL"]) == 1
     assert "not an NCCL setting" in capsys.readouterr().err
+
+
+def test_nccl_log_of_one_rank_on_the_h200():
+    """NCCL 2.28.9's own log of a one-rank communicator (`bash bench/gpu/nccl.sh` on the H200, asked
+    for NCCL_PROTO=LL NCCL_ALGO=Ring with NCCL_NVLS_ENABLE=0 inherited): its version, the rank count,
+    the setting it read ("... set by environment to 0." ends with a period), and no algorithm or
+    protocol line, since one rank has no peer to tune for. Those two are notes, not errors; a
+    setting it did read with another value stays an error."""
+    text = (Path(__file__).parent / "data" / "nccl-2.28.9-h200-one-rank.log").read_text()
+    log = parse_log(text)
+    assert (log.version, log.ranks, log.settings, log.transports) == ("2.28.9+cuda13.0", 1, {"NCCL_NVLS_ENABLE": "0"}, {})
+    want = {"NCCL_PROTO": "LL", "NCCL_ALGO": "Ring", "NCCL_NVLS_ENABLE": "0"}
+    r = RankReport(0, "nccl", dict(want), {}, "2.28.9", log)
+    assert check(want, [r]) == []
+    said = notes(want, [r])
+    assert len(said) == 2 and all("one-rank communicator runs no collective algorithm" in n for n in said)
+    assert "NCCL_PROTO=LL" in said[0] and "NCCL_ALGO=Ring" in said[1]
+    r.env_at_creation["NCCL_NVLS_ENABLE"] = "1"
+    assert check({"NCCL_NVLS_ENABLE": "1"}, [r]) == ["NCCL_NVLS_ENABLE=1 requested, but NCCL on rank 0 read 0"]
+    two = RankReport(0, "nccl", {"NCCL_PROTO": "LL"}, {}, "2.27.3", parse_log(LOG.replace("NCCL_PROTO", "NCCL_X")))
+    assert check({"NCCL_PROTO": "LL"}, [two])[0].startswith("NCCL_PROTO=LL requested, but NCCL on rank 0 did not")

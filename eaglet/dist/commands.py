@@ -7,7 +7,7 @@ import json
 import sys
 import tempfile
 
-from .nccl import check, parse_env_args, table
+from .nccl import check, notes, parse_env_args, table
 
 
 def add_env_parser(sub) -> None:
@@ -46,7 +46,8 @@ def cmd_env(args) -> int:
         with tempfile.TemporaryDirectory(prefix="eaglet-nccl-") as tmp:
             reports = env_reports(args.tp, device, settings, log_dir=args.nccl_log_dir or tmp)
         errors = check(settings, reports)
-        out.update(requested=settings, ranks=[dataclasses.asdict(r) for r in reports], errors=errors)
+        out.update(requested=settings, ranks=[dataclasses.asdict(r) for r in reports], errors=errors,
+                   notes=notes(settings, reports))
     if args.json:
         print(json.dumps(out, indent=2))
     else:
@@ -55,6 +56,8 @@ def cmd_env(args) -> int:
               f"GPU: {(env['gpu'] or {}).get('name', 'none')}")
         if args.tp:
             print(table(reports))
+    for n in out.get("notes", []):
+        print(f"eaglet: note: {n}", file=sys.stderr)
     for e in errors:
         print(f"eaglet: error: {e}", file=sys.stderr)
     return 1 if errors else 0

@@ -14,8 +14,9 @@ from ..errors import InvalidInput
 
 PREFIXES = ("NCCL_", "TORCH_NCCL_")  # what NCCL reads, and what torch's NCCL process group reads
 
-SET_BY_ENV = re.compile(r"\b(NCCL_\w+) set by environment to (\S+)")
+SET_BY_ENV = re.compile(r"\b(NCCL_\w+) set by environment to (\S+?)\.?(?:\s|$)")  # 2.28 ends the line with "."
 VERSION = re.compile(r"NCCL version (\S+)")
+RANKS = re.compile(r"\bnranks (\d+)", re.I)  # "comm 0x... rank 0 nRanks 1 nNodes 1 ...", "... nranks 2 cudaDev"
 # "Channel 00/0 : 0[0] -> 1[1] via P2P/IPC/read" (P2P/CUMEM, P2P/direct pointer), "... [send] via
 # NET/Socket/3"; before NCCL 2.12 without "/0", and "via SHM/direct/direct" or "via direct shared memory"
 CHANNEL = re.compile(r"Channel \d+(?:/\d+)? : (\d+)\[\w+\] -> (\d+)\[\w+\](?: \[\w+\])? via (\w+)( shared memory)?")
@@ -41,10 +42,12 @@ def nccl_env(environ) -> dict[str, str]:
 @dataclass
 class NcclLog:
     """What one rank's NCCL debug log says: the settings NCCL read from the environment, the
-    transport it chose to each peer ("0->1": P2P, SHM or NET), and its version."""
+    transport it chose to each peer ("0->1": P2P, SHM or NET), its version and the communicator's
+    rank count."""
     settings: dict[str, str] = field(default_factory=dict)
     transports: dict[str, str] = field(default_factory=dict)
     version: str | None = None
+    ranks: int | None = None
 
 
 def parse_log(text: str) -> NcclLog:
@@ -56,7 +59,16 @@ def parse_log(text: str) -> NcclLog:
             log.transports.setdefault(f"{m[1]}->{m[2]}", "SHM" if m[4] else m[3])
         elif m := VERSION.search(line):
             log.version = m[1]
+        elif m := RANKS.search(line):
+            log.ranks = int(m[1])
     return log
+
+
+def alone(report: RankReport) -> bool:
+    """A one-rank NCCL communicator: it has no peer, so NCCL skips its tuning model, where it reads
+    the protocol and algorithm settings (NCCL_PROTO, NCCL_ALGO, ...); their absence from its log
+    says nothing about their reaching the worker."""
+    return report.log is not None and report.log.ranks == 1
 
 
 @dataclass
@@ -89,6 +101,8 @@ def check(requested: dict[str, str], reports: list[RankReport]) -> list[str]:
                     errors.append(f"{key}={want} requested, but rank {r.rank} had {key}={had}")
             elif r.backend == "nccl" and r.log is not None and key.startswith("NCCL_"):
                 read = r.log.settings.get(key)
+                if read is None and alone(r):
+                    continue  # (notes() names it)
                 if read is None:
                     said = ", ".join(f"{k}={v}" for k, v in r.log.settings.items()) or "nothing"
                     errors.append(f"{key}={want} requested, but NCCL on rank {r.rank} did not report reading "
@@ -102,6 +116,15 @@ def check(requested: dict[str, str], reports: list[RankReport]) -> list[str]:
             errors.append(f"ranks disagree on {key}: "
                           + ", ".join(f"rank {r.rank}: {v}" for r, v in zip(reports, values)))
     return errors
+
+
+def notes(requested: dict[str, str], reports: list[RankReport]) -> list[str]:
+    """Requested settings a one-rank communicator had but did not report reading (not errors)."""
+    return [f"rank {r.rank}: {key}={want} was in effect at communicator creation; NCCL did not log reading it "
+            f"because a one-rank communicator runs no collective algorithm (NCCL tunes only with peers)"
+            for key, want in requested.items() for r in reports
+            if key.startswith("NCCL_") and alone(r) and r.env_at_creation.get(key) == want
+            and key not in r.log.settings]
 
 
 def table(reports: list[RankReport]) -> str:
