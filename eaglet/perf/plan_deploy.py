@@ -47,6 +47,12 @@ def add_args(pl) -> None:
     pl.add_argument("--routing-spread", type=float, default=1.0,
                     help="distinct experts beyond a token's k, as a fraction of uniform routing's (1: uniform; "
                          "from the MoE counters: (measured - k) / (uniform - k))")
+    pl.add_argument("--moe-record", metavar="RECORD", help="an `eaglet bench-moe` record with this model's MoE "
+                                                           "shape: routed experts read at its fused kernels' "
+                                                           "measured rate for each token count")
+    pl.add_argument("--against", metavar="RECORD", help="an `eaglet bench --shape` record of --shape on one GPU: "
+                                                        "fixed costs solved from its decode and its verify of 2, "
+                                                        "every other token count predicted against its measurement")
     pl.add_argument("--accept-rate", type=float, help="per-token acceptance α: a chain of s gives (1-α^(s+1))/(1-α)")
     pl.add_argument("--accept-curve", type=float, nargs="+", metavar="A",
                     help="per-position acceptance a1 a2 ...: a chain of s gives 1 + a1 + ... + as")
@@ -173,6 +179,12 @@ def plan_deployment(args) -> int:
     from .diagnosis import diagnose, lines
 
     d, target, moe_shape = deployment(args)
+    if args.moe_record:
+        from .plan_validate import moe_rate
+
+        d = dataclasses.replace(d, moe_rate=moe_rate(args.moe_record, d.config))
+    if args.against:
+        return against(args, d)
     tau = args.accept_len
     if args.metrics_url:
         from .external import accept_length_from_metrics, fetch_metrics
@@ -226,12 +238,35 @@ def plan_deployment(args) -> int:
     return 0
 
 
+def against(args, d: Deployment) -> int:
+    """`--against RECORD`: the step model's forward curve T by T against a bench --shape record's."""
+    from .plan_validate import print_validation, validate
+
+    if args.shape is None:
+        raise InvalidInput("--against needs --shape (the record's shape)")
+    v = validate(d, args.shape, args.against)
+    if args.record_dir:
+        from .record import write_record
+
+        flags = {k: v for k, v in vars(args).items() if k != "func"}
+        v["written"] = str(write_record("plan-validation", flags, json.loads(json.dumps(v, default=str)),
+                                        args.record_dir))
+    if args.json:
+        print(json.dumps(v, default=str))
+    else:
+        print_validation(v)
+        if args.record_dir:
+            print(f"record: {v['written']}")
+    return 0
+
+
 def describe(d: Deployment, target: str) -> dict:
     c = d.config
     return {"model": target, "layers": c.num_layers, "tp": d.tp, "gpu": d.gpu.name, "gpu_source": d.gpu.source,
             "link": d.link.name if d.link else None, "link_source": d.link.source if d.link else None,
             "comm_curve": d.comm is not None, "experts": d.experts, "efficiency": d.efficiency,
-            "context": d.context, "routing_spread": d.spread, "fixed_ms": d.fixed_ms, "moe_parallel": d.moe_split}
+            "context": d.context, "routing_spread": d.spread, "fixed_ms": d.fixed_ms, "moe_parallel": d.moe_split,
+            "moe_rate_gb_s": d.moe_rate}
 
 
 def print_prediction(d: Deployment, target: str, rows, left, draft: float, estimated: bool, table, best,
@@ -242,7 +277,8 @@ def print_prediction(d: Deployment, target: str, rows, left, draft: float, estim
     comm = "a measured bench-comm curve" if d.comm is not None else d.link.name if d.link else "none"
     print(f"{target.split(' ', 1)[1]}: {c.num_layers} layers on {d.tp} x {d.gpu.name} "
           f"({d.gpu.bandwidth_gb_s:.0f} GB/s at "
-          f"{d.efficiency:.0%}), all-reduces: {comm}; "
+          f"{d.efficiency:.0%}{', routed experts at the measured MoE kernels rate' if d.moe_rate else ''}), "
+          f"all-reduces: {comm}; "
           + (f"routed experts {fmt}, {'whole, E/N a rank' if d.moe_split == 'ep' else 'split by width'}; "
              if c.moe else "")
           + f"context {d.context}")

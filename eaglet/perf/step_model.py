@@ -3,6 +3,11 @@ tensor-parallel deployment, from first principles: the bytes a rank must read ov
 bandwidth at a measured efficiency, the all-reduces over its link, and a fixed per-step cost.
 
     t(T) = bytes(T) / (bandwidth x efficiency) + 2 x layers x allreduce(T x hidden x 2 bytes) + fixed
+                                                                               (+ verify_fixed where T > 1)
+
+With a measured rate for the routed experts (`moe_rate`: the fused MoE kernels' GB/s at each token
+count, from an `eaglet bench-moe` record), the routed bytes are timed at that rate and the rest at the
+efficiency: the kernels read experts near the copy rate, a decode's other matmuls well below it.
 
 A rank's bytes (batch 1, weights in bfloat16 but the routed experts, which read as stored):
   attention: heads split over the ranks (MLA's latent projections q_a / kv_a whole on every rank,
@@ -17,9 +22,11 @@ A rank's bytes (batch 1, weights in bfloat16 but the routed experts, which read 
   output layer: vocabulary-parallel (split over the ranks, as vLLM and SGLang do); the input embedding
     is a lookup of T rows, not counted (as shapes.decode_bytes)
   cache: K and V of the rank's KV heads, or MLA's latent (every rank holds it whole), at `context`
-Left to the fixed cost: the vocabulary-parallel embedding's all-reduce and the logits' gather (one each
+Left to the fixed costs: a forward of several tokens runs other matmul and attention paths than a
+one-token decode (tensor-core tiles instead of GEMV, a mask, copies), a step of cost `verify_fixed`
+that a measured verify solves; the vocabulary-parallel embedding's all-reduce and the logits' gather (one each
 a step), kernel launches and host work. FLOPs are not modelled: at the token counts of a verify a step
-is bound by its bytes. Given a measured decode step, `calibrated` solves the fixed cost from it.
+is bound by its bytes. Given a measured decode step (and a verify), `calibrated` solves the fixed costs.
 """
 from __future__ import annotations
 
@@ -55,6 +62,8 @@ class Deployment:
     spread: float = 1.0  # distinct experts beyond a token's k, as a fraction of uniform routing's
     fixed_ms: float = 0.0
     moe_split: str = "tp"  # routed experts split by width ("tp") or whole, E/N a rank ("ep")
+    moe_rate: tuple[tuple[int, float], ...] | None = None  # (tokens, GB/s) the MoE kernels read experts at
+    verify_fixed_ms: float = 0.0  # what a forward of T > 1 tokens adds to the fixed cost
 
     def allreduce_us(self, nbytes: float) -> float:
         if self.tp == 1:
@@ -170,20 +179,43 @@ class StepTime:
         return self.bytes_ms + self.comm_ms + self.fixed_ms
 
 
+def moe_gb_s(rate: tuple[tuple[int, float], ...], tokens: int) -> float:
+    """The measured rate at `tokens`, linear in log2(tokens) between the measured counts, the nearest
+    one outside them."""
+    from math import log2
+
+    pts = sorted(rate)
+    if tokens <= pts[0][0]:
+        return pts[0][1]
+    for (t0, r0), (t1, r1) in zip(pts, pts[1:]):
+        if tokens <= t1:
+            w = (log2(tokens) - log2(t0)) / (log2(t1) - log2(t0))
+            return r0 + w * (r1 - r0)
+    return pts[-1][1]
+
+
 def step_time(d: Deployment, tokens: int) -> StepTime:
     b = step_bytes(d, tokens)
-    bytes_ms = b.total / (d.gpu.bandwidth_gb_s * 1e9 * d.efficiency) * 1e3
+    rate = d.gpu.bandwidth_gb_s * 1e9 * d.efficiency
+    if d.moe_rate is not None and b.routed:
+        bytes_ms = ((b.total - b.routed) / rate + b.routed / (moe_gb_s(d.moe_rate, tokens) * 1e9)) * 1e3
+    else:
+        bytes_ms = b.total / rate * 1e3
     comm_ms = 2 * d.config.num_layers * d.allreduce_us(tokens * d.config.hidden_size * BF16) / 1e3
-    return StepTime(tokens, b, bytes_ms, comm_ms, d.fixed_ms)
+    return StepTime(tokens, b, bytes_ms, comm_ms, d.fixed_ms + (d.verify_fixed_ms if tokens > 1 else 0.0))
 
 
-def calibrated(d: Deployment, decode_ms: float) -> tuple[Deployment, float]:
-    """The deployment with its fixed per-step cost solved from a measured decode step, and the raw
-    difference (measured - bytes time - all-reduces; negative where the model alone exceeds the
-    measurement, the fixed cost then 0)."""
-    t = step_time(dataclasses.replace(d, fixed_ms=0.0), 1)
+def calibrated(d: Deployment, decode_ms: float, verify: tuple[int, float] | None = None) -> tuple[Deployment, float]:
+    """The deployment with its fixed per-step cost solved from a measured decode step (and, given a
+    measured verify (T, ms), what a forward of several tokens adds to it), and the raw difference
+    (measured - bytes time - all-reduces; negative where the model alone exceeds the measurement,
+    the fixed cost then 0)."""
+    t = step_time(dataclasses.replace(d, fixed_ms=0.0, verify_fixed_ms=0.0), 1)
     left = decode_ms - t.bytes_ms - t.comm_ms
-    return dataclasses.replace(d, fixed_ms=max(0.0, left)), left
+    d = dataclasses.replace(d, fixed_ms=max(0.0, left), verify_fixed_ms=0.0)
+    if verify is not None:
+        d = dataclasses.replace(d, verify_fixed_ms=verify[1] - step_time(d, verify[0]).ms)
+    return d, left
 
 
 def drafter_ms(d: Deployment, draft_vocab: int = 32000) -> float:

@@ -1,0 +1,115 @@
+"""The step model against eaglet's own measurements: `eaglet plan --shape NAME --gpu G --moe-record
+BENCH_MOE --against BENCH_SHAPE`. The bench-moe record gives the rate the fused MoE kernels read experts
+at for each token count (one MoE layer alone); the bench --shape record gives the whole model's
+forward of T = 1..64 tokens, graphed, and the distinct experts a layer touched at each T. The fixed
+cost is solved from the measured decode (T = 1) and what a forward of several tokens adds from the
+smallest verify (T = 2); every other T is a prediction, reported against its measurement."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..errors import InvalidInput
+from .compare import load_record
+from .shapes import SLICES, touched_experts
+from .step_model import Deployment, drafter_ms, step_time
+
+TOLERANCE = 0.10
+CALIBRATION = (1, 2)  # decode, and the smallest verify
+
+
+def moe_key(c) -> str:
+    m = c.moe
+    return f"E{m.num_experts}-H{c.hidden_size}-I{m.expert_size}-k{m.top_k}"
+
+
+def moe_rate(path: str, config) -> tuple[tuple[int, float], ...]:
+    """(tokens, GB/s) the fused kernels read routed experts at, from a bench-moe record's entry of
+    this model's MoE shape (bf16): the copy bandwidth it measured x the fused kernels' share of it."""
+    rec = load_record(path)
+    if not rec.get("kind", "").startswith("bench-moe"):
+        raise InvalidInput(f"--moe-record {path}: not an `eaglet bench-moe` record (kind {rec.get('kind')!r})")
+    if config.moe is None:
+        raise InvalidInput("--moe-record: this model has no routed experts")
+    res, key = rec["results"], moe_key(config)
+    entry = next((v for v in res["shapes"].values() if v.get("key") == key), None)
+    if entry is None:
+        raise InvalidInput(f"--moe-record {path}: no MoE layer of shape {key} in it "
+                           f"(it has {', '.join(v.get('key', '?') for v in res['shapes'].values())})")
+    return tuple((int(t), res["bandwidth_gb_s"] * v["fused_floor_ratio"]) for t, v in sorted(
+        entry["tokens"].items(), key=lambda kv: int(kv[0])))
+
+
+@dataclass
+class Point:
+    tokens: int
+    experts: float
+    measured_ms: float
+    predicted_ms: float
+    calibration: bool
+
+    @property
+    def error(self) -> float:
+        return self.predicted_ms / self.measured_ms - 1
+
+
+def validate(d: Deployment, shape: str, path: str) -> dict:
+    """The record's forward curve predicted T by T (d: the deployment of `shape` on one GPU)."""
+    rec = load_record(path)
+    res = rec.get("results", {})
+    if res.get("shape") != shape:
+        raise InvalidInput(f"--against {path}: a record of {res.get('shape')!r}, not of --shape {shape}")
+    if d.tp != 1:
+        raise InvalidInput("--against: the record ran on one GPU; give --tp 1")
+    curve = res["slice"]["whole_ms"] if "slice" in res else res["forward_ms"].get("graphed") or res["forward_ms"]["eager"]
+    curve = {int(t): ms for t, ms in curve.items() if int(t) <= 64}  # verify sizes; prefill past them
+    # as the curve ran: its context, and random bfloat16 experts whatever format the release stores
+    d = dataclasses.replace(d, context=res["context"] + rec["flags"]["max_new_tokens"] // 2, experts=None)
+
+    def at(t: int) -> Deployment:  # the record's own distinct experts at t, as a spread of uniform routing's
+        m = d.config.moe
+        if m is None or "experts" not in res:
+            return d
+        uniform = touched_experts(m.num_experts, m.top_k, t)
+        return d if uniform <= m.top_k else dataclasses.replace(
+            d, spread=(res["experts"][str(t)] - m.top_k) / (uniform - m.top_k))
+
+    def model(t: int, fixed: float = 0.0, verify: float = 0.0):
+        return step_time(dataclasses.replace(at(t), fixed_ms=fixed, verify_fixed_ms=verify), t)
+
+    fixed = curve[1] - model(1).ms  # (as calibrated(), per T at the record's own spread)
+    verify = curve[2] - model(2, fixed).ms
+    points = [Point(t, model(t).bytes.experts, curve[t], model(t, fixed, verify).ms, t in CALIBRATION)
+              for t in sorted(curve)]
+    checked = [p for p in points if not p.calibration]
+    spec = {}
+    # an untrained head: τ 1, each step 3 drafts and a verify of 4 (a slice's steps ran on the slice: not compared)
+    if "eagle3-chain3" in res.get("speculation", {}) and "slice" not in res:
+        s = res["speculation"]["eagle3-chain3"]
+        spec["eagle3-chain3"] = {"measured_step_ms": s["ms_per_step"], "tau": s["accept_length"],
+                                 "predicted_step_ms": model(4, fixed, verify).ms + 3 * drafter_ms(d),
+                                 "measured_tok_s": s["tok_s"]}
+    plain = res["decode"].get("graphed") or res["decode"]["eager"]
+    return {"record": str(path), "shape": shape, "context": d.context, "fixed_ms": fixed, "verify_fixed_ms": verify,
+            "moe_rate": d.moe_rate, "tolerance": TOLERANCE,
+            "points": [{**dataclasses.asdict(p), "error": p.error} for p in points],
+            "within": sum(abs(p.error) <= TOLERANCE for p in checked), "checked": len(checked),
+            "speculation": spec, "plain_tok_s": plain["tok_s"],
+            "whole_model_from_slice": SLICES.get(shape) if "slice" in res else None}
+
+
+def print_validation(v: dict) -> None:
+    sliced = f" (the {v['whole_model_from_slice']}-layer model from its slice)" if v["whole_model_from_slice"] else ""
+    rate = "at the fused kernels' measured rate" if v["moe_rate"] else "at the decode's efficiency"
+    print(f"{v['shape']}{sliced}, context {v['context']}, against {v['record']}: routed experts {rate}; "
+          f"fixed {v['fixed_ms']:.3f} ms solved from T = 1, a verify's extra {v['verify_fixed_ms']:.3f} ms from T = 2")
+    print(f"{'tokens':>7}{'experts':>9}{'measured ms':>13}{'predicted ms':>14}{'error':>9}")
+    for p in v["points"]:
+        note = "  (calibration)" if p["calibration"] else "" if abs(p["error"]) <= v["tolerance"] else "  outside"
+        print(f"{p['tokens']:>7}{p['experts']:>9.1f}{p['measured_ms']:>13.3f}{p['predicted_ms']:>14.3f}"
+              f"{p['error']:>+9.1%}{note}")
+    print(f"{v['within']} of {v['checked']} predicted token counts within ±{v['tolerance']:.0%} of measured")
+    for name, s in v["speculation"].items():
+        print(f"{name} at τ {s['tau']:.2f}: a step measured {s['measured_step_ms']:.3f} ms, predicted "
+              f"{s['predicted_step_ms']:.3f} (verify of 4 + 3 drafts' bytes; a draft's fixed cost not modelled); "
+              f"{s['measured_tok_s']:.1f} tok/s against plain decoding's {v['plain_tok_s']:.1f}")
