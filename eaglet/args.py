@@ -4,6 +4,7 @@ once: the kernels of the model to load and the speculation setting. cli.py and t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from .errors import InvalidInput
 from .kernels import EAGER, KERNEL_NAMES, Kernels
@@ -17,6 +18,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights and activations (default: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--no-compile", action="store_true",
                    help="torch's kernels only: no torch.compile and no Triton kernels (cuBLAS, SDPA, torch.topk)")
+    p.add_argument("--exact", action="store_true",
+                   help="bitwise lossless in any dtype (CPU): a verified token's logits equal those of the decode "
+                        "step that would produce it, a row's those it gets alone in the batch, so speculative "
+                        "greedy output equals plain greedy output in bfloat16 too. CPU only for now; its cost "
+                        "there (SmolLM2, bfloat16): plain decoding 0.88x, EAGLE-3 chain 3 0.78x the speed "
+                        "without it (BENCHMARKS.md, 'Exact')")
     p.add_argument("--disable-kernels", default="", metavar="LIST",
                    help=f"comma-separated Triton kernels to leave out on the GPU, for side-by-side runs: "
                         f"{', '.join(KERNEL_NAMES)}")
@@ -26,11 +33,15 @@ def model_kernels(args, device=None) -> Kernels:
     """The kernels of the model the flags ask for (add_model_args), on `device` (default: --device)."""
     from .weights.loader import resolve_device
 
+    device = resolve_device(device or args.device)
+    exact = getattr(args, "exact", False)
+    if exact and device.type == "cuda":
+        raise InvalidInput("--exact runs on the CPU only: the GPU's row-invariant kernels are not built yet")
     if args.no_compile:
-        return EAGER
+        return dataclasses.replace(EAGER, exact=exact)
     disable = tuple(k for k in args.disable_kernels.split(",") if k)
     try:
-        return Kernels.choose(resolve_device(device or args.device), disable=disable)
+        return dataclasses.replace(Kernels.choose(device, disable=disable), exact=exact)
     except ValueError as e:
         raise InvalidInput(f"--disable-kernels: {e}") from None
 

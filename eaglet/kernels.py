@@ -12,6 +12,9 @@ choices can live in one process, and nothing switches a kernel on or off behind 
 - `moe`: the routed experts of 1 to 64 tokens as Triton kernels that read each touched expert's
   weights once (models/fused_moe.py): on the H200 at the touched-bytes floor for Kimi-K2's layer and
   faster than torch._grouped_mm at every token count (BENCHMARKS.md, "MoE layer").
+- `exact`: attention that reduces each token of a decode, draft or verify alike whatever else is in
+  the call (models/exact.py): a verified token's logits bitwise those of its decode step, a row's
+  those it gets alone. The CPU's path; slower (`--exact` states the cost).
 - `compile`: torch.compile of the elementwise modules of every layer (RMSNorm with its residual
   add, RoPE with the grouped-query relayout, the MLP's gate-up / SiLU·mul / down) and of the
   functions marked `@fusable` (the index arithmetic around the model: attention masks, greedy
@@ -46,6 +49,7 @@ class Kernels:
     topk: bool = False
     compile: bool = False
     moe: bool = False  # routed experts of 1 to 64 tokens as Triton kernels (models/fused_moe.py)
+    exact: bool = False  # a token's attention reduced alike whatever shares its call (models/exact.py)
 
     @staticmethod
     def choose(device: torch.device | str, compile: bool = True, disable: tuple[str, ...] = ()) -> "Kernels":

@@ -29,6 +29,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .models import exact
+
 
 def keep_slots(lens: torch.Tensor, index: torch.Tensor, count: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -64,6 +66,8 @@ def attend_masked(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, meta)
     G*T query rows (mask rows repeated), which the fused SDPA kernels accept with a mask."""
     b, hkv, gt, d = q.shape
     t = meta.slots.shape[1]
+    if exact.applies(meta, t):
+        return exact.attend_rows(q, keys, vals, meta)
     o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=meta.bias(q.dtype, gt // t))  # (B, Hkv, G*T, D)
     return o.reshape(b, hkv * (gt // t), t, d)  # some SDPA backends return another layout
 

@@ -1,8 +1,10 @@
-"""Issue 54 on the CPU: does a verify of T tokens give, bitwise, the logits of T one-token decode steps?
-For small random shapes of each family (dense, MoE, MLA) and SmolLM2 itself in bfloat16: after the same
-prefill, the positions whose logits are equal, with eaglet's attention as it runs (SDPA over the
-block, masked) and with one SDPA call a query over exactly the keys it sees (`per_query`); then the
-time of a decode and of verifies of 6 and 16 tokens on SmolLM2 either way (median of 5 after 2).
+"""Issue 54 on the CPU: does a verify of T tokens give, bitwise, the logits of T one-token decode steps,
+and a row alone the tokens it gets in a batch? In bfloat16, with eaglet's attention as it runs by
+default (SDPA over the block, masked) and with `--exact` (Kernels.exact, models/exact.py): for small
+random shapes of each family (dense, MoE, MLA + MoE) and SmolLM2, the positions of a 16-token verify
+whose logits equal 16 decode steps'; on SmolLM2 the time of a decode and of verifies of 6 and 16
+tokens (median of 5 after 2), and 8 MT-bench prompts x 64 tokens: plain alone, batched, and EAGLE-3
+chain 3 alone (how many equal plain alone, and tokens/s).
 
   .venv/bin/python bench/cpu/verify_invariance.py [--out bench/results]
 """
@@ -12,36 +14,22 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
-import eaglet.kvcache as kvcache
+from eaglet.config import SpecConfig
+from eaglet.datasets import load_prompts
+from eaglet.generate import GenerationConfig, Generator
+from eaglet.kernels import Kernels
 from eaglet.kvcache import KVCache
 from eaglet.models.attention import AttnMeta
 from eaglet.perf import shapes
 from eaglet.perf.record import write_record
+from eaglet.spec.speculator import load_speculator
 from eaglet.weights import load_model
-
-SDPA = kvcache.attend_masked
-
-
-def per_query(q, keys, vals, meta):
-    """kvcache.attend_masked's result, each query attending alone over the keys its mask shows, in
-    slot order: the call a decode of that token makes."""
-    b, hkv, gt, d = q.shape
-    t = meta.slots.shape[1]
-    g = gt // t
-    mask = meta.mask[:, 0]
-    qv, out = q.view(b, hkv, g, t, d), q.new_empty(b, hkv, g, t, d)
-    for i in range(b):
-        for j in range(t):
-            idx = mask[i, j].nonzero()[:, 0]
-            out[i, :, :, j] = F.scaled_dot_product_attention(qv[i, :, :, j], keys[i][:, idx], vals[i][:, idx])
-    return out.reshape(b, hkv * g, t, d)
 
 
 def step(model, cache, ids):
     pos = cache.lens[:, None] + torch.arange(ids.shape[1])
-    meta = AttnMeta.build(cache.lens, pos, int(cache.lens.max()) + ids.shape[1])
+    meta = AttnMeta.build(cache.lens, pos, int(cache.lens.max()) + ids.shape[1], kernels=model.kernels)
     hidden, _ = model(ids, pos, cache, meta)
     cache.advance(ids.shape[1])
     return model.logits(hidden)
@@ -83,10 +71,27 @@ def tiny(name: str, **kw):
                                **kw)
 
 
+def generation(lm, n: int = 8, tokens: int = 64) -> dict:
+    prompts = [lm.tokenizer.apply_chat([{"role": "user", "content": p}]) for p in load_prompts("mtbench")[:n]]
+    cfg = GenerationConfig(max_new_tokens=tokens)
+    plain = Generator(lm.model, None, graphs=False)
+    spec = Generator(lm.model, None, load_speculator(SpecConfig("eagle3", steps=3), lm.model, None), graphs=False)
+    t0 = time.perf_counter()
+    alone = [plain.generate([p], cfg)[0].tokens for p in prompts]
+    t1 = time.perf_counter()
+    chain = [spec.generate([p], cfg)[0].tokens for p in prompts]
+    t2 = time.perf_counter()
+    batch = [r.tokens for r in plain.generate(prompts, cfg)]
+    return {"batch_equal_alone": sum(a == b for a, b in zip(alone, batch)),
+            "chain_equal_plain": sum(a == c for a, c in zip(alone, chain)), "prompts": n,
+            "plain_tok_s": n * tokens / (t1 - t0), "chain_tok_s": n * tokens / (t2 - t1)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
+    torch.manual_seed(0)
     k2 = shapes.SHAPES["kimi-k2"]
     shapes.SHAPES.update({
         "tiny-llama": tiny("llama-3.1-8b", num_kv_heads=2, head_dim=16),
@@ -99,21 +104,24 @@ def main() -> None:
                              mla=dataclasses.replace(k2.mla, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
                                                      qk_rope_head_dim=8, v_head_dim=8)),
     })
-    models = {name: shapes.random_model(name, "cpu", torch.bfloat16) for name in
-              ("tiny-llama", "tiny-qwen3-moe", "tiny-mla-moe")}
-    models["smollm2-135m-instruct"] = load_model(None, dtype="bfloat16", device="cpu", tokenizer=False).model
-    results: dict = {"equal_of_16": {}, "smollm2_ms": {}}
-    for mode, attend in (("sdpa", SDPA), ("per_query", per_query)):
-        kvcache.attend_masked = attend
+    results: dict = {"equal_of_16": {}, "smollm2_ms": {}, "smollm2_generation": {}}
+    for mode, kernels in (("sdpa", Kernels()), ("exact", Kernels(exact=True))):
+        models = {name: shapes.random_model(name, "cpu", torch.bfloat16, kernels=kernels) for name in
+                  ("tiny-llama", "tiny-qwen3-moe", "tiny-mla-moe")}
+        lm = load_model(None, dtype="bfloat16", device="cpu", kernels=kernels)
+        models["smollm2-135m-instruct"] = lm.model
         results["equal_of_16"][mode] = {name: equal_positions(m) for name, m in models.items()}
-        results["smollm2_ms"][mode] = times(models["smollm2-135m-instruct"])
-    kvcache.attend_masked = SDPA
-    results["per_query_cost"] = {t: results["smollm2_ms"]["per_query"][t] / results["smollm2_ms"]["sdpa"][t]
-                                 for t in results["smollm2_ms"]["sdpa"]}
+        results["smollm2_ms"][mode] = times(lm.model)
+        results["smollm2_generation"][mode] = generation(lm)
+    results["exact_cost"] = {t: results["smollm2_ms"]["exact"][t] / results["smollm2_ms"]["sdpa"][t]
+                             for t in results["smollm2_ms"]["sdpa"]}
     for mode, eq in results["equal_of_16"].items():
-        print(f"{mode:<10} positions equal of 16:", ", ".join(f"{n} {k}" for n, k in eq.items()))
-    print("per-query attention, time against SDPA (SmolLM2, context 300):",
-          ", ".join(f"T={t} {r:.2f}x" for t, r in results["per_query_cost"].items()))
+        g = results["smollm2_generation"][mode]
+        print(f"{mode:<6} positions equal of 16: " + ", ".join(f"{n} {k}" for n, k in eq.items())
+              + f"; SmolLM2, {g['prompts']} prompts: batch == alone {g['batch_equal_alone']}, chain 3 == plain "
+              f"{g['chain_equal_plain']}; plain {g['plain_tok_s']:.1f} tok/s, chain 3 {g['chain_tok_s']:.1f}")
+    print("--exact against SDPA over the block, a forward's time (SmolLM2, context 300): "
+          + ", ".join(f"T={t} {r:.2f}x" for t, r in results["exact_cost"].items()))
     print(f"record: {write_record('verify-invariance', vars(args), results, args.out)}")
 
 

@@ -31,6 +31,8 @@ class AttnMeta:
     _mask_args: tuple = field(default=(), repr=False)  # what `mask` is made from, when asked for
     _mask: torch.Tensor | None = field(default=None, repr=False)
     _bias: dict = field(default_factory=dict, repr=False)
+    _visible: list | None = field(default=None, repr=False)  # models/exact.py's slots per row and token
+    prompt_lens: list[int] | None = None  # an exact model's prefill: each row's prompt length (no padding seen)
 
     @property
     def mask(self) -> torch.Tensor:

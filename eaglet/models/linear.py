@@ -7,7 +7,8 @@ On the CPU, for the few rows of a decode or verify step, MKL streams the weights
 than as F.linear's x @ Wᵀ
 (bench/cpu/matmul_probe.py, record bench/results/matmul-probe-cpu-*.json: 1.5x for one row,
 2.3x for two, still 1.4x at 64), and one row is doubled because W @ x for a single column is the slow
-GEMV again. Longer inputs (prefill) keep F.linear.
+GEMV again. Longer inputs (prefill) keep F.linear, but for exact models (Kernels.exact), whose rows
+must come out alike at any row count: they go in pieces of 64 rows.
 """
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return gemv.gemv(x, weight, bias)
     if weight.device.type != "cpu":
         return F.linear(x, weight, bias)
+    if rows > CPU_MAX_ROWS and kernels.exact:  # W @ xᵀ reduces a row alike at 1 to 64 rows: in pieces of 64
+        return torch.cat([linear(part, weight, bias, kernels) for part in x.reshape(rows, k).split(CPU_MAX_ROWS)]
+                         ).view(*x.shape[:-1], weight.shape[0])
     if rows > CPU_MAX_ROWS or rows == 0:
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, k)

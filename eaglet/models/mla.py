@@ -26,6 +26,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..kernels import EAGER, Kernels, fusable
+from . import exact
 from .linear import Linear
 
 
@@ -62,11 +63,12 @@ class MLAttention(nn.Module):
         c, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
         q_pe, entry = self.rope_entry(q_pe, k_pe, self.kv_a_layernorm(c), cos, sin, m.rope_interleave)
         latent, mask = cache.latent(self.layer, entry, meta)  # (B, S, W) to attend over, bias (B, 1, T, S)
-        if cache.absorbed:
-            o = attend_absorbed(q_nope, q_pe, latent, mask, self.kv_b_proj.weight, m, self.scale,
-                                self.latent_softmax)
+        attend, args = ((attend_absorbed, (self.kv_b_proj.weight, m, self.scale, self.latent_softmax))
+                        if cache.absorbed else (attend_expanded, (self.kv_b_proj.weight, m, self.scale)))
+        if exact.applies(meta, t) and cache.in_place or meta is not None and meta.prompt_lens is not None:
+            o = exact.attend_latent_rows(attend, q_nope, q_pe, latent, meta, *args)
         else:
-            o = attend_expanded(q_nope, q_pe, latent, mask, self.kv_b_proj.weight, m, self.scale)  # (B, T, nh, v)
+            o = attend(q_nope, q_pe, latent, mask, *args)  # (B, T, nh, v)
         return self.o_proj(o.reshape(b, t, -1))
 
 

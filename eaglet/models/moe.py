@@ -31,7 +31,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..kernels import EAGER, Kernels
-from . import fused_moe, gemv, moe_route, moe_stored
+from . import exact, fused_moe, gemv, moe_route, moe_stored
 from .linear import Linear
 
 # model_type -> (the feed-forward module's name in a layer, an expert's gate / up / down names)
@@ -160,7 +160,11 @@ class SparseMoE(nn.Module):
         are numbered as held here: another rank's get the index `held` and the weight 0."""
         c = self.cfg
         if c.router_fp32:
-            logits = F.linear(x.float(), self.router32 if self.fused else self.gate.weight.float())
+            w, x32 = self.router32 if self.fused else self.gate.weight.float(), x.float()
+            if self.kernels.exact:  # a float32 GEMM reduces a row differently at different row counts
+                logits = torch.cat([F.linear(row, w) for row in x32.split(1)])
+            else:
+                logits = F.linear(x32, w)
         else:
             logits = self.gate(x)
         if kernel:  # the kernel reads the logits in float32 whatever their dtype
@@ -211,6 +215,9 @@ class SparseMoE(nn.Module):
             experts = experts.clamp(max=self.held - 1)  # another rank's pairs (weight 0) on one held here
             out = torch.cat([fused_moe.fused_moe(x[i:i + m], experts[i:i + m], weights[i:i + m], gate_up, down)
                              for i in range(0, x.shape[0], m)])
+        elif self.kernels.exact:  # each token by the call of its decode, in prefill too (models/exact.py)
+            out = torch.cat([gathered(x[i:i + 1], experts[i:i + 1], weights[i:i + 1], gate_up, down)
+                             for i in range(x.shape[0])])
         elif experts.numel() <= 2 * self.held:  # few tokens: gathered, static shapes
             out = gathered(x, experts, weights, gate_up, down)
         elif has_grouped_mm(x):

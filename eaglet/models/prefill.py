@@ -16,6 +16,7 @@ import torch
 
 from ..kernels import EAGER, Kernels
 from ..kvcache import KVCache, attend_masked
+from . import exact
 from .attention import AttnMeta
 from .llama import CausalLM
 
@@ -77,7 +78,10 @@ class FreshRows:
 
     def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         self.cache.append(layer, meta.slots, kv, self.rows[:, None].expand_as(meta.slots))
-        return attend_masked(q, kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2), meta)  # (B, H, T, D)
+        keys, vals = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+        if meta.prompt_lens is not None:
+            return exact.attend_prompts(q, keys, vals, meta)
+        return attend_masked(q, keys, vals, meta)  # (B, H, T, D)
 
 
 def fresh_meta(b: int, t: int, device, sliding_window: int | None = None,
@@ -95,6 +99,8 @@ def prefill(model: CausalLM, cache: KVCache, batch: PromptBatch,
     layers, their taps over the padded prompts (b, T, k*H)."""
     b, t = batch.ids.shape
     positions, meta = fresh_meta(b, t, batch.ids.device, model.config.sliding_window, model.kernels)
+    if model.kernels.exact:  # each row attends over its own prompt alone, whatever the padding (models/exact.py)
+        meta.prompt_lens = batch.lens.tolist()
     hidden, taps = model(batch.ids, positions, FreshRows(cache, batch.rows), meta, capture=capture)
     cache.lens.index_copy_(0, batch.rows, batch.lens)
     last = hidden.gather(1, (batch.lens - 1)[:, None, None].expand(b, 1, hidden.shape[-1]))[:, 0]

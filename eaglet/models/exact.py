@@ -1,0 +1,83 @@
+"""Attention with the same reduction order for a token whatever else is in the call (`Kernels.exact`,
+`--exact`; the CPU's path): each new token of each row attends alone over exactly the cache slots its
+mask shows, in slot order, as a one-token decode of that token would. A verified token then gets
+bitwise the logits of the decode step that would have produced it, and a row the logits it gets
+alone, whoever shares its batch: SDPA over a block of queries with masked keys sums in another
+order (bench/cpu/verify_invariance.py). The projections, norms, MoE layers and output layer around
+it are row-invariant on the CPU already (eaglet's matmuls reduce each row alike at any row count).
+
+Forwards of up to EXACT_TOKENS tokens over the cache (decode, draft, verify) take this path. A
+prefill (AttnMeta.prompt_lens set) attends each row over its own prompt, causally, in one call of
+exactly its length: the same whatever the padding of the batch it was admitted with."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+EXACT_TOKENS = 64
+
+
+def applies(meta, tokens: int) -> bool:
+    return meta is not None and meta.kernels.exact and tokens <= EXACT_TOKENS
+
+
+def visible(meta) -> list[list[slice | torch.Tensor]]:
+    """For each row b and new token t, the cache slots it sees (meta.mask[b, 0, t]), ascending: a
+    slice where they run unbroken from slot 0 (a decode, a chain; no copy), else their indices (a
+    tree). Made once per forward and shared by the layers (one host sync)."""
+    if meta._visible is None:
+        mask = meta.mask[:, 0].cpu()  # sync: the slots decide the calls' shapes
+        if meta.prompt_lens is not None:  # a prefill: no padding key is seen
+            mask = mask & (torch.arange(mask.shape[-1]) < torch.tensor(meta.prompt_lens)[:, None])[:, None]
+
+        def slots(seen: torch.Tensor) -> slice | torch.Tensor:
+            idx = seen.nonzero()[:, 0]
+            n = idx.numel()
+            return slice(0, n) if n == 0 or int(idx[-1]) == n - 1 else idx.to(meta.mask.device)
+        meta._visible = [[slots(row[t]) for t in range(row.shape[0])] for row in mask]
+    return meta._visible
+
+
+def attend_rows(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, meta) -> torch.Tensor:
+    """kvcache.attend_masked's result (B, H, T, D) from q (B, Hkv, G*T, D) and keys, values
+    (B, Hkv, S, D): one SDPA call a token over its visible slots."""
+    b, hkv, gt, d = q.shape
+    t = meta.slots.shape[1]
+    g = gt // t
+    qv = q.view(b, hkv, g, t, d)
+    out = q.new_empty(b, hkv, g, t, d)
+    for i, row in enumerate(visible(meta)):
+        for j, idx in enumerate(row):
+            out[i, :, :, j] = F.scaled_dot_product_attention(qv[i, :, :, j], keys[i][:, idx], vals[i][:, idx])
+    return out.reshape(b, hkv * g, t, d)
+
+
+def attend_prompts(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, meta) -> torch.Tensor:
+    """A prefill's attention (B, H, T, D) from q (B, Hkv, G*T, D), keys and values (B, Hkv, T, D):
+    row b's first prompt_lens[b] tokens causally among themselves in one call; padding left 0."""
+    b, hkv, gt, d = q.shape
+    t = keys.shape[2]
+    g = gt // t
+    qv = q.view(b, hkv, g, t, d)
+    out = q.new_zeros(b, hkv, g, t, d)
+    for i, n in enumerate(meta.prompt_lens):
+        o = F.scaled_dot_product_attention(qv[i, :, :, :n].reshape(hkv * g, n, d), keys[i, :, :n], vals[i, :, :n],
+                                           is_causal=True, enable_gqa=g > 1)
+        out[i, :, :, :n] = o.view(hkv, g, n, d)
+    return out.reshape(b, hkv * g, t, d)
+
+
+def attend_latent_rows(attend, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, meta,
+                       *args) -> torch.Tensor:
+    """MLA's `attend` (mla.attend_absorbed or attend_expanded: q_nope, q_pe (B, T, nh, .), latent
+    (B, S, W), bias (B, 1, T, S), *args -> (B, T, nh, v)) one token at a time over its visible latents."""
+    b, t = q_nope.shape[:2]
+    rows = []
+    for i, row in enumerate(visible(meta)):
+        toks = []
+        for j, idx in enumerate(row):
+            lat = latent[i:i + 1, idx]
+            bias = lat.new_zeros(1, 1, 1, lat.shape[1])
+            toks.append(attend(q_nope[i:i + 1, j:j + 1], q_pe[i:i + 1, j:j + 1], lat, bias, *args))
+        rows.append(torch.cat(toks, 1))
+    return torch.cat(rows, 0)
