@@ -94,3 +94,33 @@ def test_the_flag_builds_exact_kernels_on_the_cpu():
     assert model_kernels(p.parse_args(["--device", "cpu", "--exact"])).exact
     assert model_kernels(p.parse_args(["--device", "cpu", "--exact", "--no-compile"])).exact
     assert not model_kernels(p.parse_args(["--device", "cpu"])).exact
+
+
+def test_rows_admitted_while_others_decode_get_their_tokens_alone(smollm2_exact):
+    """Continuous batching as the server runs it (runtime/decoder.py): four MT-bench prompts admitted
+    two at a time, at steps 0 and 3, into a 4-row decoder, 16 tokens each, give each prompt's tokens
+    from a decoder of its own (without --exact some part within those 16)."""
+    from eaglet.runtime.decoder import Decoder
+
+    lm, n = smollm2_exact, 16
+    prompts = [lm.tokenizer.apply_chat([{"role": "user", "content": p}]) for p in load_prompts("mtbench")[:4]]
+
+    def alone(p):
+        dec = Decoder(lm.model, 1, 512, graphs=False)
+        out = list(dec.admit([0], [p])[0])
+        while len(out) < n:
+            out += dec.step([n - len(out)])[0]
+        return out
+
+    dec = Decoder(lm.model, 4, 512, graphs=False)
+    start, out = {0: [0, 1], 3: [2, 3]}, {}
+    for s in range(40):
+        for r, first in zip(start.get(s, []), dec.admit(start[s], [prompts[r] for r in start[s]]) if s in start else []):
+            out[r] = list(first)
+        limits = [n - len(out[r]) if r in out else 0 for r in range(4)]
+        if not any(limits):
+            break
+        for r, toks in enumerate(dec.step(limits)):
+            if r in out:
+                out[r].extend(toks)
+    assert [out[r] for r in range(4)] == [alone(p) for p in prompts]
