@@ -220,11 +220,7 @@ def plan_deployment(args) -> int:
                    **dataclasses.asdict(diag), "excess_ms": diag.excess_ms,
                    "decode_left_ms": diag.decode.left_ms, "verify_left_ms": diag.verify.left_ms}}
     if args.record_dir:
-        from .record import write_record
-
-        flags = {k: v for k, v in vars(args).items() if k != "func"}
-        payload["record"] = str(write_record("plan-deployment", flags, json.loads(json.dumps(payload, default=str)),
-                                             args.record_dir))
+        payload["record"] = written(args, "plan-deployment", payload)
     if args.json:
         print(json.dumps(payload, default=str))
         return 0
@@ -238,6 +234,14 @@ def plan_deployment(args) -> int:
     return 0
 
 
+def written(args, kind: str, payload: dict) -> str:
+    """`payload` as a `kind` record in --record-dir, with the flags and the environment: its path."""
+    from .record import write_record
+
+    flags = {k: val for k, val in vars(args).items() if k != "func"}
+    return str(write_record(kind, flags, json.loads(json.dumps(payload, default=str)), args.record_dir))
+
+
 def against(args, d: Deployment) -> int:
     """`--against RECORD`: the step model's forward curve T by T against a bench --shape record's."""
     from .plan_validate import print_validation, validate
@@ -246,11 +250,7 @@ def against(args, d: Deployment) -> int:
         raise InvalidInput("--against needs --shape (the record's shape)")
     v = validate(d, args.shape, args.against)
     if args.record_dir:
-        from .record import write_record
-
-        flags = {k: v for k, v in vars(args).items() if k != "func"}
-        v["written"] = str(write_record("plan-validation", flags, json.loads(json.dumps(v, default=str)),
-                                        args.record_dir))
+        v["written"] = written(args, "plan-validation", v)
     if args.json:
         print(json.dumps(v, default=str))
     else:
