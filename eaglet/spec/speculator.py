@@ -1,6 +1,8 @@
 """Loading a drafter once (weights) and making a fresh drafter per generate call (caches)."""
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,8 +47,10 @@ def bundled_drafter() -> Path | None:
 def load_speculator(spec: SpecConfig, target: CausalLM, target_path: Path | None = None,
                     device=None, dtype=None) -> Speculator:
     """target_path None means the embedded default model (which has a bundled EAGLE-3 drafter). The
-    drafter runs the target's kernels."""
+    drafter runs the target's kernels, but for `exact`: its drafts change only how many tokens a
+    verify accepts, never which, so it keeps the faster attention."""
     p = next(target.parameters())
+    kernels = dataclasses.replace(target.kernels, exact=False)
     device, dtype = device or p.device, dtype or p.dtype
     if spec.method == "ngram":
         return Speculator(spec)
@@ -55,7 +59,7 @@ def load_speculator(spec: SpecConfig, target: CausalLM, target_path: Path | None
             raise ModelLoadError("--spec draft needs --draft PATH (a smaller model with the same tokenizer)")
         from ..weights.loader import load_model
 
-        dm = load_model(spec.draft, dtype, device, tokenizer=False, kernels=target.kernels).model
+        dm = load_model(spec.draft, dtype, device, tokenizer=False, kernels=kernels).model
         if dm.config.vocab_size != target.config.vocab_size:
             raise ModelLoadError(f"draft model vocabulary {dm.config.vocab_size} does not match the target's "
                                  f"{target.config.vocab_size}")
@@ -65,7 +69,7 @@ def load_speculator(spec: SpecConfig, target: CausalLM, target_path: Path | None
     path = spec.draft or (bundled_drafter() if target_path is None else None)
     if path is None:
         raise ModelLoadError("--spec eagle3 needs --draft PATH (an EAGLE-3 drafter directory) for this model")
-    head, embed = load_eagle3(path, target.config, device, dtype, target.output_weight(), target.kernels)
+    head, embed = load_eagle3(path, target.config, device, dtype, target.output_weight(), kernels)
     head.fuse_projections()
     if head.kernels.compile:
         compile_elementwise(head)
