@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--chain-steps", type=int, default=5, help="draft steps of the chains (and lookup tokens)")
     b.add_argument("--tree", default="6,8,32", help="STEPS,TOPK,TOKENS of eagle3-tree")
     b.add_argument("--eager", action="store_true", help="no CUDA graphs for eaglet systems")
+    b.add_argument("--spec-settings", nargs="+", metavar="SETTING",
+                   help="with --shape: the speculation settings timed with an untrained EAGLE-3 head, chain:STEPS "
+                        "or tree:STEPS,TOPK,TOKENS (default: chain:3 and the --tree setting)")
     b.add_argument("--shape", help="random weights of a real shape (eaglet/perf/shapes.py): llama-3.1-8b, "
                                   "llama-3.1-70b, qwen3-8b, smollm2-135m, qwen3-30b-a3b, qwen3-235b-a22b, "
                                   "mixtral-8x7b, deepseek-v2-lite, kimi-k2 (a slice)")

@@ -109,3 +109,34 @@ def test_a_slice_is_checked_as_the_whole_model_and_on_one_gpu_only():
         "results"]["slice"]["whole_ms"]["1"]
     with pytest.raises(InvalidInput, match="give --tp 1"):
         validate(dataclasses.replace(d, tp=2), "kimi-k2", str(RESULTS / H200["kimi-k2"]))
+
+
+def test_speculation_settings_of_a_shape_and_their_predicted_steps(monkeypatch, tmp_path, capsys):
+    """`bench --shape --spec-settings` times each setting named (an untrained head, CPU, float32: each
+    equals plain decoding) and `plan --against` sets each measured step beside the verify and draft
+    levels the model predicts; a bad setting, or the flag without --shape, is one error line."""
+    from eaglet.perf import shapes
+
+    q = SHAPES["qwen3-30b-a3b"]
+    tiny = dataclasses.replace(q, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=2,
+                               head_dim=16, vocab_size=256,
+                               moe=dataclasses.replace(q.moe, num_experts=16, expert_size=32, top_k=2))
+    monkeypatch.setitem(shapes.SHAPES, "tiny-qwen3-moe", tiny)
+    bench = ["bench", "--shape", "tiny-qwen3-moe", "--device", "cpu", "--context", "32", "--max-new-tokens", "8",
+             "--repeats", "1", "--out", str(tmp_path)]
+    assert main([*bench, "--spec-settings", "chain:1", "chain:2", "tree:2,2,4"]) == 0
+    path = next(tmp_path.glob("bench-shape-tiny-qwen3-moe-cpu-*.json"))
+    spec = json.loads(path.read_text())["results"]["speculation"]
+    assert list(spec) == ["eagle3-chain1", "eagle3-chain2", "eagle3-tree2,2,4"]
+    assert all(s["equals_plain"] and s["ms_per_step"] > 0 for s in spec.values())
+    capsys.readouterr()
+    assert main(["plan", "--shape", "tiny-qwen3-moe", "--gpu", "h200", "--against", str(path), "--json"]) == 0
+    v = json.loads(capsys.readouterr().out)
+    assert [(n, s["verify_tokens"]) for n, s in v["speculation"].items()] == [
+        ("eagle3-chain1", 2), ("eagle3-chain2", 3), ("eagle3-tree2,2,4", 4)]
+    assert all(s["predicted_step_ms"] > 0 for s in v["speculation"].values())
+    for args, said in ((["--spec-settings", "chain"], "bad setting 'chain'"),):
+        assert main([*bench, *args]) == 1
+        assert said in capsys.readouterr().err
+    assert main(["bench", "--device", "cpu", "--spec-settings", "chain:1"]) == 1
+    assert "give --shape" in capsys.readouterr().err

@@ -148,6 +148,8 @@ def run_bench(args) -> dict:
     if args.shape:
         from .bench_shape import run_shape_bench
         return run_shape_bench(args)
+    if getattr(args, "spec_settings", None):
+        raise InvalidInput("--spec-settings times an untrained head on a --shape; give --shape")
     from ..generate import GenerationConfig
     from ..spec.metrics import SpecMetrics
     from ..weights import load_model

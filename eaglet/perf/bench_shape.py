@@ -27,21 +27,31 @@ def bytes_ratios(model, context: int, experts: dict | None) -> dict[str, float]:
     return {str(t): decode_bytes(model, context, t, experts[str(t)] if experts else None) / one for t in CURVE_TOKENS}
 
 
-def speculation_costs(model, prompt: list[int], cfg, device, repeats: int, tree: str, graphs: bool,
+def spec_settings(args) -> dict:
+    """{record name: SpecConfig} of the settings `--spec-settings` names (default: chain 3 and --tree):
+    eagle3-chainS, eagle3-treeS,K,N."""
+    from .eval_draft import parse_setting
+
+    s, k, n = parse_tree(args.tree)
+    names = getattr(args, "spec_settings", None) or ["chain:3", f"tree:{s},{k},{n}"]
+    out = {}
+    for name in names:
+        spec = parse_setting(name, "eagle3", None)
+        out[f"eagle3-{name.replace(':', '')}"] = spec
+    return out
+
+
+def speculation_costs(model, prompt: list[int], cfg, device, repeats: int, settings: dict, graphs: bool,
                       plain: list[int] | None = None) -> dict:
-    """EAGLE-3 chain 3 and the tree `tree` with an untrained head of the target's shape: tok/s, τ
-    and milliseconds a speculation step (draft, verify, accept), the prompt generated `repeats`
+    """Each of `settings` (spec_settings) with an untrained EAGLE-3 head of the target's shape: tok/s,
+    τ and milliseconds a speculation step (draft, verify, accept), the prompt generated `repeats`
     times after a warm-up; whether its tokens equal plain decoding's (`plain`) and, graphed, the
     same setting's eager run."""
-    from ..config import SpecConfig
     from ..generate import Generator
     from ..spec.speculator import Speculator
     from .shapes import random_head
 
     head = random_head(model)
-    s, k, n = parse_tree(tree)
-    settings = {"eagle3-chain3": SpecConfig("eagle3", steps=3),
-                f"eagle3-tree{s},{k},{n}": SpecConfig("eagle3", steps=s, topk=k, draft_tokens=n)}
     out = {}
     for name, spec in settings.items():
         gen = Generator(model, None, Speculator(spec, head=head), graphs=graphs)
@@ -110,6 +120,7 @@ def run_shape_bench(args) -> dict:
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    settings = spec_settings(args)  # (bad input named before a model of tens of GB is built)
     from ..dist.launch import shard
 
     tp = shard(args)
@@ -146,7 +157,7 @@ def run_shape_bench(args) -> dict:
     best_mode = "graphed" if "graphed" in modes else "eager"
     if "graphed" in modes:
         results["decode"]["graphed"]["equals_eager"] = plain_tokens["graphed"] == plain_tokens["eager"]
-    results["speculation"] = speculation_costs(model, prompt, cfg, device, args.repeats, args.tree,
+    results["speculation"] = speculation_costs(model, prompt, cfg, device, args.repeats, settings,
                                                graphs=modes[best_mode], plain=plain_tokens[best_mode])
     if args.shape in SLICES:
         results["slice"] = slice_figures(model, results["forward_ms"][best_mode], ctx + args.max_new_tokens // 2,

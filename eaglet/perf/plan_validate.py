@@ -7,6 +7,8 @@ smallest verify (T = 2); every other T is a prediction, reported against its mea
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from dataclasses import dataclass
 
 from ..errors import InvalidInput
@@ -40,6 +42,15 @@ def moe_rate(path: str, config) -> tuple[tuple[int, float], ...]:
         entry["tokens"].items(), key=lambda kv: int(kv[0])))
 
 
+def setting_shape(name: str) -> tuple[int, int]:
+    """(draft levels, tokens verified) of a bench --shape speculation entry: eagle3-chainS, eagle3-treeS,K,N."""
+    m = re.fullmatch(r"eagle3-(chain|tree)(\d+(?:,\d+,\d+)?)", name)
+    if m is None:
+        raise InvalidInput(f"a speculation entry {name!r}: expected eagle3-chainS or eagle3-treeS,K,N")
+    vals = [int(v) for v in m[2].split(",")]
+    return (vals[0], vals[0] + 1) if m[1] == "chain" else (vals[0], vals[2])
+
+
 @dataclass
 class Point:
     tokens: int
@@ -66,13 +77,14 @@ def validate(d: Deployment, shape: str, path: str) -> dict:
     # as the curve ran: its context, and random bfloat16 experts whatever format the release stores
     d = dataclasses.replace(d, context=res["context"] + rec["flags"]["max_new_tokens"] // 2, experts=None)
 
-    def at(t: int) -> Deployment:  # the record's own distinct experts at t, as a spread of uniform routing's
-        m = d.config.moe
+    def at(t: int) -> Deployment:  # the record's distinct experts at t (or the nearest count it measured),
+        m = d.config.moe  # as a spread of uniform routing's
         if m is None or "experts" not in res:
             return d
-        uniform = touched_experts(m.num_experts, m.top_k, t)
+        near = min(map(int, res["experts"]), key=lambda n: (abs(math.log2(n / t)), n))
+        uniform = touched_experts(m.num_experts, m.top_k, near)
         return d if uniform <= m.top_k else dataclasses.replace(
-            d, spread=(res["experts"][str(t)] - m.top_k) / (uniform - m.top_k))
+            d, spread=(res["experts"][str(near)] - m.top_k) / (uniform - m.top_k))
 
     def model(t: int, fixed: float = 0.0, verify: float = 0.0):
         return step_time(dataclasses.replace(at(t), fixed_ms=fixed, verify_fixed_ms=verify), t)
@@ -83,12 +95,13 @@ def validate(d: Deployment, shape: str, path: str) -> dict:
               for t in sorted(curve)]
     checked = [p for p in points if not p.calibration]
     spec = {}
-    # an untrained head: τ 1, each step 3 drafts and a verify of 4 (a slice's steps ran on the slice: not compared)
-    if "eagle3-chain3" in res.get("speculation", {}) and "slice" not in res:
-        s = res["speculation"]["eagle3-chain3"]
-        spec["eagle3-chain3"] = {"measured_step_ms": s["ms_per_step"], "tau": s["accept_length"],
-                                 "predicted_step_ms": model(4, fixed, verify).ms + 3 * drafter_ms(d),
-                                 "measured_tok_s": s["tok_s"]}
+    # an untrained head (τ about 1): each step S draft levels and a verify of S + 1 tokens (a chain) or of
+    # N nodes (a tree); a slice's steps ran on the slice, not the model: not compared
+    for name, s in ({} if "slice" in res else res.get("speculation", {})).items():
+        steps, tokens = setting_shape(name)
+        spec[name] = {"measured_step_ms": s["ms_per_step"], "tau": s["accept_length"], "verify_tokens": tokens,
+                      "predicted_step_ms": model(tokens, fixed, verify).ms + steps * drafter_ms(d),
+                      "measured_tok_s": s["tok_s"]}
     plain = res["decode"].get("graphed") or res["decode"]["eager"]
     return {"record": str(path), "shape": shape, "context": d.context, "fixed_ms": fixed, "verify_fixed_ms": verify,
             "moe_rate": d.moe_rate, "tolerance": TOLERANCE,
@@ -109,7 +122,9 @@ def print_validation(v: dict) -> None:
         print(f"{p['tokens']:>7}{p['experts']:>9.1f}{p['measured_ms']:>13.3f}{p['predicted_ms']:>14.3f}"
               f"{p['error']:>+9.1%}{note}")
     print(f"{v['within']} of {v['checked']} predicted token counts within ±{v['tolerance']:.0%} of measured")
+    if v["speculation"]:
+        print(f"speculation, an untrained head (plain decoding {v['plain_tok_s']:.1f} tok/s); a step predicted as "
+              f"the verify plus each draft level's bytes (a draft's fixed cost not modelled):")
     for name, s in v["speculation"].items():
-        print(f"{name} at τ {s['tau']:.2f}: a step measured {s['measured_step_ms']:.3f} ms, predicted "
-              f"{s['predicted_step_ms']:.3f} (verify of 4 + 3 drafts' bytes; a draft's fixed cost not modelled); "
-              f"{s['measured_tok_s']:.1f} tok/s against plain decoding's {v['plain_tok_s']:.1f}")
+        print(f"  {name:<20} τ {s['tau']:.2f}: {s['measured_tok_s']:7.1f} tok/s, a step {s['measured_step_ms']:.3f} ms "
+              f"measured, {s['predicted_step_ms']:.3f} predicted ({s['predicted_step_ms'] / s['measured_step_ms'] - 1:+.1%})")
