@@ -5,6 +5,8 @@
 #                                 #  QUANT="bf16 int4 fp8": the experts also as INT4 packs and FP8 blocks)
 #   bash bench/gpu/moe.sh test    # the MoE GPU tests: graphed == eager, the fused kernels row-invariant
 #   bash bench/gpu/moe.sh shapes  # eaglet bench --shape: plain decode against the touched-bytes roofline, the verify curve
+#                                 # (SPEC="chain:1 chain:2 chain:3 chain:5 tree:4,4,16 tree:6,8,32": the speculation
+#                                 #  settings timed; then `eaglet plan --shape S --gpu h200 --moe-record M --against R`)
 # Everything it writes lands in $OUT/moe-<phase>.tar (records, tiles, the log).
 phase=$1
 source "$(dirname "$0")/setup.sh"
@@ -19,7 +21,8 @@ case $phase in
     python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_moe.py tests/test_quant.py -k "moe_graphed or gpu" 2>&1 | tee "$out/moe-test.log" ;;
   shapes)
     for s in ${SHAPES:-qwen3-30b-a3b deepseek-v2-lite mixtral-8x7b kimi-k2}; do
-      python3 -m eaglet bench --shape $s --context 512 --max-new-tokens 128 --repeats 3 --out "$out" 2>&1 | tee -a "$out/bench-shape.log"
+      python3 -m eaglet bench --shape $s --context 512 --max-new-tokens 128 --repeats 3 ${SPEC:+--spec-settings $SPEC} \
+        --out "$out" 2>&1 | tee -a "$out/bench-shape.log"
     done ;;
 esac
 tar -cf "${OUT:-/tmp}/moe-$phase.tar" -C "$out" .
