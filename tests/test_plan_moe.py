@@ -86,6 +86,7 @@ def test_the_case_we_start_from(capsys):
     out = capsys.readouterr().out
     assert "speculation loses" in out and f"must reach {g['verdict']['break_even_tau']:.2f}" in out
     assert "eaglet bench-moe --shape kimi-k2.5 --quant int4" in out and "eaglet env --tp 8" in out
+    assert "step_profile.py --forward kimi-k2.5 OUT 1,2,3" in out  # the few-token paths a verify of 3 takes
 
 
 def test_a_prediction_is_written_as_a_record(capsys, tmp_path):

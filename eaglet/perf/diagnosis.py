@@ -81,6 +81,12 @@ def causes(d: Deployment, tokens: int, target: str, moe_shape: str | None) -> li
                          f"tiles chosen for one token or for large batches: {tokens} tokens should read about "
                          f"{step_time(d, tokens).bytes.experts:.0f} experts a layer, yet may run far from that floor",
                          f"{cmd}  (each path against the touched-bytes floor)"))
+    out.append(Cause("few-token paths off the decode's",
+                     f"a forward of {tokens} tokens leaves the one-row kernels a decode runs (GEMV, a dot for a "
+                     f"float32 router) for tile GEMMs, and layout copies appear: a fixed extra a step, 0.3-1.1 ms "
+                     f"on eaglet's own MoE shapes on the H200, 4.6 over Kimi-K2's 61 layers (BENCHMARKS.md, Planner)",
+                     f"python3 bench/gpu/step_profile.py --forward {moe_shape or 'SHAPE'} OUT 1,2,{tokens}  "
+                     f"(kernel by kernel, what a verify adds to a decode)"))
     out.append(Cause("host syncs in the step",
                      "a .item()/.cpu() in the verify step (metadata built on the host, acceptance read back) "
                      "stalls the GPU until the host catches up",
