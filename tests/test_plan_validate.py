@@ -11,7 +11,8 @@ import pytest
 from eaglet.cli import main
 from eaglet.errors import InvalidInput
 from eaglet.perf.hardware import GPUS
-from eaglet.perf.plan_validate import moe_key, validate
+from eaglet.models.fused_moe import shape_key
+from eaglet.perf.plan_validate import validate
 from eaglet.perf.shapes import SHAPES
 from eaglet.perf.step_model import Deployment, moe_gb_s, step_bytes, step_time
 
@@ -57,9 +58,11 @@ def record(tmp_path: Path, shape: str, fixed: float, verify: float, disturb: dic
 def moe_record(tmp_path: Path, shape: str) -> Path:
     """A bench-moe record: copy bandwidth 5000 GB/s, the fused kernels at RATE's share of it."""
     tokens = {str(t): {"fused_floor_ratio": r / 5000} for t, r in RATE}
+    m = SHAPES[shape].moe
     p = tmp_path / "bench-moe.json"
     p.write_text(json.dumps({"kind": "bench-moe", "environment": {}, "results": {"bandwidth_gb_s": 5000, "shapes": {
-        shape: {"key": moe_key(SHAPES[shape]), "tokens": tokens}}}}))
+        shape: {"key": shape_key(m.num_experts, SHAPES[shape].hidden_size, m.expert_size, m.top_k),
+                "tokens": tokens}}}}))
     return p
 
 

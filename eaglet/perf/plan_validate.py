@@ -12,17 +12,13 @@ import re
 from dataclasses import dataclass
 
 from ..errors import InvalidInput
+from ..models.fused_moe import shape_key
 from .compare import load_record
 from .shapes import SLICES, touched_experts
 from .step_model import Deployment, drafter_ms, step_time
 
 TOLERANCE = 0.10
 CALIBRATION = (1, 2)  # decode, and the smallest verify
-
-
-def moe_key(c) -> str:
-    m = c.moe
-    return f"E{m.num_experts}-H{c.hidden_size}-I{m.expert_size}-k{m.top_k}"
 
 
 def moe_rate(path: str, config) -> tuple[tuple[int, float], ...]:
@@ -33,7 +29,8 @@ def moe_rate(path: str, config) -> tuple[tuple[int, float], ...]:
         raise InvalidInput(f"--moe-record {path}: not an `eaglet bench-moe` record (kind {rec.get('kind')!r})")
     if config.moe is None:
         raise InvalidInput("--moe-record: this model has no routed experts")
-    res, key = rec["results"], moe_key(config)
+    m = config.moe
+    res, key = rec["results"], shape_key(m.num_experts, config.hidden_size, m.expert_size, m.top_k)
     entry = next((v for v in res["shapes"].values() if v.get("key") == key), None)
     if entry is None:
         raise InvalidInput(f"--moe-record {path}: no MoE layer of shape {key} in it "

@@ -26,7 +26,7 @@ Left to the fixed costs: a forward of several tokens runs other matmul and atten
 one-token decode (tensor-core tiles instead of GEMV, a mask, copies), a step of cost `verify_fixed`
 that a measured verify solves; the vocabulary-parallel embedding's all-reduce and the logits' gather (one each
 a step), kernel launches and host work. FLOPs are not modelled: at the token counts of a verify a step
-is bound by its bytes. Given a measured decode step (and a verify), `calibrated` solves the fixed costs.
+is bound by its bytes. Given a measured decode step, `calibrated` solves the fixed cost from it.
 """
 from __future__ import annotations
 
@@ -205,17 +205,14 @@ def step_time(d: Deployment, tokens: int) -> StepTime:
     return StepTime(tokens, b, bytes_ms, comm_ms, d.fixed_ms + (d.verify_fixed_ms if tokens > 1 else 0.0))
 
 
-def calibrated(d: Deployment, decode_ms: float, verify: tuple[int, float] | None = None) -> tuple[Deployment, float]:
-    """The deployment with its fixed per-step cost solved from a measured decode step (and, given a
-    measured verify (T, ms), what a forward of several tokens adds to it), and the raw difference
-    (measured - bytes time - all-reduces; negative where the model alone exceeds the measurement,
-    the fixed cost then 0)."""
-    t = step_time(dataclasses.replace(d, fixed_ms=0.0, verify_fixed_ms=0.0), 1)
+def calibrated(d: Deployment, decode_ms: float) -> tuple[Deployment, float]:
+    """The deployment with its fixed per-step cost solved from a measured decode step, and the raw
+    difference (measured - bytes time - all-reduces; negative where the model alone exceeds the
+    measurement, the fixed cost then 0). (What a verify adds, `verify_fixed_ms`, is solved from a
+    measured verify where one is given: plan_validate.py.)"""
+    t = step_time(dataclasses.replace(d, fixed_ms=0.0), 1)
     left = decode_ms - t.bytes_ms - t.comm_ms
-    d = dataclasses.replace(d, fixed_ms=max(0.0, left), verify_fixed_ms=0.0)
-    if verify is not None:
-        d = dataclasses.replace(d, verify_fixed_ms=verify[1] - step_time(d, verify[0]).ms)
-    return d, left
+    return dataclasses.replace(d, fixed_ms=max(0.0, left)), left
 
 
 def drafter_ms(d: Deployment, draft_vocab: int = 32000) -> float:
