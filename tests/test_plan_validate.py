@@ -143,3 +143,41 @@ def test_speculation_settings_of_a_shape_and_their_predicted_steps(monkeypatch, 
         assert said in capsys.readouterr().err
     assert main(["bench", "--device", "cpu", "--spec-settings", "chain:1"]) == 1
     assert "give --shape" in capsys.readouterr().err
+
+
+SPEC = {"qwen3-30b-a3b": "bench-shape-qwen3-30b-a3b-gpu-20261204-185915.json",
+        "deepseek-v2-lite": "bench-shape-deepseek-v2-lite-gpu-20261204-190232.json"}
+
+
+@pytest.mark.parametrize("shape", list(SPEC))
+def test_the_six_h200_settings_and_the_choice_among_them(shape, capsys):
+    """BENCHMARKS.md's six speculation settings (an untrained head) on the H200: each step predicted
+    within ±10%, and the setting the planner chooses, at the measured accept lengths and for chains at
+    assumed acceptance rates, within 3% of the best measured."""
+    assert main(["plan", "--shape", shape, "--gpu", "h200", "--moe-record", str(MOE), "--against",
+                 str(RESULTS / SPEC[shape]), "--json"]) == 0
+    v = json.loads(capsys.readouterr().out)
+    assert len(v["speculation"]) == 6 and (v["within"], v["checked"]) == (5, 5)
+    assert all(abs(s["predicted_step_ms"] / s["measured_step_ms"] - 1) <= 0.10 for s in v["speculation"].values())
+    assert [c["acceptance"] for c in v["choices"]] == ["measured", 0.5, 0.7, 0.8, 0.9]
+    assert v["choices"][0]["chosen"] == "plain"  # τ 1: nothing to gain
+    assert v["choices"][-1]["chosen"] == "eagle3-chain5"  # the deepest chain once drafts are mostly right
+    assert all(c["ok"] and c["chosen_of_best"] >= 0.97 for c in v["choices"])
+
+
+def test_a_choice_the_measurement_contradicts_is_named():
+    from eaglet.perf.plan_validate import choices, choose
+
+    c = choose({"plain": (1.0, 1.0), "a": (1.3, 1.1), "b": (1.2, 1.25)})
+    assert (c["chosen"], c["best_measured"], c["ok"]) == ("a", "b", False)
+    assert c["chosen_of_best"] == pytest.approx(1.1 / 1.25)
+    # chains at an assumed rate: τ = 1 + a + .. + a^S over each step (plain decoding 100 tok/s = 10 ms)
+    spec = {"eagle3-chain1": {"tau": 1.0, "predicted_step_ms": 11.0, "measured_step_ms": 12.0, "measured_tok_s": 80.0},
+            "eagle3-chain3": {"tau": 1.0, "predicted_step_ms": 13.0, "measured_step_ms": 25.0, "measured_tok_s": 50.0}}
+    out = choices(spec, 100.0, 10.0)
+    assert out[0]["chosen"] == "plain" and out[0]["ok"]
+    at9 = next(c for c in out if c["acceptance"] == 0.9)
+    assert at9["speedups"]["eagle3-chain3"] == pytest.approx(
+        ((1 + .9 + .81 + .729) * 10 / 13, (1 + .9 + .81 + .729) * 10 / 25))
+    assert (at9["chosen"], at9["best_measured"], at9["ok"]) == ("eagle3-chain3", "eagle3-chain1", False)
+    assert choices({}, 100.0, 10.0) == []

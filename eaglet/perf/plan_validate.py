@@ -19,6 +19,8 @@ from .step_model import Deployment, drafter_ms, step_time
 
 TOLERANCE = 0.10
 CALIBRATION = (1, 2)  # decode, and the smallest verify
+CHOICE_TOLERANCE = 0.03  # the chosen setting's measured rate against the best measured
+ASSUMED_RATES = (0.5, 0.7, 0.8, 0.9)  # a draft token's acceptance, for the choice among chains
 
 
 def moe_rate(path: str, config) -> tuple[tuple[int, float], ...]:
@@ -100,12 +102,44 @@ def validate(d: Deployment, shape: str, path: str) -> dict:
                       "predicted_step_ms": model(tokens, fixed, verify).ms + steps * drafter_ms(d),
                       "measured_tok_s": s["tok_s"]}
     plain = res["decode"].get("graphed") or res["decode"]["eager"]
+    decode_ms = model(1, fixed, verify).ms
     return {"record": str(path), "shape": shape, "context": d.context, "fixed_ms": fixed, "verify_fixed_ms": verify,
             "moe_rate": d.moe_rate, "tolerance": TOLERANCE,
             "points": [{**dataclasses.asdict(p), "error": p.error} for p in points],
             "within": sum(abs(p.error) <= TOLERANCE for p in checked), "checked": len(checked),
-            "speculation": spec, "plain_tok_s": plain["tok_s"],
+            "speculation": spec, "plain_tok_s": plain["tok_s"], "choices": choices(spec, plain["tok_s"], decode_ms),
             "whole_model_from_slice": SLICES.get(shape) if "slice" in res else None}
+
+
+def choose(options: dict[str, tuple[float, float]]) -> dict:
+    """options: name -> (predicted, measured) speedup over plain decoding; the planner takes the best
+    predicted, and is right when that one's measured speedup is within CHOICE_TOLERANCE of the best measured."""
+    chosen = max(options, key=lambda n: options[n][0])
+    best = max(options, key=lambda n: options[n][1])
+    share = options[chosen][1] / options[best][1]
+    return {"chosen": chosen, "best_measured": best, "chosen_of_best": share,
+            "ok": share >= 1 - CHOICE_TOLERANCE, "speedups": options}
+
+
+def choices(spec: dict, plain_tok_s: float, decode_ms: float) -> list[dict]:
+    """The setting the planner would choose among plain decoding and the settings measured: at the accept
+    lengths measured (speedup = tok/s over plain's; predicted τ x the modelled decode over the modelled
+    step), and for the chains at assumed acceptance rates a (τ = 1 + a + .. + a^S over each step's
+    measured and predicted cost: a graphed chain step costs the same whatever it accepts)."""
+    if not spec:
+        return []
+    plain_ms = 1e3 / plain_tok_s
+    out = [{"acceptance": "measured", **choose({"plain": (1.0, 1.0), **{
+        n: (s["tau"] * decode_ms / s["predicted_step_ms"], s["measured_tok_s"] / plain_tok_s)
+        for n, s in spec.items()}})}]
+    chains = {n: s for n, s in spec.items() if "chain" in n}
+    for a in ASSUMED_RATES if chains else ():
+        opts = {"plain": (1.0, 1.0)}
+        for n, s in chains.items():
+            tau = sum(a ** i for i in range(setting_shape(n)[0] + 1))
+            opts[n] = (tau * decode_ms / s["predicted_step_ms"], tau * plain_ms / s["measured_step_ms"])
+        out.append({"acceptance": a, **choose(opts)})
+    return out
 
 
 def print_validation(v: dict) -> None:
@@ -125,3 +159,10 @@ def print_validation(v: dict) -> None:
     for name, s in v["speculation"].items():
         print(f"  {name:<20} τ {s['tau']:.2f}: {s['measured_tok_s']:7.1f} tok/s, a step {s['measured_step_ms']:.3f} ms "
               f"measured, {s['predicted_step_ms']:.3f} predicted ({s['predicted_step_ms'] / s['measured_step_ms'] - 1:+.1%})")
+    for c in v.get("choices", []):
+        when = "at the accept lengths measured" if c["acceptance"] == "measured" else \
+            f"chains, each draft token accepted at {c['acceptance']:.1f} (steps measured)"
+        pred, meas = c["speedups"][c["chosen"]]
+        print(f"  chosen {when}: {c['chosen']} (predicted {pred:.2f}x, measured {meas:.2f}x); best measured "
+              f"{c['best_measured']} ({c['speedups'][c['best_measured']][1]:.2f}x): {c['chosen_of_best']:.1%} of it"
+              + ("" if c["ok"] else f"  outside {CHOICE_TOLERANCE:.0%}"))
