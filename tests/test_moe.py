@@ -281,21 +281,28 @@ def test_fused_kernels_on_the_gpu_are_row_invariant():
 ], ids=["softmax", "softmax-scaled", "groups", "sigmoid-bias-groups-top2"])
 @torch.inference_mode()
 def test_routing_kernel_equals_the_torch_routing(moe):
-    """The routing kernel (Triton, in its interpreter here) chooses the experts torch's routing does,
-    best first, with the same weights, for 1 to 64 tokens."""
+    """The routing kernel (Triton: on the GPU where there is one, else in its interpreter; the router's
+    logits and the choice in one kernel) chooses the experts torch's routing does, best first, with the same weights, for 1 to 24
+    tokens, each token as it would alone, and leaves its counters at zero for the next call. Weights
+    and inputs are multiples of 2^-10 of few bits, so every order of summing a logit gives it exactly: the
+    spread's sin(10^4 x) would turn any rounding into other experts."""
     config = ModelConfig("deepseek_v3", 128, 64, 96, 2, 4, 4, 16, 1e-6, 256, RopeConfig(), moe=moe)
-    layer = SparseMoE(config).eval()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    layer = SparseMoE(config).eval().to(dev)
     g = torch.Generator().manual_seed(3)
-    layer.gate.weight.copy_(torch.randn(moe.num_experts, 64, generator=g))
+    layer.gate.weight.copy_(torch.randint(-1000, 1001, (moe.num_experts, 64), generator=g) / 1024)
     if moe.score_bias:
         layer.gate.e_score_correction_bias.copy_(torch.rand(moe.num_experts, generator=g))
     for spread in (False, True):  # spread: the random shapes' scrambled logits
         layer.spread = spread
-        for n in (1, 7, 64):
-            x = torch.randn(n, 64, generator=g)
+        for n in (1, 5, 24):
+            x = (torch.randint(-64, 65, (n, 64), generator=g) / 1024).to(dev)
             (w, e), (kw, ke) = layer.route(x), layer.route(x, kernel=True)
             assert torch.equal(ke, e)
             assert (kw - w).abs().max() <= 1e-6 * w.abs().max()
+            assert not layer.route_counts.any()
+            alone = layer.route(x[-1:], kernel=True)
+            assert torch.equal(alone[1], ke[-1:]) and torch.equal(alone[0], kw[-1:])
 
 
 @pytest.mark.parametrize("n", [1, 20])

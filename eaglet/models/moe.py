@@ -31,7 +31,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..kernels import EAGER, Kernels
-from . import exact, fused_moe, gemv, moe_route, moe_stored
+from . import fused_moe, gemv, moe_route, moe_stored
 from .linear import Linear
 
 # model_type -> (the feed-forward module's name in a layer, an expert's gate / up / down names)
@@ -108,6 +108,8 @@ class SparseMoE(nn.Module):
             self.shared_experts = Expert(config.hidden_size, width, names, kernels)
         self.register_buffer("touched", torch.zeros((), dtype=torch.long), persistent=False)
         self.register_buffer("forwards", torch.zeros((), dtype=torch.long), persistent=False)
+        # the routing kernel's per-token counters of finished programs, zero between calls
+        self.register_buffer("route_counts", torch.zeros(fused_moe.MAX_TOKENS, dtype=torch.int32), persistent=False)
         self.fused = False
         self.spread = False  # route_spread(): benchmarks of random weights only
 
@@ -156,9 +158,13 @@ class SparseMoE(nn.Module):
         scores (softmax or sigmoid of its float32 logits); the top k, within the best groups where
         the model groups its experts, chosen by the scores plus the learned bias where it has one;
         their scores as weights, renormalized where the model does, times its scaling factor.
-        With `kernel`, all after the logits in one Triton kernel (models/moe_route.py). The experts
+        With `kernel`, all of it in one Triton kernel (models/moe_route.py). The experts
         are numbered as held here: another rank's get the index `held` and the weight 0."""
         c = self.cfg
+        bias = self.gate.e_score_correction_bias if c.score_bias else None
+        if kernel:  # logits and choice in one kernel
+            w = (self.router32 if self.fused else self.gate.weight.float()) if c.router_fp32 else self.gate.weight
+            return self.local(*moe_route.router(x, w, c, bias, self.route_counts, spread=self.spread))
         if c.router_fp32:
             w, x32 = self.router32 if self.fused else self.gate.weight.float(), x.float()
             if self.kernels.exact:  # a float32 GEMM reduces a row differently at different row counts
@@ -167,9 +173,6 @@ class SparseMoE(nn.Module):
                 logits = F.linear(x32, w)
         else:
             logits = self.gate(x)
-        if kernel:  # the kernel reads the logits in float32 whatever their dtype
-            return self.local(*moe_route.route(logits, c, self.gate.e_score_correction_bias if c.score_bias
-                                               else None, spread=self.spread))
         logits = logits.float()
         if self.spread:
             logits = torch.sin(logits * 1e4)
@@ -246,6 +249,7 @@ class SparseMoE(nn.Module):
     def reset_buffers(self) -> None:
         """After materializing (their values until a checkpoint loads): zero counters, no score bias."""
         self.reset_counts()
+        self.route_counts.zero_()
         if self.cfg.score_bias:
             self.gate.e_score_correction_bias.zero_()
         for m in self.experts.modules():

@@ -1,9 +1,16 @@
-"""The router's choice for a few tokens as one Triton kernel: from the router's float32 logits to each
-token's top-k experts and routing weights, everything SparseMoE.route does in torch (softmax or
-sigmoid scores, the learned bias on the choice, the best groups first, renormalization, scaling)
-in one program per token instead of a dozen small kernels. Experts come out best first, as
-torch.topk orders them. Used beside the fused expert kernels (Kernels.moe) for 1 to 64 tokens;
-under TRITON_INTERPRET=1 (the CPU tests) it runs on any device.
+"""The router's choice for a few tokens as one Triton kernel: from the token's hidden state to its
+top-k experts and routing weights, everything SparseMoE.route does in torch (the router's logits,
+softmax or sigmoid scores, the learned bias on the choice, the best groups first, renormalization,
+scaling) in one kernel instead of a GEMM (three kernels where the router runs in float32: a cast,
+a dot and its reduction) and a dozen small ones. Experts come out best first, as torch.topk orders
+them. Used beside the fused expert kernels (Kernels.moe) for 1 to 64 tokens; under
+TRITON_INTERPRET=1 (the CPU tests) it runs on any device.
+
+`router`: programs (expert block, token) each compute a few experts' logits of one token (a
+router's weights are 0.5 to 11 MB: one program alone would stream them from one SM), store them,
+and count themselves done on the token's counter; the last of a token's programs to finish reads
+the token's logits back and routes it, then zeroes the counter for the next call (a CUDA graph
+replays the same counters). A logit sums its row in one fixed order whatever the token count.
 """
 from __future__ import annotations
 
@@ -16,33 +23,76 @@ if triton is not None:
     import triton.language as tl
 
 
-def route(logits: torch.Tensor, cfg: MoEConfig, bias: torch.Tensor | None,
-          spread: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits (N, E), read in float32 -> (weights (N, k) float32, experts (N, k) int64); `spread`:
-    the logits scrambled first (SparseMoE.route_spread)."""
-    n, e = logits.shape
-    k = cfg.top_k
-    weights = torch.empty(n, k, dtype=torch.float32, device=logits.device)
-    experts = torch.empty(n, k, dtype=torch.int64, device=logits.device)
-    route_kernel[(n,)](logits, logits if bias is None else bias, experts, weights, e, e // cfg.n_group,
-                       logits.stride(0), float(cfg.scaling),
-                       EP=triton.next_power_of_2(e), K=k, KP=triton.next_power_of_2(k),
-                       GP=triton.next_power_of_2(cfg.n_group), GROUPS=cfg.n_group, TOPK_GROUP=cfg.topk_group,
-                       SIGMOID=cfg.scoring == "sigmoid", BIAS=bias is not None, GROUP_TOP2=cfg.group_top2,
-                       NORM=cfg.norm_topk_prob, SPREAD=spread)
+def choice_args(cfg: MoEConfig, e: int, bias: torch.Tensor | None, spread: bool) -> dict:
+    return dict(EP=triton.next_power_of_2(e), K=cfg.top_k, KP=triton.next_power_of_2(cfg.top_k),
+                GP=triton.next_power_of_2(cfg.n_group), GROUPS=cfg.n_group, TOPK_GROUP=cfg.topk_group,
+                SIGMOID=cfg.scoring == "sigmoid", BIAS=bias is not None, GROUP_TOP2=cfg.group_top2,
+                NORM=cfg.norm_topk_prob, SPREAD=spread)
+
+
+def router_tiles(e: int, h: int) -> tuple[int, int]:
+    """(experts a program, the H step): 64 to 256 programs a token (one expert each up to 256 experts)."""
+    return max(1, min(8, triton.next_power_of_2(e) // 256)), min(1024, triton.next_power_of_2(h))
+
+
+def router(x: torch.Tensor, weight: torch.Tensor, cfg: MoEConfig, bias: torch.Tensor | None,
+           counts: torch.Tensor, spread: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (N, H), the router's weight (E, H) in float32 or x's dtype (logits then rounded to it, as a
+    matmul in that dtype would), counts (>= N,) int32 zeros, zero again after -> (weights (N, k)
+    float32, experts (N, k) int64)."""
+    n, h = x.shape
+    e, k = weight.shape[0], cfg.top_k
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    logits = torch.empty(n, e, dtype=torch.float32, device=x.device)
+    weights = torch.empty(n, k, dtype=torch.float32, device=x.device)
+    experts = torch.empty(n, k, dtype=torch.int64, device=x.device)
+    be, bk = router_tiles(e, h)
+    router_kernel[(triton.cdiv(e, be), n)](
+        x, weight, weight if bias is None else bias, logits, counts, experts, weights, e, h, e // cfg.n_group,
+        x.stride(0), float(cfg.scaling), BE=be, BK=bk, ROUND=weight.dtype != torch.float32,
+        **choice_args(cfg, e, bias, spread), num_warps=4)
     return weights, experts
+
 
 
 if triton is not None:
     @triton.jit
-    def route_kernel(logits, bias, experts, weights, E, PER, sl, scaling,
-                     EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr,
-                     GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr,
-                     GROUP_TOP2: tl.constexpr, NORM: tl.constexpr, SPREAD: tl.constexpr):
-        t = tl.program_id(0)
+    def router_kernel(X, W, bias, logits, counts, experts, weights, E, H, PER, sx, scaling,
+                      BE: tl.constexpr, BK: tl.constexpr, ROUND: tl.constexpr,
+                      EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr,
+                      GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr,
+                      GROUP_TOP2: tl.constexpr, NORM: tl.constexpr, SPREAD: tl.constexpr):
+        t = tl.program_id(1)
+        rows = tl.program_id(0) * BE + tl.arange(0, BE)
+        rm = rows < E
+        acc = tl.zeros((BE, BK), dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            kk = k0 + tl.arange(0, BK)
+            km = kk < H
+            x = tl.load(X + t * sx + kk, mask=km, other=0.0).to(tl.float32)
+            w = tl.load(W + rows[:, None] * H + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+            acc += w.to(tl.float32) * x[None, :]
+        lg = tl.sum(acc, 1)
+        if ROUND:  # as the matmul in the weight's dtype rounds its output
+            lg = lg.to(W.dtype.element_ty).to(tl.float32)
+        tl.store(logits + t * E + rows, lg, mask=rm)
+        # release: this program's logits visible before its count; the last one acquires all of them
+        if tl.atomic_add(counts + t, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            e = tl.arange(0, EP)
+            x = tl.load(logits + t * E + e, mask=e < E, other=0.0, cache_modifier=".cg")
+            _choose(x, bias, experts, weights, t, E, PER, scaling, EP, K, KP, GP, GROUPS, TOPK_GROUP, SIGMOID,
+                    BIAS, GROUP_TOP2, NORM, SPREAD)
+            tl.atomic_xchg(counts + t, 0)
+
+    @triton.jit
+    def _choose(x, bias, experts, weights, t, E, PER, scaling,
+                EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr,
+                GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr,
+                GROUP_TOP2: tl.constexpr, NORM: tl.constexpr, SPREAD: tl.constexpr):
+        """Token t's top-k experts and weights from its float32 logits x (EP,)."""
         e = tl.arange(0, EP)
         valid = e < E
-        x = tl.load(logits + t * sl + e, mask=valid, other=0.0).to(tl.float32)
         if SPREAD:
             x = tl.sin(x * 1e4)
         x = tl.where(valid, x, float("-inf"))
