@@ -162,11 +162,11 @@ class SparseMoE(nn.Module):
         are numbered as held here: another rank's get the index `held` and the weight 0."""
         c = self.cfg
         bias = self.gate.e_score_correction_bias if c.score_bias else None
+        w = (self.router32 if self.fused else self.gate.weight.float()) if c.router_fp32 else self.gate.weight
         if kernel:  # logits and choice in one kernel
-            w = (self.router32 if self.fused else self.gate.weight.float()) if c.router_fp32 else self.gate.weight
             return self.local(*moe_route.router(x, w, c, bias, self.route_counts, spread=self.spread))
         if c.router_fp32:
-            w, x32 = self.router32 if self.fused else self.gate.weight.float(), x.float()
+            x32 = x.float()
             if self.kernels.exact:  # a float32 GEMM reduces a row differently at different row counts
                 logits = torch.cat([F.linear(row, w) for row in x32.split(1)])
             else:
@@ -177,7 +177,7 @@ class SparseMoE(nn.Module):
         if self.spread:
             logits = torch.sin(logits * 1e4)
         scores = logits.sigmoid() if c.scoring == "sigmoid" else logits.softmax(-1)
-        choice = scores + self.gate.e_score_correction_bias if c.score_bias else scores
+        choice = scores if bias is None else scores + bias
         if c.n_group > 1:
             groups = choice.view(-1, c.n_group, self.num_experts // c.n_group)
             g = groups.topk(2, -1).values.sum(-1) if c.group_top2 else groups.amax(-1)  # (N, n_group)

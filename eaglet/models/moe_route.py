@@ -23,13 +23,6 @@ if triton is not None:
     import triton.language as tl
 
 
-def choice_args(cfg: MoEConfig, e: int, bias: torch.Tensor | None, spread: bool) -> dict:
-    return dict(EP=triton.next_power_of_2(e), K=cfg.top_k, KP=triton.next_power_of_2(cfg.top_k),
-                GP=triton.next_power_of_2(cfg.n_group), GROUPS=cfg.n_group, TOPK_GROUP=cfg.topk_group,
-                SIGMOID=cfg.scoring == "sigmoid", BIAS=bias is not None, GROUP_TOP2=cfg.group_top2,
-                NORM=cfg.norm_topk_prob, SPREAD=spread)
-
-
 def router_tiles(e: int, h: int) -> tuple[int, int]:
     """(experts a program, the H step): 64 to 256 programs a token (one expert each up to 256 experts)."""
     return max(1, min(8, triton.next_power_of_2(e) // 256)), min(1024, triton.next_power_of_2(h))
@@ -51,9 +44,10 @@ def router(x: torch.Tensor, weight: torch.Tensor, cfg: MoEConfig, bias: torch.Te
     router_kernel[(triton.cdiv(e, be), n)](
         x, weight, weight if bias is None else bias, logits, counts, experts, weights, e, h, e // cfg.n_group,
         x.stride(0), float(cfg.scaling), BE=be, BK=bk, ROUND=weight.dtype != torch.float32,
-        **choice_args(cfg, e, bias, spread), num_warps=4)
+        EP=triton.next_power_of_2(e), K=k, KP=triton.next_power_of_2(k), GP=triton.next_power_of_2(cfg.n_group),
+        GROUPS=cfg.n_group, TOPK_GROUP=cfg.topk_group, SIGMOID=cfg.scoring == "sigmoid", BIAS=bias is not None,
+        GROUP_TOP2=cfg.group_top2, NORM=cfg.norm_topk_prob, SPREAD=spread, num_warps=4)
     return weights, experts
-
 
 
 if triton is not None:

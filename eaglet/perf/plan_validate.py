@@ -102,12 +102,11 @@ def validate(d: Deployment, shape: str, path: str) -> dict:
                       "predicted_step_ms": model(tokens, fixed, verify).ms + steps * drafter_ms(d),
                       "measured_tok_s": s["tok_s"]}
     plain = res["decode"].get("graphed") or res["decode"]["eager"]
-    decode_ms = model(1, fixed, verify).ms
     return {"record": str(path), "shape": shape, "context": d.context, "fixed_ms": fixed, "verify_fixed_ms": verify,
             "moe_rate": d.moe_rate, "tolerance": TOLERANCE,
             "points": [{**dataclasses.asdict(p), "error": p.error} for p in points],
             "within": sum(abs(p.error) <= TOLERANCE for p in checked), "checked": len(checked),
-            "speculation": spec, "plain_tok_s": plain["tok_s"], "choices": choices(spec, plain["tok_s"], decode_ms),
+            "speculation": spec, "plain_tok_s": plain["tok_s"], "choices": choices(spec, plain["tok_s"], curve[1]),
             "whole_model_from_slice": SLICES.get(shape) if "slice" in res else None}
 
 
@@ -122,7 +121,8 @@ def choose(options: dict[str, tuple[float, float]]) -> dict:
 
 
 def choices(spec: dict, plain_tok_s: float, decode_ms: float) -> list[dict]:
-    """The setting the planner would choose among plain decoding and the settings measured: at the accept
+    """decode_ms: the modelled decode (the measured forward of one token, which calibrates the model).
+    The setting the planner would choose among plain decoding and the settings measured: at the accept
     lengths measured (speedup = tok/s over plain's; predicted τ x the modelled decode over the modelled
     step), and for the chains at assumed acceptance rates a (τ = 1 + a + .. + a^S over each step's
     measured and predicted cost: a graphed chain step costs the same whatever it accepts)."""
