@@ -14,7 +14,8 @@ choices can live in one process, and nothing switches a kernel on or off behind 
   faster than torch._grouped_mm at every token count (BENCHMARKS.md, "MoE layer").
 - `exact`: attention that reduces each token of a decode, draft or verify alike whatever else is in
   the call (models/exact.py): a verified token's logits bitwise those of its decode step, a row's
-  those it gets alone. The CPU's path; slower (`--exact` states the cost).
+  those it gets alone; on the GPU with the row-invariant matmul and norm, eager. Slower (`--exact`
+  states the cost).
 - `compile`: torch.compile of the elementwise modules of every layer (RMSNorm with its residual
   add, RoPE with the grouped-query relayout, the MLP's gate-up / SiLU·mul / down) and of the
   functions marked `@fusable` (the index arithmetic around the model: attention masks, greedy
@@ -28,6 +29,7 @@ with the Triton kernels on runs them in Triton's interpreter.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,17 +54,24 @@ class Kernels:
     exact: bool = False  # a token's attention reduced alike whatever shares its call (models/exact.py)
 
     @staticmethod
-    def choose(device: torch.device | str, compile: bool = True, disable: tuple[str, ...] = ()) -> "Kernels":
+    def choose(device: torch.device | str, compile: bool = True, disable: tuple[str, ...] = (),
+               exact: bool = False) -> "Kernels":
         """The kernels for a model on `device`: on a CUDA GPU with Triton, every Triton kernel whose
         bfloat16 dot products the GPU has (Ampere or newer; older ones keep SDPA and cuBLAS) and, with
         `compile`, torch.compile; on the CPU, torch's own. `disable` names kernels to leave out
-        (KERNEL_NAMES), for side-by-side runs."""
+        (KERNEL_NAMES), for side-by-side runs. `exact` on the GPU keeps only the kernels that reduce a
+        row alike at any row count (the MoE kernels, the drafter's top-k) beside the exact path's own
+        (models/exact.py): no GEMV, no cache-attention kernel, nothing compiled."""
         unknown = set(disable) - set(KERNEL_NAMES)
         if unknown:
             raise ValueError(f"unknown kernel {sorted(unknown)[0]!r} (choose from {', '.join(KERNEL_NAMES)})")
         device = torch.device(device)
         if device.type != "cuda":
-            return EAGER
+            return EXACT if exact else EAGER
+        if exact:
+            if triton is None:
+                raise ValueError("the exact path on the GPU needs Triton")
+            return dataclasses.replace(Kernels.choose(device, False, disable + ("gemv", "cache-attention")), exact=True)
         ampere = torch.cuda.get_device_capability(device)[0] >= 8 and triton is not None
         return Kernels(gemv=ampere and "gemv" not in disable,
                        cache_attention=ampere and "cache-attention" not in disable,
@@ -75,6 +84,7 @@ class Kernels:
 
 
 EAGER = Kernels()  # torch's kernels, nothing compiled: the CPU, tests, training
+EXACT = Kernels(exact=True)  # the CPU's exact path
 
 
 @functools.cache

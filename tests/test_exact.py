@@ -42,20 +42,26 @@ def configs() -> dict:
 
 
 def forward(model, cache, ids):
-    pos = cache.lens[:, None] + torch.arange(ids.shape[1])
+    pos = cache.lens[:, None] + torch.arange(ids.shape[1], device=ids.device)
     meta = AttnMeta.build(cache.lens, pos, int(cache.lens.max()) + ids.shape[1], kernels=model.kernels)
     hidden, _ = model(ids, pos, cache, meta)
     cache.advance(ids.shape[1])
     return model.logits(hidden)
 
 
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=GPU)])
 @pytest.mark.parametrize("name", ["llama", "qwen3-moe", "mla-moe"])
 @torch.inference_mode()
-def test_a_verify_of_16_gives_the_logits_of_16_decode_steps_bitwise(name, monkeypatch):
+def test_a_verify_of_16_gives_the_logits_of_16_decode_steps_bitwise(name, dev, monkeypatch):
+    """On the GPU through the row-invariant matmul and norm, the fused MoE kernels, attention a
+    token at a time; on the CPU through MKL's matmul and the same attention."""
     monkeypatch.setitem(shapes.SHAPES, name, configs()[name])
-    model = shapes.random_model(name, "cpu", torch.bfloat16, kernels=EXACT)
-    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
-    block, alone = (KVCache.for_model(model.config, 1, 64, torch.bfloat16, "cpu") for _ in range(2))
+    model = shapes.random_model(name, dev, torch.bfloat16, kernels=Kernels.choose(dev, exact=True))
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0)).to(dev)
+    block, alone = (KVCache.for_model(model.config, 1, 64, torch.bfloat16, dev) for _ in range(2))
     forward(model, block, ids[:, :8])
     forward(model, alone, ids[:, :8])
     verified = forward(model, block, ids[:, 8:])

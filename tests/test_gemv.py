@@ -114,3 +114,36 @@ def test_two_models_with_their_own_kernels_in_one_process(tmp_path, monkeypatch)
         calls.clear()
     torch.testing.assert_close(runs[0], runs[1], atol=2e-2, rtol=2e-2)
     assert torch.equal(runs[0], runs[2])
+
+
+@pytest.mark.parametrize("n,k,glu,bias", [(96, 576, False, True), (2100, 40, False, False), (140, 100, True, False),
+                                          (49, 9000, False, False)])
+def test_the_exact_kernel_gives_a_row_the_same_bits_at_any_row_count(n, k, glu, bias):
+    """`gemv.exact` (an exact model's matmul on the GPU): F.linear's values (with glu, SiLU(gate) * up),
+    and each row of a 40-row call bitwise the row computed alone or among 3."""
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) * 0.05).half().to(DEV)
+    b = torch.randn(n, generator=g).half().to(DEV) if bias else None
+    x = torch.randn(40, k, generator=g).half().to(DEV)
+    with torch.no_grad():
+        y = gemv.exact(x, w, b, glu=glu)
+        alone = torch.cat([gemv.exact(x[i:i + 1], w, b, glu=glu) for i in (0, 17, 39)])
+        three = gemv.exact(x[17:20], w, b, glu=glu)
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    if glu:
+        gate, up = ref.half().float().chunk(2, -1)
+        ref = F.silu(gate) * up
+    torch.testing.assert_close(y.float(), ref, atol=3e-3, rtol=3e-3)
+    assert torch.equal(alone, y[[0, 17, 39]]) and torch.equal(three, y[17:20])
+
+
+def test_the_exact_norm_gives_a_row_the_same_bits_at_any_row_count():
+    from eaglet.models import exact
+    from eaglet.models.llama import rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 20, 576, generator=g).half().to(DEV)
+    w = (1 + 0.1 * torch.randn(576, generator=g)).half().to(DEV)
+    y = exact.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(y.float(), rms_norm(x.float(), w.float(), 1e-5), atol=4e-3, rtol=4e-3)
+    assert torch.equal(exact.rms_norm(x[1, 3:4], w, 1e-5), y[1, 3:4])

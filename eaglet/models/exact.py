@@ -5,6 +5,11 @@ bitwise the logits of the decode step that would have produced it, and a row the
 alone, whoever shares its batch: SDPA over a block of queries with masked keys sums in another
 order (bench/cpu/verify_invariance.py). The projections, norms, MoE layers and output layer around
 it are row-invariant on the CPU already (eaglet's matmuls reduce each row alike at any row count).
+On the GPU cuBLAS and torch's reductions choose their tiling by the row count, so an exact model
+there runs gemv.py's row-invariant matmul (models/linear.py) and `rms_norm` below, one program a
+row; the fused MoE kernels reduce a token alike at any count already, and attention runs as here,
+a call a token, whose shapes are the same in a verify and in the decode step. Host syncs and calls
+whose shapes follow the data: eager, not captured in CUDA graphs.
 
 Forwards of up to EXACT_TOKENS tokens over the cache (decode, draft, verify) take this path. A
 prefill (AttnMeta.prompt_lens set) attends each row over its own prompt, causally, in one call of
@@ -13,6 +18,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs without Triton
+    triton = None
 
 EXACT_TOKENS = 64
 
@@ -81,3 +92,30 @@ def attend_latent_rows(attend, q_nope: torch.Tensor, q_pe: torch.Tensor, latent:
             toks.append(attend(q_nope[i:i + 1, j:j + 1], q_pe[i:i + 1, j:j + 1], lat, bias, *args))
         rows.append(torch.cat(toks, 1))
     return torch.cat(rows, 0)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """llama.rms_norm's arithmetic (float32 statistics, the normed row in x's dtype times the weight)
+    with one program a row, the whole row in one block: the same bits for a row whatever the rows
+    beside it."""
+    d = x.shape[-1]
+    xr = x.reshape(-1, d)
+    if xr.stride(-1) != 1:
+        xr = xr.contiguous()
+    out = torch.empty(xr.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if xr.shape[0]:
+        rms_norm_kernel[(xr.shape[0],)](xr, weight, out, d, xr.stride(0), eps, BLOCK=triton.next_power_of_2(d))
+    return out.view(*x.shape[:-1], d)
+
+
+if triton is not None:
+    @triton.jit
+    def rms_norm_kernel(X, W, OUT, D, sx, eps, BLOCK: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, BLOCK)
+        m = c < D
+        x = tl.load(X + r * sx + c, mask=m, other=0.0)
+        xf = x.to(tl.float32)
+        normed = (xf * tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)).to(x.dtype)
+        w = tl.load(W + c, mask=m, other=0.0)
+        tl.store(OUT + r * D + c, (w.to(tl.float32) * normed.to(tl.float32)).to(OUT.dtype.element_ty), mask=m)

@@ -83,6 +83,23 @@ def glu_tiles(rows: int, k: int) -> tuple[int, ...]:
     return (16, 32, 128, 4, 3) if k >= 2048 else (16, 32, min(128, max(16, pow2(k))), 4, 4)
 
 
+def exact_tiles(n: int, k: int, glu: bool) -> tuple[int, int, int, int, int]:
+    """The row-invariant kernel's tiles, from the weight's shape alone: `dot_tiles` / `glu_tiles` as
+    2 to 16 rows take them, and for the shapes cuBLAS keeps (wide outputs of a narrow K: SmolLM2's
+    head) 64 columns in 128-wide slices."""
+    if glu:
+        return glu_tiles(2, k)
+    return dot_tiles(2, n, k) or (16, 64, min(128, max(16, pow2(k))), 4, 3)
+
+
+def exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
+    """`gemv` (or with `glu`, `glu`) for any number of rows with each row reduced alike whatever the
+    others (`Kernels.exact` on the GPU): tiles of 16 rows, the K loop and tile fixed by the weight's
+    shape (`exact_tiles`), no split-K; a row's result is the same bits alone, among a verify's rows or
+    in a batch. Runs eagerly (the exact path is not captured)."""
+    return _run(x, weight, bias, glu, exact=True)
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., K) holding 1 to MAX_ROWS rows, weight (N, K) contiguous, bias (N,) or None -> (..., N)."""
     return torch.ops.eaglet.gemv(x, weight, bias)
@@ -95,7 +112,7 @@ def glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None)
     return torch.ops.eaglet.gemv_glu(x, weight, bias)
 
 
-def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: bool) -> torch.Tensor:
+def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: bool, exact: bool = False) -> torch.Tensor:
     n, k = weight.shape
     xr = x.reshape(-1, k)
     if xr.stride(1) != 1:
@@ -104,7 +121,12 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: 
     out = n // 2 if glu else n  # output columns; with glu each program also reads the rows `out` further on
     y = torch.empty(m, out, dtype=x.dtype, device=x.device)
     b = bias if bias is not None else y  # not read
-    if m == 1:
+    if exact:
+        bm, bn, bk, warps, stages = exact_tiles(n, k, glu)
+        gemv_dot_kernel[(triton.cdiv(out, bn), triton.cdiv(m, bm))](
+            xr, weight, b, y, m, out, xr.stride(0), K=k, BM=bm, BN=bn, BK=bk, EVEN_K=k % bk == 0,
+            HAS_BIAS=bias is not None, GLU=glu, num_warps=warps, num_stages=stages)
+    elif m == 1:
         bn, bk, warps = glu_tiles(1, k) if glu else tiles(n, k)
         gemv_kernel[(triton.cdiv(out, bn),)](xr, weight, b, y, out, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
                                          HAS_BIAS=bias is not None, GLU=glu, num_warps=warps)
@@ -174,9 +196,10 @@ if triton is not None:
     @triton.jit
     def gemv_dot_kernel(X, W, B, Y, M, N, sx, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr):
-        """Y (M, N) = X (M, K) Wᵀ (+ B) for M <= BM rows: each program streams BN rows of W once (with
-        GLU also the BN rows N further on, and writes silu(first) * second)."""
-        m = tl.arange(0, BM)
+        """Y (M, N) = X (M, K) Wᵀ (+ B), rows in tiles of BM (the grid's second axis): each program
+        streams BN rows of W once for its tile (with GLU also the BN rows N further on, and writes
+        silu(first) * second)."""
+        m = tl.program_id(1) * BM + tl.arange(0, BM)
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
         mm, cm = m < M, cols < N
         acc = tl.zeros((BM, BN), dtype=tl.float32)

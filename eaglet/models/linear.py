@@ -8,7 +8,9 @@ than as F.linear's x @ Wᵀ
 (bench/cpu/matmul_probe.py, record bench/results/matmul-probe-cpu-*.json: 1.5x for one row,
 2.3x for two, still 1.4x at 64), and one row is doubled because W @ x for a single column is the slow
 GEMV again. Longer inputs (prefill) keep F.linear, but for exact models (Kernels.exact), whose rows
-must come out alike at any row count: they go in pieces of 64 rows.
+must come out alike at any row count: they go in pieces of 64 rows. On the GPU an exact model's
+matmuls, at every row count, take gemv.py's row-invariant kernel (cuBLAS picks its tiles and split-K
+by the row count).
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x (..., K) @ weight (N, K)ᵀ + bias -> (..., N)."""
     k = x.shape[-1]
     rows = x.numel() // k
+    if kernels.exact and exact_on_gpu(x, weight):
+        return gemv.exact(x, weight, bias)
     if kernels.gemv and gemv.usable(x, weight, rows):
         return gemv.gemv(x, weight, bias)
     if weight.device.type != "cpu":
@@ -43,6 +47,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def exact_on_gpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether an exact model's matmul takes the row-invariant Triton kernel (models/gemv.py `exact`):
+    on the GPU, float16 and bfloat16, without autograd."""
+    return (gemv.triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.is_contiguous()
+            and not torch.is_grad_enabled() and x.numel() > 0)
 
 
 class Linear(nn.Linear):

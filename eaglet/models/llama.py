@@ -21,24 +21,28 @@ from torch import nn
 from ..config import ModelConfig, rope_inv_freq
 from ..kernels import EAGER, Kernels, fusable
 from ..kvcache import Cache
-from . import cache_attention, gemv, mla, moe
+from . import cache_attention, exact, gemv, mla, moe
 from .attention import AttnMeta
-from .linear import Linear, linear
+from .linear import Linear, exact_on_gpu, linear
 
 
 class RMSNorm(nn.Module):
     """RMSNorm; given `residual`, first adds it (x + residual is the new residual stream) and returns
     (normed, new residual), so the add and the norm are one fused kernel once compiled."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, exact: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.exact = exact  # an exact model's (Kernels.exact): on the GPU each row reduced alike whatever the others
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is not None:
             x = x + residual
-        out = rms_norm(x, self.weight, self.eps)
+        if self.exact and x.is_cuda and exact.triton is not None:
+            out = exact.rms_norm(x, self.weight, self.eps)
+        else:
+            out = rms_norm(x, self.weight, self.eps)
         return out if residual is None else (out, x)
 
 
@@ -132,8 +136,8 @@ class Attention(nn.Module):
         self.v_proj = Linear(fin, self.nkv * d, bias=config.qkv_bias, kernels=kernels)
         self.o_proj = Linear(self.nh * d, h, bias=config.o_bias, kernels=kernels)
         if config.qk_norm:
-            self.q_norm = RMSNorm(d, config.rms_norm_eps)
-            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, kernels.exact)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, kernels.exact)
         self.qk_norm = config.qk_norm
         self.rope = RoPE(self.nh // self.nkv)
         self.fused = False
@@ -194,6 +198,8 @@ class MLP(nn.Module):
         if not self.fused:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         rows = x.numel() // x.shape[-1]
+        if self.kernels.exact and exact_on_gpu(x, self.gate_up_weight):  # gate-up and SiLU·mul, row-invariant
+            return self.down_proj(gemv.exact(x, self.gate_up_weight, self.gate_up_bias, glu=True))
         if self.kernels.gemv and gemv.usable(x, self.gate_up_weight, rows, glu=True):  # few rows: one kernel
             return self.down_proj(gemv.glu(x, self.gate_up_weight, self.gate_up_bias))
         gate, up = linear(x, self.gate_up_weight, self.gate_up_bias, self.kernels).chunk(2, -1)
@@ -219,9 +225,9 @@ def fuse_linears(linears: list[Linear]) -> tuple[torch.Tensor, torch.Tensor | No
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, kernels: Kernels = EAGER):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels.exact)
         self.self_attn = (mla.MLAttention if config.mla is not None else Attention)(config, layer, kernels=kernels)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels.exact)
         if config.moe is not None and config.moe.sparse(layer):  # under the checkpoint's name for it
             self.ffn_name = moe.NAMES[config.model_type][0]
             setattr(self, self.ffn_name, moe.SparseMoE(config, kernels))
@@ -246,7 +252,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_rows, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, kernels) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels.exact)
         self.rotary = Rotary(config, kernels)
 
 

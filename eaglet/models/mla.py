@@ -43,10 +43,10 @@ class MLAttention(nn.Module):
             self.q_proj = Linear(h, nh * qk, bias=False, kernels=kernels)
         else:
             self.q_a_proj = Linear(h, m.q_lora_rank, bias=config.qkv_bias, kernels=kernels)
-            self.q_a_layernorm = RMSNorm(m.q_lora_rank, 1e-6)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, 1e-6, kernels.exact)
             self.q_b_proj = Linear(m.q_lora_rank, nh * qk, bias=False, kernels=kernels)
         self.kv_a_proj_with_mqa = Linear(h, m.kv_lora_rank + m.qk_rope_head_dim, bias=config.qkv_bias, kernels=kernels)
-        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, 1e-6)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, 1e-6, kernels.exact)
         self.kv_b_proj = Linear(m.kv_lora_rank, nh * (m.qk_nope_head_dim + m.v_head_dim), bias=False, kernels=kernels)
         self.o_proj = Linear(nh * m.v_head_dim, h, bias=config.o_bias, kernels=kernels)
         self.scale = config.rope.softmax_scale() / math.sqrt(qk)  # YaRN's mscale_all_dim squared, as DeepSeek

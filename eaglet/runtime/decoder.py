@@ -175,7 +175,7 @@ class Decoder:
         zeros = lambda: torch.zeros(batch, dtype=torch.long, device=p.device)  # noqa: E731
         eos_d = torch.tensor(sorted(eos), dtype=torch.long, device=p.device)
         self.slots = Slots(cache, zeros(), zeros(), RowSampling(batch, p.device, cache.lens), zeros().bool(), eos_d)
-        self.graphs = GraphRunner(p.device, graphs)
+        self.graphs = GraphRunner(p.device, graphs and not model.kernels.exact)  # the exact path syncs: eager
         self.observer = observer or StepObserver()
         self.epoch = np.zeros(batch, dtype=np.int64)  # bumped when a row is admitted or released
         self.live = np.zeros(batch, dtype=bool)  # rows the host last gave a limit > 0

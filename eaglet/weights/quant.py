@@ -110,7 +110,7 @@ def unpack(base: str, packed: torch.Tensor, scale: torch.Tensor, shape: torch.Te
     if tuple(scale.shape) != (rows, math.ceil(cols / group)):
         raise ModelLoadError(f"tensor {base + '.weight_scale'!r} has shape {tuple(scale.shape)}, a {rows} x {cols} "
                              f"weight in groups of {group} needs ({rows}, {math.ceil(cols / group)})")
-    shifts = torch.arange(per, dtype=torch.int32) * bits
+    shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
     values = (packed[..., None] >> shifts) & ((1 << bits) - 1)  # (rows, packed cols, per)
     q = values.reshape(rows, -1)[:, :cols].float() - (1 << (bits - 1))
     return q * scale.float().repeat_interleave(group, 1)[:, :cols]
