@@ -19,11 +19,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compile", action="store_true",
                    help="torch's kernels only: no torch.compile and no Triton kernels (cuBLAS, SDPA, torch.topk)")
     p.add_argument("--exact", action="store_true",
-                   help="bitwise lossless in any dtype (CPU): a verified token's logits equal those of the decode "
+                   help="bitwise lossless in any dtype: a verified token's logits equal those of the decode "
                         "step that would produce it, a row's those it gets alone in the batch, so speculative "
-                        "greedy output equals plain greedy output in bfloat16 too. CPU only for now; its cost "
-                        "there (SmolLM2, bfloat16): plain decoding 0.88x, EAGLE-3 chain 3 0.78x the speed "
-                        "without it (BENCHMARKS.md, 'Exact')")
+                        "greedy output equals plain greedy output in bfloat16 too. Its cost (SmolLM2, bfloat16; "
+                        "BENCHMARKS.md, 'Exact'): on the CPU plain decoding 0.88x, EAGLE-3 chain 3 0.78x the "
+                        "speed without it; on the GPU, where it runs eagerly (no CUDA graphs), about 0.08x")
     p.add_argument("--disable-kernels", default="", metavar="LIST",
                    help=f"comma-separated Triton kernels to leave out on the GPU, for side-by-side runs: "
                         f"{', '.join(KERNEL_NAMES)}")

@@ -4,6 +4,7 @@ MLA + MoE model; a row's tokens are the same alone and in a batch; speculative g
 plain greedy output for every drafter shape (chain, tree, n-gram)."""
 import argparse
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -49,19 +50,28 @@ def forward(model, cache, ids):
     return model.logits(hidden)
 
 
-GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter is off")
 
 
-@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=GPU)])
-@pytest.mark.parametrize("name", ["llama", "qwen3-moe", "mla-moe"])
+@pytest.mark.parametrize("name,dev", [(n, d) for n in ("llama", "qwen3-moe", "mla-moe") for d in ("cpu", "cuda")]
+                         + [pytest.param(n, "interpreted", marks=INTERPRETED) for n in ("llama", "qwen3-moe")])
 @torch.inference_mode()
 def test_a_verify_of_16_gives_the_logits_of_16_decode_steps_bitwise(name, dev, monkeypatch):
-    """On the GPU through the row-invariant matmul and norm, the fused MoE kernels, attention a
-    token at a time; on the CPU through MKL's matmul and the same attention."""
+    """On the CPU through MKL's matmul and attention a token at a time (models/exact.py); on the GPU
+    through the row-invariant matmul and norm, the fused MoE kernels and the exact attention kernel
+    (models/exact_attention.py; MLA: a token at a time); "interpreted": that kernel through Triton's
+    interpreter on the CPU, in float16 (MLA does not take it; its CPU path is not row-invariant in
+    float16)."""
+    if dev == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
     monkeypatch.setitem(shapes.SHAPES, name, configs()[name])
-    model = shapes.random_model(name, dev, torch.bfloat16, kernels=Kernels.choose(dev, exact=True))
+    if dev == "interpreted":
+        kernels, dtype, dev = Kernels(exact=True, cache_attention=True), torch.float16, "cpu"
+    else:
+        kernels, dtype = Kernels.choose(dev, exact=True), torch.bfloat16
+    model = shapes.random_model(name, dev, dtype, kernels=kernels)
     ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0)).to(dev)
-    block, alone = (KVCache.for_model(model.config, 1, 64, torch.bfloat16, dev) for _ in range(2))
+    block, alone = (KVCache.for_model(model.config, 1, 64, dtype, dev) for _ in range(2))
     forward(model, block, ids[:, :8])
     forward(model, alone, ids[:, :8])
     verified = forward(model, block, ids[:, 8:])
@@ -130,3 +140,20 @@ def test_rows_admitted_while_others_decode_get_their_tokens_alone(smollm2_exact)
             if r in out:
                 out[r].extend(toks)
     assert [out[r] for r in range(4)] == [alone(p) for p in prompts]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="the MoE kernels need a GPU or Triton's interpreter")
+@torch.inference_mode()
+def test_an_exact_moe_layer_gives_a_token_its_bits_among_many_tokens(monkeypatch):
+    """Past the kernels' 64 tokens (a batch's verify, a prefill) an exact model's MoE layer routes and
+    computes 64 tokens at a time, so each token comes out as it does alone."""
+    from eaglet.models.moe import SparseMoE
+
+    monkeypatch.setitem(shapes.SHAPES, "qwen3-moe", configs()["qwen3-moe"])
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = shapes.random_model("qwen3-moe", dev, torch.float32, kernels=Kernels(exact=True, moe=True))
+    layer = next(m for m in model.modules() if isinstance(m, SparseMoE))
+    x = torch.randn(1, 70, 64, generator=torch.Generator().manual_seed(0)).to(dev)
+    many = layer(x)
+    assert all(torch.equal(layer(x[:, i:i + 1]), many[:, i:i + 1]) for i in (0, 33, 64, 69))

@@ -138,6 +138,8 @@ def test_the_exact_kernel_gives_a_row_the_same_bits_at_any_row_count(n, k, glu, 
 
 
 def test_the_exact_norm_gives_a_row_the_same_bits_at_any_row_count():
+    """exact.rms_norm: llama.rms_norm's values, a row's bits alike alone, and with a residual the sum
+    torch's add makes and the norm of it."""
     from eaglet.models import exact
     from eaglet.models.llama import rms_norm
 
@@ -147,3 +149,6 @@ def test_the_exact_norm_gives_a_row_the_same_bits_at_any_row_count():
     y = exact.rms_norm(x, w, 1e-5)
     torch.testing.assert_close(y.float(), rms_norm(x.float(), w.float(), 1e-5), atol=4e-3, rtol=4e-3)
     assert torch.equal(exact.rms_norm(x[1, 3:4], w, 1e-5), y[1, 3:4])
+    r = torch.randn(2, 20, 576, generator=g).half().to(DEV)
+    y, s = exact.rms_norm(x, w, 1e-5, residual=r)
+    assert torch.equal(s, x + r) and torch.equal(exact.rms_norm(x + r, w, 1e-5), y)

@@ -151,10 +151,12 @@ def test_quantized_experts_stay_stored_for_the_fused_kernels(tiny_dirs, tmp_path
 @torch.inference_mode()
 def test_quantized_experts_stay_stored_on_the_gpu(tiny_dirs, tmp_path, method):
     """On the GPU in bfloat16 the fused kernels read the stored experts (chosen by default there): the
-    stored stacks dequantize to the dequantized load's weights, and the kernels give on them bitwise
-    what they give on those weights, at 1 to 64 tokens. (Whole models are not compared: in bfloat16
-    the plain load's MoE path rounds otherwise, and a tiny random router flips an expert at a
-    position now and then, moving that position's logits by several percent.)"""
+    stored stacks dequantize to the dequantized load's weights, and the kernels give on them what they
+    give on those weights at 1 to 64 tokens: bitwise for INT4; for FP8 to a bfloat16 rounding (on the
+    H200 one call in twelve differed by one unit in the last place, in the down kernel: its gate-up
+    output was bitwise equal). Whole models are not compared: in bfloat16 the plain load's MoE path
+    rounds otherwise, and a tiny random router flips an expert at a position now and then, moving
+    that position's logits by several percent."""
     from eaglet.kernels import Kernels
     from eaglet.models import fused_moe
     from eaglet.models.moe import SparseMoE
@@ -171,8 +173,11 @@ def test_quantized_experts_stay_stored_on_the_gpu(tiny_dirs, tmp_path, method):
         for t in (1, 4, 16, 64):
             x = torch.randn(t, gp.shape[2], dtype=torch.bfloat16, device="cuda")
             weights, experts = lp.route(x, kernel=False)
-            assert torch.equal(fused_moe.fused_moe(x, experts, weights, gs, ds),
-                               fused_moe.fused_moe(x, experts, weights, gp, dp)), t
+            a, b = (fused_moe.fused_moe(x, experts, weights, g, d) for g, d in ((gs, ds), (gp, dp)))
+            if method == "int4":
+                assert torch.equal(a, b), t
+            else:
+                assert (a.float() - b.float()).abs().max() <= 2 ** -8 * b.float().abs().max(), t
 
 
 def stored_logits(tp, path: str, moe: str = "tp") -> tuple[torch.Tensor, str, int]:

@@ -8,12 +8,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from eaglet.models import cache_attention as ca
-from eaglet.models import gemv
+from eaglet.models import exact, exact_attention, gemv
 from eaglet.spec import topk
 
 H200 = GPUTarget("cuda", 90, 32)
 TYPES = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "Y": "*bf16", "QKV": "*bf16", "K": "*bf16", "V": "*bf16",
-         "OUT": "*bf16", "COS": "*bf16", "SIN": "*bf16", "QW": "*bf16", "KW": "*bf16", "START": "*i64", "MASK": "*i1",
+         "OUT": "*bf16", "R": "*bf16", "S": "*bf16", "COS": "*bf16", "SIN": "*bf16", "QW": "*bf16", "KW": "*bf16", "START": "*i64", "MASK": "*i1",
          "PM": "*fp32", "PL": "*fp32", "PO": "*fp32", "eps": "fp32", "scale": "fp32",
          "x_ptr": "*bf16", "val_ptr": "*fp32", "idx_ptr": "*i64", "off_ptr": "*fp32",
          "part_v": "*fp32", "part_i": "*i64", "stats": "*fp32"}
@@ -52,6 +52,20 @@ def cases():
         if split:
             yield f"cache attention combine, {t} tokens", lambda r=rows, n=tiles: compile_for_h200(
                 ca.combine_kernel, dict(G=3, TILES=n, ROWS=r, D=64, SP=8))
+    bm, bn, bk, warps, stages = gemv.exact_tiles(49152, 576, False)  # the exact path: SmolLM2's head too
+    yield "exact matmul, 49152 x 576", lambda: compile_for_h200(
+        gemv.gemv_dot_kernel, dict(K=576, BM=bm, BN=bn, BK=bk, EVEN_K=576 % bk == 0, HAS_BIAS=False, GLU=False),
+        warps, stages)
+    for add in (False, True):
+        yield f"exact RMSNorm, residual {add}", lambda add=add: compile_for_h200(
+            exact.rms_norm_kernel, dict(BLOCK=1024, ADD=add), 4)
+    for g, t, tree, norm in [(3, 1, False, False), (8, 16, True, True)]:
+        yield f"exact attention, {t} tokens, tree {tree}", lambda g=g, t=t, tree=tree, norm=norm: compile_for_h200(
+            exact_attention.attend_kernel, dict(G=g, ROWS=16, E=max(16, ca.pow2(t)), D=128, SPLIT=exact_attention.SPLIT,
+                                                BLOCK=exact_attention.BLOCK, TREE=tree, ROPE=True, QK_NORM=norm))
+    yield "exact attention store", lambda: compile_for_h200(
+        exact_attention.store_kernel, dict(H=32, HKV=4, TP=16, D=128, ROPE=True, QK_NORM=True))
+    yield "exact attention combine", lambda: compile_for_h200(exact_attention.combine_kernel, dict(G=8, ROWS=16, D=128))
     for k, width, ls, off in [(8, 16384, True, True), (4, 16, False, False), (31, 328, False, False)]:
         block = max(16, ca.pow2(width))
         yield f"row top-{k} of {width}", lambda k=k, b=block, ls=ls, off=off: compile_for_h200(

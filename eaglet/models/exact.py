@@ -94,27 +94,34 @@ def attend_latent_rows(attend, q_nope: torch.Tensor, q_pe: torch.Tensor, latent:
     return torch.cat(rows, 0)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """llama.rms_norm's arithmetic (float32 statistics, the normed row in x's dtype times the weight)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """llama.RMSNorm's arithmetic (given `residual`, first x + residual in x's dtype, returned as the new
+    residual beside the normed rows; float32 statistics, the normed row in x's dtype times the weight)
     with one program a row, the whole row in one block: the same bits for a row whatever the rows
-    beside it."""
+    beside it, and one kernel for the add and the norm."""
     d = x.shape[-1]
-    xr = x.reshape(-1, d)
-    if xr.stride(-1) != 1:
-        xr = xr.contiguous()
+    xr = x.reshape(-1, d).contiguous()
+    res = residual.reshape(-1, d).contiguous() if residual is not None else xr
+    summed = torch.empty_like(xr) if residual is not None else xr
     out = torch.empty(xr.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     if xr.shape[0]:
-        rms_norm_kernel[(xr.shape[0],)](xr, weight, out, d, xr.stride(0), eps, BLOCK=triton.next_power_of_2(d))
-    return out.view(*x.shape[:-1], d)
+        rms_norm_kernel[(xr.shape[0],)](xr, res, summed, weight, out, d, eps, BLOCK=triton.next_power_of_2(d),
+                                        ADD=residual is not None)
+    out = out.view(*x.shape[:-1], d)
+    return out if residual is None else (out, summed.view(x.shape))
 
 
 if triton is not None:
     @triton.jit
-    def rms_norm_kernel(X, W, OUT, D, sx, eps, BLOCK: tl.constexpr):
+    def rms_norm_kernel(X, R, S, W, OUT, D, eps, BLOCK: tl.constexpr, ADD: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK)
         m = c < D
-        x = tl.load(X + r * sx + c, mask=m, other=0.0)
+        x = tl.load(X + r * D + c, mask=m, other=0.0)
+        if ADD:  # the residual stream: x + residual, rounded to x's dtype as torch's add rounds it
+            x = (x.to(tl.float32) + tl.load(R + r * D + c, mask=m, other=0.0).to(tl.float32)).to(x.dtype)
+            tl.store(S + r * D + c, x, mask=m)
         xf = x.to(tl.float32)
         normed = (xf * tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)).to(x.dtype)
         w = tl.load(W + c, mask=m, other=0.0)

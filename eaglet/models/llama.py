@@ -21,7 +21,7 @@ from torch import nn
 from ..config import ModelConfig, rope_inv_freq
 from ..kernels import EAGER, Kernels, fusable
 from ..kvcache import Cache
-from . import cache_attention, exact, gemv, mla, moe
+from . import cache_attention, exact, exact_attention, gemv, mla, moe
 from .attention import AttnMeta
 from .linear import Linear, exact_on_gpu, linear
 
@@ -37,12 +37,11 @@ class RMSNorm(nn.Module):
         self.exact = exact  # an exact model's (Kernels.exact): on the GPU each row reduced alike whatever the others
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.exact and x.is_cuda and exact.triton is not None:
+            return exact.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
-        if self.exact and x.is_cuda and exact.triton is not None:
-            out = exact.rms_norm(x, self.weight, self.eps)
-        else:
-            out = rms_norm(x, self.weight, self.eps)
+        out = rms_norm(x, self.weight, self.eps)
         return out if residual is None else (out, x)
 
 
@@ -157,15 +156,16 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache: Cache, meta: AttnMeta | None) -> torch.Tensor:
         b, t, _ = x.shape
-        if self.kernels.cache_attention and cache.in_place and meta.fast and cache_attention.usable(x, t):
-            # a few tokens per row: q/k norm, RoPE, store, attend and lay out in one kernel
+        kernel = self.kernels.cache_attention or self.kernels.exact and x.is_cuda
+        if kernel and cache.in_place and meta.fast and cache_attention.usable(x, t):
+            # a few tokens per row: q/k norm, RoPE, store, attend and lay out in one kernel (exact: three,
+            # each token's keys read as its decode step reads them)
             qkv = (linear(x, self.qkv_weight, self.qkv_bias, self.kernels) if self.fused
                    else torch.cat(self.project(x), -1))
             norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
-            o = cache_attention.cache_attention(qkv.view(b, t, -1, self.d), *cache.layer_kv(self.layer, b),
-                                                meta.slots[:, 0], meta.block_mask, meta.kv_len,
-                                                self.nh // self.nkv, rope=(cos, sin), qk_norm=norm,
-                                                pending=meta.pending)
+            attend = exact_attention.exact_attention if self.kernels.exact else cache_attention.cache_attention
+            o = attend(qkv.view(b, t, -1, self.d), *cache.layer_kv(self.layer, b), meta.slots[:, 0], meta.block_mask,
+                       meta.kv_len, self.nh // self.nkv, rope=(cos, sin), qk_norm=norm, pending=meta.pending)
             return self.o_proj(o)
         q, k, v = self.project(x)
         q = q.view(b, t, self.nh, self.d)

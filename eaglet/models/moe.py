@@ -200,6 +200,11 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        m = fused_moe.MAX_TOKENS
+        if self.kernels.exact and self.kernels.moe and x.shape[0] > m and fused_moe.usable(x[:m]):
+            # an exact model's many tokens (a batch's verify, a prefill) as its few: routed and computed by
+            # the kernels MAX_TOKENS at a time, each token's result as at any count
+            return torch.cat([self(part) for part in x.split(m)]).reshape(shape)
         fast = self.kernels.moe and fused_moe.usable(x)  # Triton: routing, experts read once, counting
         weights, experts = self.route(x, kernel=fast)
         gate_up, down = self.stacks()

@@ -151,6 +151,7 @@ def run_bench(args) -> dict:
     if getattr(args, "spec_settings", None):
         raise InvalidInput("--spec-settings times an untrained head on a --shape; give --shape")
     from ..generate import GenerationConfig
+    from ..runtime.decoder import graphable
     from ..spec.metrics import SpecMetrics
     from ..weights import load_model
     from .record import write_record
@@ -229,7 +230,7 @@ def run_bench(args) -> dict:
 
     print_table(results, device, dtype, n_new, len(prompts), args.repeats, args.stop_at_eos)
     flags = {k: v for k, v in vars(args).items() if k != "func"}
-    flags["cuda_graphs"] = device.type == "cuda" and not args.eager
+    flags["cuda_graphs"] = device.type == "cuda" and not args.eager and graphable(loaded.model)
     flags["kernels"] = dataclasses.asdict(loaded.model.kernels)
     path = write_record("bench", flags, results, args.out, models={"target": loaded.path, "drafter": args.draft})
     png = plot_bench(results, path.with_suffix(".png"))

@@ -165,6 +165,12 @@ def prefill_shape(prompts: int, longest: int, batch: int, max_len: int) -> tuple
     return next(b for b in row_buckets(batch) if b >= prompts), prompt_bucket(longest, max_len)
 
 
+def graphable(model: CausalLM) -> bool:
+    """Whether a model's decode and speculation steps may be captured: not an exact model's MLA
+    attention (a call a token over the slots it sees, shapes from the host; models/exact.py)."""
+    return not (model.kernels.exact and model.config.mla is not None)
+
+
 class Decoder:
     def __init__(self, model: CausalLM, batch: int, max_len: int, graphs: bool = True, lookahead: bool | None = None,
                  observer: StepObserver | None = None, eos: frozenset[int] = frozenset()):
@@ -175,7 +181,8 @@ class Decoder:
         zeros = lambda: torch.zeros(batch, dtype=torch.long, device=p.device)  # noqa: E731
         eos_d = torch.tensor(sorted(eos), dtype=torch.long, device=p.device)
         self.slots = Slots(cache, zeros(), zeros(), RowSampling(batch, p.device, cache.lens), zeros().bool(), eos_d)
-        self.graphs = GraphRunner(p.device, graphs and not model.kernels.exact)  # the exact path syncs: eager
+        self.graphs = GraphRunner(p.device, graphs and graphable(model))
+        self.graph_prefill = not model.kernels.exact  # each row over its own prompt length: host shapes
         self.observer = observer or StepObserver()
         self.epoch = np.zeros(batch, dtype=np.int64)  # bumped when a row is admitted or released
         self.live = np.zeros(batch, dtype=bool)  # rows the host last gave a limit > 0
@@ -403,7 +410,8 @@ class Decoder:
         pad = shape[0] - len(rows)  # the last prompt again into its own row: the same writes twice
         batch = self._prompts[shape].fill(prompts + [prompts[-1]] * pad, rows + [rows[-1]] * pad)
         with self.observer.phase("prefill"):
-            first = self.graphs.run(("prefill", *shape, step.name), lambda: step.prefill(batch))[:len(rows)]
+            first = self.graphs.run(("prefill", *shape, step.name), lambda: step.prefill(batch),
+                                    graph=self.graph_prefill)[:len(rows)]
             if not wait and self.lookahead:
                 host = torch.empty(first.shape, dtype=first.dtype, pin_memory=first.is_cuda)
                 host.copy_(first, non_blocking=True)
