@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Issue 54 on the GPU: `--exact`, bitwise lossless in bfloat16. Each phase fits one device call; all but
+# `test` need SmolLM2 staged first (../shared/tools/stage-files --smollm2, see GPU.md).
+#   bash bench/gpu/exact.sh test   # the exact tests on the GPU: verify == decode bitwise, the kernels row-invariant
+#   bash bench/gpu/exact.sh bar    # eaglet bench --exact: 80 MT-bench prompts x 256 tokens, chain, tree, n-gram vs plain
+#                                  # (PROMPTS=N, MAXNEW=N to run fewer)
+#   bash bench/gpu/exact.sh cost   # the cost: plain and EAGLE-3 chain with and without --exact, one process each,
+#                                  # 10 prompts x 128 tokens, 3 repeats
+#   bash bench/gpu/exact.sh serve  # `eaglet serve --exact`: the same 64 MT-bench requests one at a time and 64 at
+#                                  # once, greedy; prints how many replies are equal (needs the fastapi, uvicorn and
+#                                  # pydantic wheels in .whl, as bench/gpu/serve.sh says)
+# Everything it writes lands in $OUT/exact-<phase>.tar.
+phase=$1
+source "$(dirname "$0")/setup.sh"
+set +e
+out=/tmp/records-exact-$phase-$$
+mkdir -p "$out"
+draft=eaglet/drafters/smollm2-135m-instruct-eagle3
+case $phase in
+  test)
+    python3 -m pytest -q -p no:cacheprovider tests/test_exact.py tests/test_exact_attention.py tests/test_gemv.py \
+      tests/test_quant.py -k "cuda or exact or gpu" 2>&1 | tee "$out/exact-test.log" ;;
+  bar)
+    python3 -m eaglet bench --model $GGUF --draft $draft --exact --prompts mtbench --num-prompts ${PROMPTS:-80} \
+      --max-new-tokens ${MAXNEW:-256} --repeats 1 --systems plain eagle3-chain eagle3-tree ngram --out "$out" 2>&1 |
+      tee "$out/exact-bar.log" ;;
+  cost)
+    for flag in "" --exact; do
+      python3 -m eaglet bench --model $GGUF --draft $draft $flag --prompts mtbench --num-prompts 10 --max-new-tokens 128 \
+        --repeats 3 --systems plain eagle3-chain --out "$out" 2>&1 | tee -a "$out/exact-cost.log"
+    done ;;
+  serve)
+    python3 -m eaglet serve --model $GGUF --draft $draft --exact --port 8391 --max-batch 64 > "$out/serve.log" 2>&1 &
+    pid=$!
+    wait_health 8391 && python3 - "$out" <<'PY'
+import json, sys, urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from eaglet.datasets import load_prompts
+
+base = "http://127.0.0.1:8391/v1"
+model = json.load(urllib.request.urlopen(base + "/models"))["data"][0]["id"]
+
+def ask(p):
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": p}], "max_tokens": 128,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(base + "/chat/completions", body, {"Content-Type": "application/json"})
+    return json.load(urllib.request.urlopen(req, timeout=600))["choices"][0]["message"]["content"]
+
+prompts = load_prompts("mtbench")[:64]
+alone = [ask(p) for p in prompts]
+with ThreadPoolExecutor(64) as pool:
+    together = list(pool.map(ask, prompts))
+same = sum(a == b for a, b in zip(alone, together))
+print(f"served --exact: {same} of {len(prompts)} replies equal at concurrency 1 and 64")
+json.dump({"equal": same, "requests": len(prompts), "alone": alone, "together": together},
+          open(sys.argv[1] + "/exact-serve.json", "w"), indent=1)
+PY
+    kill $pid ;;
+esac
+tar -cf "${OUT:-/tmp}/exact-$phase.tar" -C "$out" .
