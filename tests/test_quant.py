@@ -220,3 +220,33 @@ def test_expert_parallel_ranks_keep_quantized_experts_as_stored(tiny_dirs, tmp_p
     for logits, kind_r, held_r in run(stored_logits, 2, "cpu", (path, "tp")):
         assert kind_r == "Tensor" and held_r == 8  # each expert split by width: dequantized
         assert (logits - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("gate_step,down_step", [(16, 16), (32, 64), (128, 32)])
+@torch.inference_mode()
+def test_int4_tiles_inside_a_group_and_over_several(gate_step, down_step):
+    """The fused kernels unpack INT4 words tile by tile: a reduction step shorter than the group (one
+    scale a row), equal to it, or spanning several groups gives the dequantized experts' result
+    (Triton's interpreter on the CPU, or the GPU)."""
+    pytest.importorskip("triton")
+    from eaglet.models import fused_moe
+    from eaglet.models.fused_moe import Int4, Tiles
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if not (dev == "cuda" or fused_moe.INTERPRET):
+        pytest.skip("needs a GPU or Triton's interpreter")
+    g = torch.Generator().manual_seed(gate_step + down_step)
+    e, h, i = 4, 96, 64  # H = 96: a tile past the last group of each row
+
+    def stack(rows, cols):
+        packs = [int4_reference(torch.randn(rows, cols, generator=g) * 0.1) for _ in range(e)]
+        return (Int4(torch.stack([p[0] for p in packs]).to(dev), torch.stack([p[1] for p in packs]).to(dev)),
+                torch.stack([p[3] for p in packs]).to(dev))
+    (gu, gu_ref), (dn, dn_ref) = stack(2 * i, h), stack(h, i)
+    x = torch.randn(5, h, generator=g).to(dev)
+    experts = torch.randint(0, e, (5, 2), generator=g).to(dev)
+    weights = torch.rand(5, 2, generator=g).to(dev)
+    tiles = Tiles(gate_cols=16, gate_step=gate_step, down_cols=16, down_step=down_step)
+    out = fused_moe.fused_moe(x, experts, weights, gu, dn, tiles)
+    ref = fused_moe.fused_moe(x, experts, weights, gu_ref, dn_ref, tiles)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -8,7 +8,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from eaglet.models import cache_attention as ca
-from eaglet.models import exact, exact_attention, gemv
+from eaglet.models import exact, exact_attention, fused_moe, gemv
 from eaglet.spec import topk
 
 H200 = GPUTarget("cuda", 90, 32)
@@ -19,10 +19,11 @@ TYPES = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "Y": "*bf16", "QKV": "*bf16",
          "part_v": "*fp32", "part_i": "*i64", "stats": "*fp32"}
 
 
-def compile_for_h200(fn, const: dict, warps: int = 4, stages: int = 3) -> None:
-    """fn to a cubin for sm_90: the constexprs given, pointers and floats typed by name (TYPES),
-    every other argument a 32-bit int."""
-    sig = {p.name: "constexpr" if p.name in const else TYPES.get(p.name, "i32") for p in fn.params}
+def compile_for_h200(fn, const: dict, warps: int = 4, stages: int = 3, types: dict | None = None) -> None:
+    """fn to a cubin for sm_90: the constexprs given, pointers and floats typed by name (`types`, then
+    TYPES), every other argument a 32-bit int."""
+    types = {**TYPES, **(types or {})}
+    sig = {p.name: "constexpr" if p.name in const else types.get(p.name, "i32") for p in fn.params}
     kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=H200,
                             options={"num_warps": warps, "num_stages": stages})
     assert kernel.asm["cubin"]
@@ -66,6 +67,18 @@ def cases():
     yield "exact attention store", lambda: compile_for_h200(
         exact_attention.store_kernel, dict(H=32, HKV=4, TP=16, D=128, ROPE=True, QK_NORM=True))
     yield "exact attention combine", lambda: compile_for_h200(exact_attention.combine_kernel, dict(G=8, ROWS=16, D=128))
+    moe = {"K": "i32", "x": "*bf16", "act": "*bf16", "experts": "*i64", "touched": "*i32", "forwards": "*i32", "wt": "*fp32",
+           "y": "*fp32", "out": "*bf16", "add": "*bf16"}
+    for quant, w, ws, group in [(0, "*bf16", "*bf16", 1), (4, "*i32", "*bf16", 32), (8, "*fp8e4nv", "*fp32", 128)]:
+        t = fused_moe.Tiles(gate_cols=32, gate_step=256, down_cols=64, down_step=256)  # Kimi-K2's, as tuned
+        yield f"fused MoE gate-up, quant {quant}", lambda q=quant, w=w, ws=ws, g=group: compile_for_h200(
+            fused_moe.gate_up_kernel, dict(QUANT=q, GROUP=g, PAIRS=128, BI=t.gate_cols, BH=t.gate_step,
+                                           CHUNK=fused_moe.CHUNK, COUNT=True, GDC=True), 4, 3, {**moe, "w": w, "ws": ws})
+        yield f"fused MoE down, quant {quant}", lambda q=quant, w=w, ws=ws, g=group: compile_for_h200(
+            fused_moe.down_kernel, dict(QUANT=q, GROUP=g, PAIRS=128, BHO=t.down_cols, BI=t.down_step,
+                                        CHUNK=fused_moe.CHUNK, GDC=True), 4, 3, {**moe, "w": w, "ws": ws})
+    yield "fused MoE combine", lambda: compile_for_h200(fused_moe.combine_kernel, dict(K=8, BLOCK=1024, ADD=True,
+                                                                                      GDC=True), 4, 3, moe)
     for k, width, ls, off in [(8, 16384, True, True), (4, 16, False, False), (31, 328, False, False)]:
         block = max(16, ca.pow2(width))
         yield f"row top-{k} of {width}", lambda k=k, b=block, ls=ls, off=off: compile_for_h200(

@@ -225,22 +225,42 @@ if triton is not None:
         return idx, tl.sum(pick.to(tl.int32), 1) > 0
 
     @triton.jit
-    def weight_tile(w, ws, e, rows, cols, live, swe, swr, sse, ssr, QUANT: tl.constexpr, GROUP: tl.constexpr):
-        """Rows `rows` x columns `cols` of expert e's weights (`live`: which exist), unpacked and scaled
-        in float32 where quantized: INT4 packs with a scale per row and GROUP columns, FP8 with one
-        per GROUP x GROUP block."""
+    def group_scales(ws, rowoff, rmask, c0, C, R: tl.constexpr, BC: tl.constexpr, GROUP: tl.constexpr):
+        """The scales of a tile's columns c0 .. c0 + BC - 1 (of C), one per GROUP columns, each row's at
+        ws + rowoff: loaded once per group and spread over its columns in registers (R, BC) float32."""
+        if BC >= GROUP:
+            gi = c0 // GROUP + tl.arange(0, BC // GROUP)
+            s = tl.load(ws + rowoff[:, None] + gi[None, :], mask=rmask[:, None] & (gi * GROUP < C)[None, :], other=0.0)
+            return tl.reshape(tl.broadcast_to(s.to(tl.float32)[:, :, None], (R, BC // GROUP, GROUP)), (R, BC))
+        else:  # the tile inside one group
+            s = tl.load(ws + rowoff + c0 // GROUP, mask=rmask, other=0.0)
+            return tl.broadcast_to(s.to(tl.float32)[:, None], (R, BC))
+
+    @triton.jit
+    def weight_tile(w, ws, e, rows, rmask, c0, C, swe, swr, sse, ssr, R: tl.constexpr, BC: tl.constexpr,
+                    QUANT: tl.constexpr, GROUP: tl.constexpr):
+        """Rows `rows` (R, `rmask`: which exist) x columns c0 .. c0 + BC - 1 (of C) of expert e's weights,
+        unpacked and scaled in float32 where quantized (BC and GROUP powers of two). INT4: each packed
+        word loaded once and its eight values shifted out in registers, a scale per row and GROUP
+        columns; FP8: a scale per GROUP x GROUP block. Scales load once per group, not per weight: per
+        weight, the tiles' registers spilled (3.7 KB of stack a thread in INT4's gate-up at Kimi-K2's
+        tiles, none now; cuobjdump --dump-resource-usage)."""
         if QUANT == 4:
-            word = tl.load(w + e * swe + rows[:, None] * swr + cols[None, :] // 8, mask=live, other=0)
-            q = ((word >> ((cols[None, :] % 8) * 4)) & 15) - 8
-            scale = tl.load(ws + e * sse + rows[:, None] * ssr + cols[None, :] // GROUP, mask=live, other=0.0)
-            return q.to(tl.float32) * scale.to(tl.float32)
+            wi = c0 // 8 + tl.arange(0, BC // 8)
+            word = tl.load(w + e * swe + rows[:, None] * swr + wi[None, :], mask=rmask[:, None] & (wi * 8 < C)[None, :],
+                           other=0)  # (R, BC / 8)
+            q = (word[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 15
+            q = tl.reshape(q, (R, BC)) - 8
+            return q.to(tl.float32) * group_scales(ws, e * sse + rows * ssr, rmask, c0, C, R, BC, GROUP)
         elif QUANT == 8:
-            q = tl.load(w + e * swe + rows[:, None] * swr + cols[None, :], mask=live, other=0.0)
-            scale = tl.load(ws + e * sse + (rows[:, None] // GROUP) * ssr + cols[None, :] // GROUP, mask=live,
-                            other=0.0)
-            return q.to(tl.float32) * scale.to(tl.float32)
+            cols = c0 + tl.arange(0, BC)
+            q = tl.load(w + e * swe + rows[:, None] * swr + cols[None, :], mask=rmask[:, None] & (cols < C)[None, :],
+                        other=0.0)
+            return q.to(tl.float32) * group_scales(ws, e * sse + (rows // GROUP) * ssr, rmask, c0, C, R, BC, GROUP)
         else:
-            return tl.load(w + e * swe + rows[:, None] * swr + cols[None, :], mask=live, other=0.0)
+            cols = c0 + tl.arange(0, BC)
+            return tl.load(w + e * swe + rows[:, None] * swr + cols[None, :], mask=rmask[:, None] & (cols < C)[None, :],
+                           other=0.0)
 
     @triton.jit
     def gate_up_kernel(x, w, ws, experts, act, touched, forwards, pairs, K, H, I, sx, swe, swr, sse, ssr, sa,
@@ -268,9 +288,9 @@ if triton is not None:
                     hs = h0 + tl.arange(0, BH)
                     xt = tl.load(x + tok[:, None] * sx + hs[None, :], mask=live[:, None] & (hs[None, :] < H),
                                  other=0.0)
-                    wmask = (cols[:, None] < I) & (hs[None, :] < H)
-                    wg = weight_tile(w, ws, e, cols, hs, wmask, swe, swr, sse, ssr, QUANT, GROUP).to(xt.dtype)
-                    wu = weight_tile(w, ws, e, cols + I, hs, wmask, swe, swr, sse, ssr, QUANT, GROUP).to(xt.dtype)
+                    wg = weight_tile(w, ws, e, cols, cols < I, h0, H, swe, swr, sse, ssr, BI, BH, QUANT, GROUP)
+                    wu = weight_tile(w, ws, e, cols + I, cols < I, h0, H, swe, swr, sse, ssr, BI, BH, QUANT, GROUP)
+                    wg, wu = wg.to(xt.dtype), wu.to(xt.dtype)
                     g += tl.dot(xt, tl.trans(wg))
                     u += tl.dot(xt, tl.trans(wu))
                 out = g / (1.0 + tl.exp(-g)) * u
@@ -298,8 +318,8 @@ if triton is not None:
                     js = i0 + tl.arange(0, BI)
                     at = tl.load(act + rows[:, None] * sa + js[None, :], mask=live[:, None] & (js[None, :] < I),
                                  other=0.0)
-                    wmask = (cols[:, None] < H) & (js[None, :] < I)
-                    wd = weight_tile(w, ws, e, cols, js, wmask, swe, swr, sse, ssr, QUANT, GROUP).to(at.dtype)
+                    wd = weight_tile(w, ws, e, cols, cols < H, i0, I, swe, swr, sse, ssr, BHO, BI, QUANT,
+                                     GROUP).to(at.dtype)
                     acc += tl.dot(at, tl.trans(wd))
                 scale = tl.load(wt + rows, mask=live, other=0.0)
                 tl.store(y + rows[:, None] * sy + cols[None, :], acc * scale[:, None],
