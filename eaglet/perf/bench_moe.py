@@ -17,6 +17,7 @@ sweep in the record.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import math
 from dataclasses import asdict, replace
@@ -276,6 +277,7 @@ def run_bench_moe(args) -> dict:
             label = name if quant == "bf16" else f"{name}-{quant}"
             results["shapes"][label] = r = bench_shape(name, args, bandwidth, quant)
             tuned[r["key"]] = Tiles(**r["tiles"])
+            gc.collect()  # the layer's copies (tens of GB) sit in closures' reference cycles until collected
             torch.cuda.empty_cache()
     if args.tune:
         from pathlib import Path
