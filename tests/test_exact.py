@@ -157,3 +157,23 @@ def test_an_exact_moe_layer_gives_a_token_its_bits_among_many_tokens(monkeypatch
     x = torch.randn(1, 70, 64, generator=torch.Generator().manual_seed(0)).to(dev)
     many = layer(x)
     assert all(torch.equal(layer(x[:, i:i + 1]), many[:, i:i + 1]) for i in (0, 33, 64, 69))
+
+
+@pytest.mark.parametrize("spec", [SpecConfig("draft", steps=3), SpecConfig("draft", steps=3, topk=2, draft_tokens=6)],
+                         ids=["chain", "tree"])
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter is off")
+@torch.inference_mode()
+def test_speculation_through_the_exact_kernel_gives_plain_tokens(spec, monkeypatch):
+    """Tiny Llama in float16 through models/exact_attention.py (Triton's interpreter): speculation with
+    the model as its own draft (drafted tree levels read as pending slots, accepted paths copied to
+    their final slots) gives plain greedy decoding's tokens."""
+    from eaglet.spec.speculator import Speculator
+
+    monkeypatch.setitem(shapes.SHAPES, "llama", configs()["llama"])
+    model = shapes.random_model("llama", "cpu", torch.float16, kernels=Kernels(exact=True, cache_attention=True))
+    prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 9)]
+    cfg = GenerationConfig(max_new_tokens=10)
+    plain = [r.tokens for r in Generator(model, None, graphs=False).generate(prompts, cfg)]
+    out = Generator(model, None, Speculator(spec, draft_model=model), graphs=False).generate(prompts, cfg)
+    assert [r.tokens for r in out] == plain
+    assert max(r.spec.accept_length for r in out) > 1.5

@@ -10,6 +10,7 @@ import torch
 
 from ..config import SpecConfig
 from ..errors import ModelLoadError
+from ..kernels import Kernels
 from ..models.llama import CausalLM, compile_elementwise
 from .drafters.base import Drafter
 from .drafters.draft_model import DraftModelDrafter
@@ -48,9 +49,12 @@ def load_speculator(spec: SpecConfig, target: CausalLM, target_path: Path | None
                     device=None, dtype=None) -> Speculator:
     """target_path None means the embedded default model (which has a bundled EAGLE-3 drafter). The
     drafter runs the target's kernels, but for `exact`: its drafts change only how many tokens a
-    verify accepts, never which, so it keeps the faster attention."""
+    verify accepts, never which, so it keeps the faster kernels (on the GPU those an exact target
+    leaves out: the GEMVs, the cache-attention kernel, torch.compile)."""
     p = next(target.parameters())
     kernels = dataclasses.replace(target.kernels, exact=False)
+    if target.kernels.exact and p.is_cuda:
+        kernels = Kernels.choose(p.device)
     device, dtype = device or p.device, dtype or p.dtype
     if spec.method == "ngram":
         return Speculator(spec)
