@@ -7,7 +7,7 @@
 #   bash bench/gpu/exact.sh cost   # the cost: plain and EAGLE-3 chain with and without --exact, one process each,
 #                                  # 10 prompts x 128 tokens, 3 repeats
 #   bash bench/gpu/exact.sh serve  # `eaglet serve --exact`: the same 64 MT-bench requests one at a time and 64 at
-#                                  # once, greedy; prints how many replies are equal (needs the fastapi, uvicorn and
+#                                  # once, greedy (bench/serve_invariance.py; needs the fastapi, uvicorn and
 #                                  # pydantic wheels in .whl, as bench/gpu/serve.sh says)
 # Everything it writes lands in $OUT/exact-<phase>.tar.
 phase=$1
@@ -32,29 +32,8 @@ case $phase in
   serve)
     python3 -m eaglet serve --model $GGUF --draft $draft --exact --port 8391 --max-batch 64 > "$out/serve.log" 2>&1 &
     pid=$!
-    wait_health 8391 && python3 - "$out" <<'PY'
-import json, sys, urllib.request
-from concurrent.futures import ThreadPoolExecutor
-from eaglet.datasets import load_prompts
-
-base = "http://127.0.0.1:8391/v1"
-model = json.load(urllib.request.urlopen(base + "/models"))["data"][0]["id"]
-
-def ask(p):
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": p}], "max_tokens": 128,
-                       "temperature": 0}).encode()
-    req = urllib.request.Request(base + "/chat/completions", body, {"Content-Type": "application/json"})
-    return json.load(urllib.request.urlopen(req, timeout=600))["choices"][0]["message"]["content"]
-
-prompts = load_prompts("mtbench")[:64]
-alone = [ask(p) for p in prompts]
-with ThreadPoolExecutor(64) as pool:
-    together = list(pool.map(ask, prompts))
-same = sum(a == b for a, b in zip(alone, together))
-print(f"served --exact: {same} of {len(prompts)} replies equal at concurrency 1 and 64")
-json.dump({"equal": same, "requests": len(prompts), "alone": alone, "together": together},
-          open(sys.argv[1] + "/exact-serve.json", "w"), indent=1)
-PY
+    wait_health 8391 && python3 bench/serve_invariance.py --port 8391 --requests 64 --max-tokens 128 \
+      --label "gpu bf16 exact" --out "$out" 2>&1 | tee "$out/exact-serve.log"
     kill $pid ;;
 esac
 tar -cf "${OUT:-/tmp}/exact-$phase.tar" -C "$out" .
