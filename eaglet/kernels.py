@@ -14,8 +14,8 @@ choices can live in one process, and nothing switches a kernel on or off behind 
   faster than torch._grouped_mm at every token count (BENCHMARKS.md, "MoE layer").
 - `exact`: attention that reduces each token of a decode, draft or verify alike whatever else is in
   the call (models/exact.py): a verified token's logits bitwise those of its decode step, a row's
-  those it gets alone; on the GPU with the row-invariant matmul and norm, eager. Slower (`--exact`
-  states the cost).
+  those it gets alone; on the GPU with a row-invariant matmul and norm and models/exact_attention.py,
+  graphed (MLA attention and prefill eager). Slower (`--exact` states the cost).
 - `compile`: torch.compile of the elementwise modules of every layer (RMSNorm with its residual
   add, RoPE with the grouped-query relayout, the MLP's gate-up / SiLU·mul / down) and of the
   functions marked `@fusable` (the index arithmetic around the model: attention masks, greedy

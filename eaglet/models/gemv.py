@@ -96,7 +96,7 @@ def exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     """`gemv` (or with `glu`, `glu`) for any number of rows with each row reduced alike whatever the
     others (`Kernels.exact` on the GPU): tiles of 16 rows, the K loop and tile fixed by the weight's
     shape (`exact_tiles`), no split-K; a row's result is the same bits alone, among a verify's rows or
-    in a batch. Runs eagerly (the exact path is not captured)."""
+    in a batch."""
     return _run(x, weight, bias, glu, exact=True)
 
 

@@ -52,8 +52,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def exact_on_gpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether an exact model's matmul takes the row-invariant Triton kernel (models/gemv.py `exact`):
     on the GPU, float16 and bfloat16, without autograd."""
-    return (gemv.triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.is_contiguous()
-            and not torch.is_grad_enabled() and x.numel() > 0)
+    return (gemv.triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and weight.is_contiguous() and not torch.is_grad_enabled() and x.numel() > 0)
 
 
 class Linear(nn.Linear):
