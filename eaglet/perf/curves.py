@@ -12,6 +12,7 @@ from ..kvcache import KVCache
 from ..models.attention import AttnMeta
 from ..models.llama import CausalLM
 from ..models.moe import SparseMoE
+from ..runtime.decoder import graphable
 from ..runtime.graphs import GraphRunner, span
 
 
@@ -48,7 +49,7 @@ def forward_steps(model: CausalLM, tokens: tuple[int, ...], context: int, graphs
         pos = cache.lens[:, None] + torch.arange(hi - lo, device=dev)
         model(ids[:, lo:hi], pos, cache, AttnMeta.build(cache.lens, pos, cache.kv_len(hi - lo), kernels=model.kernels))
         cache.advance(hi - lo)
-    runner = GraphRunner(dev, graphs)
+    runner = GraphRunner(dev, graphs and graphable(model))
     for t in tokens:
         x = ids[:, context:context + t]
         pos = cache.lens[:, None] + torch.arange(t, device=dev)  # (B, T)
