@@ -155,6 +155,18 @@ if triton is not None:
         return x
 
     @triton.jit
+    def key_block(q, K, V, slot, live, d, sk_s, scale, m_i, l_i, acc):
+        """One block of cached keys and values (at `slot`, `live`: which exist) into a running softmax
+        (max m_i, sum l_i, output acc), the weights in the values' dtype for P·V: the new state."""
+        k = tl.load(K + slot[:, None] * sk_s + d[None, :], mask=live[:, None], other=0.0)
+        v = tl.load(V + slot[:, None] * sk_s + d[None, :], mask=live[:, None], other=0.0)
+        scores = tl.where(live[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+    @triton.jit
     def attend_kernel(QKV, K, V, START, MASK, OUT, PM, PL, PO, COS, SIN, QW, KW, eps, scale, chunk, T,
                 s_b, s_t, sk_b, sk_h, sk_s, s_start, sm_b, sm_t, sm_u, so_b, so_t, sc_b, sc_t, P,
                 H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, TILES: tl.constexpr, ROWS: tl.constexpr,
@@ -187,16 +199,7 @@ if triton is not None:
         hi = tl.minimum(lo + chunk, start - P)
         for s0 in range(lo, hi, BLOCK):  # cached slots, every one visible
             s = s0 + tl.arange(0, BLOCK)
-            sm = s < hi
-            k = tl.load(K + cache + s[:, None] * sk_s + d[None, :], mask=sm[:, None], other=0.0)
-            v = tl.load(V + cache + s[:, None] * sk_s + d[None, :], mask=sm[:, None], other=0.0)
-            scores = tl.where(sm[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = key_block(q, K + cache, V + cache, s, s < hi, d, sk_s, scale, m_i, l_i, acc)
         if TREE:
             if last & (P > 0):  # the pending slots (a tree's earlier levels): what the mask allows
                 j = tl.arange(0, PP)

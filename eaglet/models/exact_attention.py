@@ -28,7 +28,7 @@ from .cache_attention import pow2, triton
 if triton is not None:
     import triton.language as tl
 
-    from .cache_attention import _head
+    from .cache_attention import _head, key_block
 
 SPLIT = 256  # virtual positions a program reads: fixed, so a token's splits do not depend on the span
 BLOCK = 64
@@ -122,15 +122,7 @@ if triton is not None:
             live = pos < hi
             pick = seen[None, :] & (rank[None, :] == (pos - committed)[:, None])  # (BLOCK, E)
             slot = tl.where(pos < committed, pos, committed + tl.sum(tl.where(pick, e[None, :], 0), 1))
-            k = tl.load(K + cache + slot[:, None] * sk_s + d[None, :], mask=live[:, None], other=0.0)
-            v = tl.load(V + cache + slot[:, None] * sk_s + d[None, :], mask=live[:, None], other=0.0)
-            scores = tl.where(live[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = key_block(q, K + cache, V + cache, slot, live, d, sk_s, scale, m_i, l_i, acc)
         part = (b * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + sp
         tl.store(PM + part * ROWS + g, m_i)
         tl.store(PL + part * ROWS + g, l_i)
