@@ -23,8 +23,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "step that would produce it, a row's those it gets alone in the batch, so speculative "
                         "greedy output equals plain greedy output in bfloat16 too. Its cost (SmolLM2, bfloat16; "
                         "BENCHMARKS.md, 'Exact'): on the CPU plain decoding 0.88x, EAGLE-3 chain 3 0.78x the "
-                        "speed without it; on the GPU 0.08x when it ran eagerly, not yet measured with its attention "
-                        "kernel and CUDA graphs")
+                        "speed without it; on the GPU not yet measured side by side (eagerly, before its attention "
+                        "kernel and CUDA graphs, about 0.08x across two runs)")
     p.add_argument("--disable-kernels", default="", metavar="LIST",
                    help=f"comma-separated Triton kernels to leave out on the GPU, for side-by-side runs: "
                         f"{', '.join(KERNEL_NAMES)}")
@@ -36,6 +36,8 @@ def model_kernels(args, device=None) -> Kernels:
 
     device = resolve_device(device or args.device)
     exact = getattr(args, "exact", False)
+    if exact and device.type == "cuda" and getattr(args, "dtype", None) == "float32":
+        raise InvalidInput("--exact on the GPU runs bfloat16 or float16 (its row-invariant kernels), not float32")
     if args.no_compile and not (exact and device.type == "cuda"):  # exact on the GPU needs its Triton kernels
         return dataclasses.replace(EAGER, exact=exact)
     disable = tuple(k for k in args.disable_kernels.split(",") if k)

@@ -177,3 +177,18 @@ def test_speculation_through_the_exact_kernel_gives_plain_tokens(spec, monkeypat
     out = Generator(model, None, Speculator(spec, draft_model=model), graphs=False).generate(prompts, cfg)
     assert [r.tokens for r in out] == plain
     assert max(r.spec.accept_length for r in out) > 1.5
+
+
+def test_exact_models_are_graphed_only_where_attention_takes_the_kernel(monkeypatch):
+    """An exact model's steps are captured only where nothing syncs with the host: half precision, no
+    MLA, no sliding window (elsewhere attention runs a call a token over host-made slot lists)."""
+    from eaglet.runtime.decoder import graphable
+
+    for name, cfg in configs().items():
+        monkeypatch.setitem(shapes.SHAPES, name, cfg)
+    for name, dtype, kernels, want in [("llama", torch.bfloat16, EXACT, True), ("llama", torch.float32, EXACT, False),
+                                       ("qwen3-moe", torch.bfloat16, EXACT, True), ("mla-moe", torch.bfloat16, EXACT, False),
+                                       ("mla-moe", torch.bfloat16, Kernels(), True), ("llama", torch.float32, Kernels(), True)]:
+        assert graphable(shapes.random_model(name, "cpu", dtype, kernels=kernels)) == want, (name, dtype, kernels)
+    monkeypatch.setitem(shapes.SHAPES, "llama", dataclasses.replace(configs()["llama"], sliding_window=8))
+    assert not graphable(shapes.random_model("llama", "cpu", torch.bfloat16, kernels=EXACT))

@@ -14,8 +14,7 @@ it on the same values: the same attention output, bitwise, whatever the span the
 
 `store_kernel` first writes the new tokens' keys and values (after Qwen3's q/k RMSNorm and RoPE, as
 cache_attention.py applies them), so the attention reads every key from the cache alike. Three
-kernels a layer where cache_attention.py runs one or two: the cost of exactness, measured in
-BENCHMARKS.md ("Exact").
+kernels a layer where cache_attention.py runs one or two.
 """
 from __future__ import annotations
 

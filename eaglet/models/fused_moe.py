@@ -242,9 +242,9 @@ if triton is not None:
         """Rows `rows` (R, `rmask`: which exist) x columns c0 .. c0 + BC - 1 (of C) of expert e's weights,
         unpacked and scaled in float32 where quantized (BC and GROUP powers of two). INT4: each packed
         word loaded once and its eight values shifted out in registers, a scale per row and GROUP
-        columns; FP8: a scale per GROUP x GROUP block. Scales load once per group, not per weight: per
-        weight, the tiles' registers spilled (3.7 KB of stack a thread in INT4's gate-up at Kimi-K2's
-        tiles, none now; cuobjdump --dump-resource-usage)."""
+        columns; FP8: a scale per GROUP x GROUP block. Words and scales load once, not once per weight:
+        a load per weight spills the tile's registers (3.7 KB of stack a thread for INT4's gate-up at
+        Kimi-K2's tiles, cuobjdump --dump-resource-usage on the sm_90 cubin)."""
         if QUANT == 4:
             wi = c0 // 8 + tl.arange(0, BC // 8)
             word = tl.load(w + e * swe + rows[:, None] * swr + wi[None, :], mask=rmask[:, None] & (wi * 8 < C)[None, :],

@@ -166,9 +166,12 @@ def prefill_shape(prompts: int, longest: int, batch: int, max_len: int) -> tuple
 
 
 def graphable(model: CausalLM) -> bool:
-    """Whether a model's decode and speculation steps may be captured: not an exact model's MLA
-    attention (a call a token over the slots it sees, shapes from the host; models/exact.py)."""
-    return not (model.kernels.exact and model.config.mla is not None)
+    """Whether a model's decode and speculation steps may be captured: an exact model only where its
+    attention takes models/exact_attention.py's kernel (no MLA, no sliding window, half precision);
+    elsewhere it attends a call a token over the slots each sees, shapes from the host (models/exact.py)."""
+    c = model.config
+    return not model.kernels.exact or (c.mla is None and c.sliding_window is None
+                                       and next(model.parameters()).dtype in (torch.bfloat16, torch.float16))
 
 
 class Decoder:
