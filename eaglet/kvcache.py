@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .models import exact
+from .transfer import zero_rows
 
 
 def keep_slots(lens: torch.Tensor, index: torch.Tensor, count: torch.Tensor
@@ -167,7 +168,7 @@ class KVCache:
     def release(self, rows: list[int]) -> None:
         """Empty the given rows at once (their slots are free for new sequences)."""
         self.host_lens[rows] = 0
-        self.lens[torch.tensor(rows, dtype=torch.long, device=self.lens.device)] = 0
+        zero_rows(self.lens, rows)
 
     def reset(self) -> None:
         """Empty every row."""

@@ -9,3 +9,10 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     caching host allocator reuses it only after the copy has run)."""
     t = torch.as_tensor(values, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def zero_rows(t: torch.Tensor, rows: list[int]) -> None:
+    """t[rows] = 0 without a host sync. Indexing a CUDA tensor with a Python list, or building the
+    index with torch.tensor(..., device=cuda), copies it from pageable memory, which waits for every
+    kernel queued before it: on a server, the steps in flight."""
+    t.index_fill_(0, to_device(rows, torch.long, t.device), 0)

@@ -236,3 +236,44 @@ def test_first_token_of_an_admission_beside_steps_comes_first(target, prompts):
     dec.launch()  # the step after the admission
     row1 = [t for step in dec.use(dec.plain) for t in step[1]]
     assert len(row1) >= 2 and row1 == want[:len(row1)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("spec", [None, SpecConfig("draft", steps=4), SpecConfig("draft", steps=3, topk=2, draft_tokens=6)],
+                         ids=["plain", "draft-chain4", "draft-tree3x2"])
+@torch.inference_mode()
+def test_served_rows_come_and_go_without_a_host_sync(tiny_dirs, spec):
+    """On the GPU, once its graphs are warm, a server's batch admits beside steps in flight, steps
+    and releases finished rows without ever making the host wait for the device, other than the one
+    labelled wait a step (an event) and an admission's first tokens when nothing is in flight (not
+    checked): a sync hidden in that path (a pageable copy, an index built from a Python list) makes
+    the host wait for the steps in flight and drains the lookahead pipeline."""
+    gpu = load_model(tiny_dirs["llama3"][0], dtype="float32", device="cuda", tokenizer=False).model
+    sp = Speculator(spec, draft_model=gpu) if spec is not None else None
+    b = Batcher.of(Generator(gpu, None, sp, lookahead=True), 4, 64)
+    assert b.dec.warmup(prompt_tokens=16) > 0
+    prompts = [[5 + i, 17, 33, 2 * i + 40, 9, 11][: 3 + i % 4] for i in range(10)]
+    waiting = [Request(p, 6 + 3 * (i % 4), SamplingParams(), ignore_eos=True) for i, p in enumerate(prompts)]
+    done, beside = 0, 0
+    while waiting or b.running:
+        if waiting and b.free_rows:
+            n = len(b.free_rows)
+            if b.dec.in_flight:  # beside steps in flight: nothing may wait
+                beside += 1
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                outputs = b.add(waiting[:n])
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            del waiting[:n]
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            outputs += b.step()
+            for o in outputs:
+                if o.finished:
+                    b.release(o.row)
+                    done += 1
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        outputs = []
+    assert done == len(prompts) and beside > 0

@@ -32,6 +32,7 @@ class Request:  # what a Batcher reads of an engine request
     max_tokens: int = 1 << 20
     stop: tuple = ()
     ignore_eos: bool = True
+    sampling: SamplingParams = SamplingParams()
     id: str = "probe"
     row: int | None = None
 
@@ -50,8 +51,7 @@ def main() -> None:
     with torch.inference_mode():
         for name in args.systems:
             # a cache of 1024 a row: the prompt and (20 + steps) x tokens-per-step fit
-            b = Batcher(Generator(loaded.model, loaded.tokenizer, system(base, name)), args.rows, 1024,
-                        SamplingParams())
+            b = Batcher.of(Generator(loaded.model, loaded.tokenizer, system(base, name)), args.rows, 1024)
             b.add([Request(prompt) for _ in range(args.rows)])
             times, tokens = [], 0
             for i in range(20 + args.steps):

@@ -27,6 +27,7 @@ from ...models.attention import AttnMeta
 from ...models.prefill import FreshRows, PromptBatch, fresh_meta
 from ...kernels import EAGER, fusable
 from ...sampling import RowSampling
+from ...transfer import zero_rows
 from ..topk import topk
 from .base import row_view
 from ..tree import DraftProposal, chain, select_tree
@@ -109,7 +110,7 @@ class NeuralDrafter:
 
     def release(self, rows) -> None:
         self.cache.release(rows)
-        self.pend_count[rows] = 0
+        zero_rows(self.pend_count, rows)
 
     def level_meta(self, b: int, k: int, depth: int, mask: torch.Tensor | None, pending: int):
         """Positions (B, K) and attention metadata of a draft level of k nodes at `depth`, after

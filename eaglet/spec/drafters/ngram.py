@@ -13,6 +13,7 @@ import torch
 
 from ...config import SpecConfig
 from ...kernels import EAGER, Kernels, fusable
+from ...transfer import zero_rows
 from ..tree import DraftProposal, chain
 from .base import row_view
 
@@ -108,7 +109,7 @@ class NgramDrafter:
         pass
 
     def release(self, rows) -> None:
-        self.lens[rows] = 0
+        zero_rows(self.lens, rows)
 
     def rows(self, k: int) -> "NgramDrafter":
         return row_view(self, k)
