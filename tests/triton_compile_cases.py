@@ -8,7 +8,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from eaglet.models import cache_attention as ca
-from eaglet.models import exact, exact_attention, fused_moe, gemv
+from eaglet.models import exact, exact_attention, fused_moe, gemv, mla_attention
 from eaglet.spec import topk
 
 H200 = GPUTarget("cuda", 90, 32)
@@ -16,7 +16,8 @@ TYPES = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "Y": "*bf16", "QKV": "*bf16",
          "OUT": "*bf16", "R": "*bf16", "S": "*bf16", "COS": "*bf16", "SIN": "*bf16", "QW": "*bf16", "KW": "*bf16", "START": "*i64", "MASK": "*i1",
          "PM": "*fp32", "PL": "*fp32", "PO": "*fp32", "eps": "fp32", "scale": "fp32",
          "x_ptr": "*bf16", "val_ptr": "*fp32", "idx_ptr": "*i64", "off_ptr": "*fp32",
-         "part_v": "*fp32", "part_i": "*i64", "stats": "*fp32"}
+         "part_v": "*fp32", "part_i": "*i64", "stats": "*fp32", "QL": "*bf16", "QP": "*bf16", "KV": "*bf16",
+         "CACHE": "*bf16"}
 
 
 def compile_for_h200(fn, const: dict, warps: int = 4, stages: int = 3, types: dict | None = None) -> None:
@@ -53,6 +54,12 @@ def cases():
         if split:
             yield f"cache attention combine, {t} tokens", lambda r=rows, n=tiles: compile_for_h200(
                 ca.combine_kernel, dict(G=3, TILES=n, ROWS=r, D=64, SP=8))
+    for nh, t, pending, tree, split in [(16, 1, 0, False, False), (128, 1, 0, False, True), (16, 16, 0, True, True),
+                                        (16, 8, 16, True, False)]:  # DeepSeek-V2-Lite's and V3's heads, 512 + 64
+        const = dict(NH=nh, C=512, R=64, RP=64, ROWS=mla_attention.ROWS, TP=max(16, ca.pow2(t)), PP=max(16, ca.pow2(pending)),
+                     BLOCK=mla_attention.BLOCK, CK=mla_attention.CHUNK, TREE=tree, SPLIT=split, INTERLEAVED=True)
+        yield (f"MLA attention, {nh} heads, {t} tokens, {pending} pending, split {split}",
+               lambda c=const: compile_for_h200(mla_attention.mla_kernel, c, 8))
     bm, bn, bk, warps, stages = gemv.exact_tiles(49152, 576, False)  # the exact path: SmolLM2's head too
     yield "exact matmul, 49152 x 576", lambda: compile_for_h200(
         gemv.gemv_dot_kernel, dict(K=576, BM=bm, BN=bn, BK=bk, EVEN_K=576 % bk == 0, HAS_BIAS=False, GLU=False),

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..kernels import EAGER, Kernels, fusable
-from . import exact
+from . import exact, mla_attention
 from .linear import Linear
 
 
@@ -37,7 +37,7 @@ class MLAttention(nn.Module):
 
         m = self.mla = config.mla
         h, nh = config.hidden_size, config.num_heads
-        self.layer, self.nh = layer, nh
+        self.layer, self.nh, self.kernels = layer, nh, kernels
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         if m.q_lora_rank is None:
             self.q_proj = Linear(h, nh * qk, bias=False, kernels=kernels)
@@ -60,7 +60,18 @@ class MLAttention(nn.Module):
         m, (b, t, _) = self.mla, x.shape
         q = self.q_proj(x) if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_pe = q.view(b, t, self.nh, -1).split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
+        kv = self.kv_a_proj_with_mqa(x)
+        if (self.kernels.cache_attention and cache.in_place and cache.absorbed and meta.fast
+                and mla_attention.usable(x, t, m.kv_lora_rank, m.qk_rope_head_dim)):
+            # a few tokens a row: norm, RoPE, store and attend in the latent space in one kernel
+            w = self.kv_b_proj.weight.view(self.nh, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+            q_lat = torch.einsum("bthn,hnc->bthc", q_nope, w[:, :m.qk_nope_head_dim]).contiguous()
+            o_lat = mla_attention.mla_attention(
+                q_lat, q_pe, kv, (self.kv_a_layernorm.weight, self.kv_a_layernorm.eps), cache.k[self.layer, :b, 0],
+                meta.slots[:, 0], meta.block_mask, meta.kv_len, meta.pending, (cos, sin), m.rope_interleave, self.scale)
+            o = torch.einsum("bthc,hvc->bthv", o_lat, w[:, m.qk_nope_head_dim:])
+            return self.o_proj(o.reshape(b, t, -1))
+        c, k_pe = kv.split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
         q_pe, entry = self.rope_entry(q_pe, k_pe, self.kv_a_layernorm(c), cos, sin, m.rope_interleave)
         latent, mask = cache.latent(self.layer, entry, meta)  # (B, S, W) to attend over, bias (B, 1, T, S)
         attend, args = ((attend_absorbed, (self.kv_b_proj.weight, m, self.scale, self.latent_softmax))
