@@ -192,12 +192,13 @@ NORM_FOLD = Kernels(gemv=True, cache_attention=True, norm_fold=True)
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("arch", ["smollm2", "qwen3"])
+@pytest.mark.parametrize("arch", ["smollm2", "qwen3", "qwen3_moe"])
 def test_a_model_with_its_norms_folded_decodes_as_without(tiny_dirs, arch, monkeypatch):
-    """Tiny models in float16 with each dense layer's two norms inside the q/k/v and gate-up kernels
-    (Kernels.norm_fold) against the same kernels without: a 2 x 9 prompt (18 rows: the norms apart),
-    12 one-token steps and a 5-node tree verify, the same logits to float16's rounding; every step's
-    layers took the folded kernels (two a layer)."""
+    """Tiny models in float16 with each layer's input norm inside the q/k/v kernel and a dense layer's
+    post-attention norm inside the gate-up's (Kernels.norm_fold) against the same kernels without: a
+    2 x 9 prompt (18 rows: the norms apart), 12 one-token steps and a 5-node tree verify, the same
+    logits to float16's rounding; every step's layers took the folded kernels (two a dense layer,
+    one a layer of routed experts)."""
     from eaglet.models.attention import AttnMeta
     from .test_cache_attention import tree_mask
 
@@ -220,7 +221,9 @@ def test_a_model_with_its_norms_folded_decodes_as_without(tiny_dirs, arch, monke
                                                           kernels=model.kernels))
         runs.append((logits, model.logits(h).float()))
         if kernels.norm_fold:
-            assert calls == [(2, 1)] * (2 * c.num_layers * 12) + [(2, 5)] * (2 * c.num_layers)
+            dense = sum(type(layer.ffn).__name__ == "MLP" for layer in model.model.layers)
+            per_forward = c.num_layers + dense
+            assert calls == [(2, 1)] * (per_forward * 12) + [(2, 5)] * per_forward
     for a, b in zip(*runs):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 

@@ -275,10 +275,14 @@ class DecoderLayer(nn.Module):
     def forward(self, h, residual, cos, sin, cache, meta):
         """h: this layer's input before the residual add; residual: the stream so far (None at the
         first layer). Returns (mlp output, residual stream): their sum is the layer's output."""
-        if self.kernels.norm_fold and isinstance(self.self_attn, Attention) and self.ffn_name == "mlp":
-            # each norm inside the kernel that follows it where the kernels take it (Attention.normed)
+        if self.kernels.norm_fold and isinstance(self.self_attn, Attention):
+            # each norm inside the kernel that follows it where the kernels take it (Attention.normed,
+            # MLP.normed; routed experts take theirs apart)
             a, residual = self.self_attn.normed(h, residual, self.input_layernorm, cos, sin, cache, meta)
-            return self.mlp.normed(a, residual, self.post_attention_layernorm)
+            if isinstance(self.ffn, MLP):
+                return self.ffn.normed(a, residual, self.post_attention_layernorm)
+            x, residual = self.post_attention_layernorm(a, residual)
+            return self.ffn(x), residual
         x, residual = self.input_layernorm(h, residual) if residual is not None else (self.input_layernorm(h), h)
         x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, cache, meta), residual)
         return self.ffn(x), residual
