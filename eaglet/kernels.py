@@ -4,8 +4,6 @@ choices can live in one process, and nothing switches a kernel on or off behind 
 
 - `gemv`: matmuls of 1 to 16 rows (decoding, drafting, verify) as Triton kernels (models/gemv.py),
   faster than cuBLAS at streaming the weights; the MLP's gate-up with its SiLU·mul in the same kernel.
-- `norm_fold`: a dense layer's two RMSNorms (with their residual adds) inside those kernels, the
-  q/k/v projection's and the gate-up's (gemv.normed): two kernels fewer a layer.
 - `cache_attention`: attention of a few new tokens per row over the KV cache as one Triton kernel
   that rotates q and k, stores the new keys and values, attends and lays out the output
   (models/cache_attention.py).
@@ -43,13 +41,12 @@ try:
 except ImportError:  # CPU installs without Triton: torch's kernels run
     triton = None
 
-KERNEL_NAMES = ("gemv", "norm-fold", "cache-attention", "topk", "moe")  # what --disable-kernels accepts
+KERNEL_NAMES = ("gemv", "cache-attention", "topk", "moe")  # what --disable-kernels accepts
 
 
 @dataclass(frozen=True)
 class Kernels:
     gemv: bool = False
-    norm_fold: bool = False  # a dense layer's RMSNorms inside the gemv kernels that follow them (gemv.normed)
     cache_attention: bool = False
     topk: bool = False
     compile: bool = False
@@ -77,7 +74,6 @@ class Kernels:
             return dataclasses.replace(Kernels.choose(device, False, disable + ("gemv", "cache-attention")), exact=True)
         ampere = torch.cuda.get_device_capability(device)[0] >= 8 and triton is not None
         return Kernels(gemv=ampere and "gemv" not in disable,
-                       norm_fold=ampere and "gemv" not in disable and "norm-fold" not in disable,
                        cache_attention=ampere and "cache-attention" not in disable,
                        topk=triton is not None and "topk" not in disable, compile=compile,
                        moe=ampere and "moe" not in disable)

@@ -4,8 +4,6 @@ and the tensor-core kernel (2 to 16 rows) equal F.linear for even and ragged wid
 bias, and with the MLP's SiLU·mul fused in (`glu`); linear() sends them up to MAX_ROWS rows, and only
 where they may run (no autograd, half precision); as custom ops they trace under torch.compile; a
 model prefilling and decoding through them gives the logits of the cuBLAS/MKL path."""
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +13,7 @@ from eaglet.kvcache import KVCache
 from eaglet.models import gemv
 from eaglet.models.linear import linear
 
-from eaglet.kernels import EAGER, Kernels
+from eaglet.kernels import EAGER
 
 from .conftest import hf_model
 from .triton_kernels import GEMV, greedy_logits, triton_device
@@ -54,34 +52,6 @@ def test_glu_matches_silu_of_gate_times_up(rows, i, k, bias):
     torch.testing.assert_close(y.float(), F.silu(gate) * up, atol=2e-3, rtol=2e-3)
 
 
-@pytest.mark.parametrize("rows,n,k,glu,bias,resid", [(1, 96, 576, False, False, True), (1, 37, 100, True, True, True),
-                                                     (1, 33, 9000, False, True, False), (2, 48, 576, True, False, True),
-                                                     (6, 70, 9000, False, False, True), (16, 33, 100, True, True, False),
-                                                     (3, 2100, 40, False, True, True)])
-def test_normed_matches_rms_norm_then_the_matmul(rows, n, k, glu, bias, resid):
-    """RMSNorm (with the residual add) folded into the matmul's kernel: the output of the norm then
-    the matmul (or gate-up and SiLU·mul) and the stream x + residual the norm would return, the
-    stream bitwise (the same rounded add), the output to float16's rounding."""
-    from eaglet.models.llama import rms_norm
-
-    g = torch.Generator().manual_seed(n + k + rows)
-    w = (torch.randn(2 * n if glu else n, k, generator=g) * 0.05).half().to(DEV)
-    b = torch.randn(w.shape[0], generator=g).half().to(DEV) if bias else None
-    x = torch.randn(1, rows, k, generator=g).half().to(DEV)
-    r = torch.randn(1, rows, k, generator=g).half().to(DEV) if resid else None
-    nw = (1 + 0.1 * torch.randn(k, generator=g)).half().to(DEV)
-    with torch.no_grad():
-        y, stream = gemv.normed(x, r, nw, 1e-5, w, b, glu=glu)
-    s = x + r if resid else x
-    assert torch.equal(stream, s)
-    ref = F.linear(rms_norm(s.float(), nw.float(), 1e-5), w.float(), None if b is None else b.float())
-    if glu:
-        gate, up = ref.half().float().chunk(2, -1)
-        ref = F.silu(gate) * up
-    assert y.shape == (1, rows, n) and y.dtype == torch.float16
-    torch.testing.assert_close(y.float(), ref, atol=4e-3, rtol=4e-3)
-
-
 def test_tiles():
     assert gemv.tiles(4096, 14336) == (1, 1024, 8)  # Llama-3.1-8B's down projection
     assert gemv.tiles(960, 576) == (2, 1024, 2)  # SmolLM2's q/k/v
@@ -118,10 +88,6 @@ def test_custom_op_traces():
     x = torch.randn(1, 1, 40).half().to(DEV)
     for op in (torch.ops.eaglet.gemv.default, torch.ops.eaglet.gemv_glu.default):
         torch.library.opcheck(op, (x, w, None), test_utils=("test_schema", "test_faketensor"))
-    nw = torch.ones(40).half().to(DEV)
-    for r in (x.clone(), None):
-        torch.library.opcheck(torch.ops.eaglet.gemv_normed.default, (x, r, nw, 1e-5, w, None, False),
-                              test_utils=("test_schema", "test_faketensor"))
 
 
 @torch.inference_mode()
@@ -186,63 +152,3 @@ def test_the_exact_norm_gives_a_row_the_same_bits_at_any_row_count():
     r = torch.randn(2, 20, 576, generator=g).half().to(DEV)
     y, s = exact.rms_norm(x, w, 1e-5, residual=r)
     assert torch.equal(s, x + r) and torch.equal(exact.rms_norm(x + r, w, 1e-5), y)
-
-
-NORM_FOLD = Kernels(gemv=True, cache_attention=True, norm_fold=True)
-
-
-@torch.inference_mode()
-@pytest.mark.parametrize("arch", ["smollm2", "qwen3", "qwen3_moe"])
-def test_a_model_with_its_norms_folded_decodes_as_without(tiny_dirs, arch, monkeypatch):
-    """Tiny models in float16 with each layer's input norm inside the q/k/v kernel and a dense layer's
-    post-attention norm inside the gate-up's (Kernels.norm_fold) against the same kernels without: a
-    2 x 9 prompt (18 rows: the norms apart), 12 one-token steps and a 5-node tree verify, the same
-    logits to float16's rounding; every step's layers took the folded kernels (two a dense layer,
-    one a layer of routed experts)."""
-    from eaglet.models.attention import AttnMeta
-    from .test_cache_attention import tree_mask
-
-    path = tiny_dirs[arch][0]
-    calls = []
-    inner = gemv.normed
-    monkeypatch.setattr(gemv, "normed", lambda *a, **k: calls.append(a[0].shape[:2]) or inner(*a, **k))
-    runs = []
-    for kernels in (NORM_FOLD, dataclasses.replace(NORM_FOLD, norm_fold=False)):
-        model = load_model(path, dtype="float16", device=DEV, tokenizer=False, kernels=kernels).model
-        c = model.config
-        gen = torch.Generator().manual_seed(1)
-        prompt = torch.randint(3, c.vocab_size, (2, 9), generator=gen).to(DEV)
-        tree_ids = torch.randint(3, c.vocab_size, (2, 5), generator=gen).to(DEV)
-        tree = tree_mask(2, 5, gen).to(DEV)
-        cache = KVCache.for_model(c, 2, 64, torch.float16, DEV)
-        logits = greedy_logits(model, cache, prompt, 13)
-        pos = cache.lens[:, None] + tree.sum(-1) - 1
-        h, _ = model(tree_ids, pos, cache, AttnMeta.build(cache.lens, pos, cache.kv_len(5), tree_mask=tree,
-                                                          kernels=model.kernels))
-        runs.append((logits, model.logits(h).float()))
-        if kernels.norm_fold:
-            dense = sum(type(layer.ffn).__name__ == "MLP" for layer in model.model.layers)
-            per_forward = c.num_layers + dense
-            assert calls == [(2, 1)] * (per_forward * 12) + [(2, 5)] * per_forward
-    for a, b in zip(*runs):
-        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
-
-
-@pytest.mark.slow
-@torch.inference_mode()
-def test_speculation_with_folded_norms_equals_plain_greedy(tiny_dirs):
-    """EAGLE-3 tree speculation (drafting, a verify of 6 nodes) on a target whose norms are folded
-    into its kernels emits exactly its plain greedy tokens."""
-    from eaglet import GenerationConfig, Generator
-    from eaglet.config import SpecConfig
-    from eaglet.spec.speculator import Speculator
-    from .test_spec_greedy import random_head
-
-    model = load_model(tiny_dirs["smollm2"][0], dtype="float16", device=DEV, tokenizer=False, kernels=NORM_FOLD).model
-    prompts = [[5, 17, 33, 40, 9], [11, 60, 3, 21, 8, 90, 4]]
-    gen = GenerationConfig(max_new_tokens=10, ignore_eos=True)
-    plain = [c.tokens for c in Generator(model, None).generate(prompts, gen)]
-    head = random_head(model.config, kernels=NORM_FOLD).to(device=DEV, dtype=torch.float16)
-    spec = SpecConfig("eagle3", steps=3, topk=2, draft_tokens=6)
-    out = Generator(model, None, Speculator(spec, head=head)).generate(prompts, gen)
-    assert [c.tokens for c in out] == plain and all(c.spec.drafts > 0 for c in out)

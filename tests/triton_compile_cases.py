@@ -17,7 +17,7 @@ TYPES = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "Y": "*bf16", "QKV": "*bf16",
          "PM": "*fp32", "PL": "*fp32", "PO": "*fp32", "eps": "fp32", "scale": "fp32",
          "x_ptr": "*bf16", "val_ptr": "*fp32", "idx_ptr": "*i64", "off_ptr": "*fp32",
          "part_v": "*fp32", "part_i": "*i64", "stats": "*fp32", "QL": "*bf16", "QP": "*bf16", "KV": "*bf16",
-         "CACHE": "*bf16", "NW": "*bf16"}
+         "CACHE": "*bf16"}
 
 
 def compile_for_h200(fn, const: dict, warps: int = 4, stages: int = 3, types: dict | None = None) -> None:
@@ -32,23 +32,18 @@ def compile_for_h200(fn, const: dict, warps: int = 4, stages: int = 3, types: di
 
 def cases():
     """(name, thunk) for each kernel at the tiles the package picks for SmolLM2 and the 8B shapes."""
-    for k, glu, norm in [(576, False, False), (576, True, False), (4096, False, False), (4096, True, False),
-                         (576, False, True), (576, True, True), (4096, False, True)]:  # norm: the residual add too
+    for k, glu in [(576, False), (576, True), (4096, False), (4096, True)]:
         bn, bk, warps = gemv.glu_tiles(1, k) if glu else gemv.tiles(49152 if k == 576 else 4096, k)
-        yield (f"gemv one row, K {k}, glu {glu}, norm {norm}",
-               lambda k=k, glu=glu, norm=norm, bn=bn, bk=bk, w=warps: compile_for_h200(
-                   gemv.gemv_kernel, dict(K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0, HAS_BIAS=False, GLU=glu, NORM=norm,
-                                          RESID=norm), w))
-    for rows, n, k, glu, bias, norm in [(6, 576, 576, False, True, False), (16, 3072, 576, True, False, False),
-                                        (16, 4096, 4096, False, False, False), (2, 28672, 4096, True, False, False),
-                                        (6, 960, 576, False, False, True), (16, 3072, 576, True, False, True),
-                                        (16, 4096, 4096, False, False, True)]:
+        yield (f"gemv one row, K {k}, glu {glu}",
+               lambda k=k, glu=glu, bn=bn, bk=bk, w=warps: compile_for_h200(
+                   gemv.gemv_kernel, dict(K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0, HAS_BIAS=False, GLU=glu), w))
+    for rows, n, k, glu, bias in [(6, 576, 576, False, True), (16, 3072, 576, True, False),
+                                  (16, 4096, 4096, False, False), (2, 28672, 4096, True, False)]:
         bm, bn, bk, warps, stages = gemv.glu_tiles(rows, k) if glu else gemv.dot_tiles(rows, n, k)
-        bk = min(bk, 128) if norm else bk  # as gemv._run
-        yield (f"gemv {rows} rows, {n} x {k}, glu {glu}, norm {norm}",
-               lambda k=k, glu=glu, bias=bias, norm=norm, t=(bm, bn, bk), w=warps, s=stages: compile_for_h200(
-                   gemv.gemv_dot_kernel, dict(K=k, BM=t[0], BN=t[1], BK=t[2], EVEN_K=k % t[2] == 0, HAS_BIAS=bias,
-                                              GLU=glu, NORM=norm, RESID=norm), w, s))
+        yield (f"gemv {rows} rows, {n} x {k}, glu {glu}",
+               lambda k=k, glu=glu, bias=bias, t=(bm, bn, bk), w=warps, s=stages: compile_for_h200(
+                   gemv.gemv_dot_kernel, dict(K=k, BM=t[0], BN=t[1], BK=t[2], EVEN_K=k % t[2] == 0, HAS_BIAS=bias, GLU=glu),
+                   w, s))
     for t, tree, split, norm in [(1, False, False, False), (6, False, True, False), (16, True, False, False),
                                  (32, True, True, True)]:
         g, hkv, d = 3, 3, 64
@@ -67,8 +62,7 @@ def cases():
                lambda c=const: compile_for_h200(mla_attention.mla_kernel, c, 8))
     bm, bn, bk, warps, stages = gemv.exact_tiles(49152, 576, False)  # the exact path: SmolLM2's head too
     yield "exact matmul, 49152 x 576", lambda: compile_for_h200(
-        gemv.gemv_dot_kernel, dict(K=576, BM=bm, BN=bn, BK=bk, EVEN_K=576 % bk == 0, HAS_BIAS=False, GLU=False,
-                                   NORM=False, RESID=False),
+        gemv.gemv_dot_kernel, dict(K=576, BM=bm, BN=bn, BK=bk, EVEN_K=576 % bk == 0, HAS_BIAS=False, GLU=False),
         warps, stages)
     for add in (False, True):
         yield f"exact RMSNorm, residual {add}", lambda add=add: compile_for_h200(

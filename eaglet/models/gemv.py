@@ -97,7 +97,7 @@ def exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     others (`Kernels.exact` on the GPU): tiles of 16 rows, the K loop and tile fixed by the weight's
     shape (`exact_tiles`), no split-K; a row's result is the same bits alone, among a verify's rows or
     in a batch."""
-    return _run(x, weight, bias, glu, exact=True)[0]
+    return _run(x, weight, bias, glu, exact=True)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,23 +112,7 @@ def glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None)
     return torch.ops.eaglet.gemv_glu(x, weight, bias)
 
 
-def normed(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-           weight: torch.Tensor, bias: torch.Tensor | None = None, glu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm before the matmul in the same kernel (`gemv`, or with `glu` `glu`, of the normed input):
-    the stream s = x + residual (x alone when residual is None; the add rounded as torch's), then
-    (s * norm_weight) Wᵀ scaled by each row's 1 / rms(s) and the bias added. One kernel where a
-    decoder layer ran two (the norm with its residual add, then the matmul): each program sums its
-    row's squares over the K it reads anyway. Rounds otherwise than the two apart (the normed input
-    is not rounded to x's dtype before the product), by a unit in the last place of the output at
-    most in the tests. Returns (output, s)."""
-    y, s = torch.ops.eaglet.gemv_normed(x, residual, norm_weight, eps, weight, bias, glu)
-    return y, (x if residual is None else s)
-
-
-def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: bool, exact: bool = False,
-         norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernels' launch: y, and with `norm` (residual or None, norm weight, eps) the stream the
-    kernel wrote (empty without a residual)."""
+def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: bool, exact: bool = False) -> torch.Tensor:
     n, k = weight.shape
     xr = x.reshape(-1, k)
     if xr.stride(1) != 1:
@@ -137,32 +121,26 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: 
     out = n // 2 if glu else n  # output columns; with glu each program also reads the rows `out` further on
     y = torch.empty(m, out, dtype=x.dtype, device=x.device)
     b = bias if bias is not None else y  # not read
-    residual, nw, eps = norm if norm is not None else (None, y, 0.0)
-    r = residual.reshape(-1, k).contiguous() if residual is not None else xr  # not read without one
-    s = torch.empty(m, k, dtype=x.dtype, device=x.device) if residual is not None else y.new_empty(0)
-    flags = dict(HAS_BIAS=bias is not None, GLU=glu, NORM=norm is not None, RESID=residual is not None)
     if exact:
         bm, bn, bk, warps, stages = exact_tiles(n, k, glu)
         gemv_dot_kernel[(triton.cdiv(out, bn), triton.cdiv(m, bm))](
-            xr, weight, b, y, r, nw, s, eps, m, out, xr.stride(0), K=k, BM=bm, BN=bn, BK=bk, EVEN_K=k % bk == 0,
-            **flags, num_warps=warps, num_stages=stages)
+            xr, weight, b, y, m, out, xr.stride(0), K=k, BM=bm, BN=bn, BK=bk, EVEN_K=k % bk == 0,
+            HAS_BIAS=bias is not None, GLU=glu, num_warps=warps, num_stages=stages)
     elif m == 1:
         bn, bk, warps = glu_tiles(1, k) if glu else tiles(n, k)
-        gemv_kernel[(triton.cdiv(out, bn),)](xr, weight, b, y, r, nw, s, eps, out, K=k, BN=bn, BK=bk,
-                                             EVEN_K=k % bk == 0, **flags, num_warps=warps)
+        gemv_kernel[(triton.cdiv(out, bn),)](xr, weight, b, y, out, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
+                                         HAS_BIAS=bias is not None, GLU=glu, num_warps=warps)
     else:
         bm, bn, bk, warps, stages = glu_tiles(m, k) if glu else dot_tiles(m, n, k)
-        if norm is not None:  # the normed slice is float32 in registers: wider ones spill (sm_90 cubins)
-            bk = min(bk, 128)
-        gemv_dot_kernel[(triton.cdiv(out, bn),)](xr, weight, b, y, r, nw, s, eps, m, out, xr.stride(0), K=k, BM=bm,
-                                                 BN=bn, BK=bk, EVEN_K=k % bk == 0, **flags,
-                                                 num_warps=warps, num_stages=stages)
-    return y.view(*x.shape[:-1], out), s.view(*x.shape) if residual is not None else s
+        gemv_dot_kernel[(triton.cdiv(out, bn),)](xr, weight, b, y, m, out, xr.stride(0), K=k, BM=bm, BN=bn, BK=bk,
+                                             EVEN_K=k % bk == 0, HAS_BIAS=bias is not None, GLU=glu,
+                                             num_warps=warps, num_stages=stages)
+    return y.view(*x.shape[:-1], out)
 
 
 @torch.library.custom_op("eaglet::gemv", mutates_args=())
 def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _run(x, weight, bias, False)[0]
+    return _run(x, weight, bias, False)
 
 
 @_gemv_op.register_fake
@@ -172,24 +150,12 @@ def _(x, weight, bias):
 
 @torch.library.custom_op("eaglet::gemv_glu", mutates_args=())
 def _glu_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _run(x, weight, bias, True)[0]
+    return _run(x, weight, bias, True)
 
 
 @_glu_op.register_fake
 def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
-
-
-@torch.library.custom_op("eaglet::gemv_normed", mutates_args=())
-def _normed_op(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-               weight: torch.Tensor, bias: torch.Tensor | None, glu: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _run(x, weight, bias, glu, norm=(residual, norm_weight, eps))
-
-
-@_normed_op.register_fake
-def _(x, residual, norm_weight, eps, weight, bias, glu):
-    out = weight.shape[0] // 2 if glu else weight.shape[0]
-    return x.new_empty(*x.shape[:-1], out), (x.new_empty(x.shape) if residual is not None else x.new_empty(0))
 
 
 if triton is not None:
@@ -200,36 +166,17 @@ if triton is not None:
         return g * tl.sigmoid(g) * u.to(dtype).to(tl.float32)
 
     @triton.jit
-    def _normed_input(x, R, NW, S, off, cols, km, first, K, RESID: tl.constexpr):
-        """The norm's part of a slice x of a row or rows (the kernels' NORM; `off` each row's offset):
-        x + residual rounded to x's dtype (the stream, stored by the first program); returns the
-        stream times the norm weight and its squares, float32 (the row's 1 / rms scales the product
-        at the end)."""
-        if RESID:
-            x = (x.to(tl.float32) + tl.load(R + off + cols, mask=km, other=0.0).to(tl.float32)).to(x.dtype)
-            tl.store(S + off + cols, x, mask=tl.where(first, km, False))
-        xf = x.to(tl.float32)
-        return xf * tl.load(NW + cols, mask=cols < K, other=0.0).to(tl.float32), xf * xf
-
-    @triton.jit
-    def gemv_kernel(X, W, B, Y, R, NW, S, eps, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr,
-                    RESID: tl.constexpr):
-        """Y (N,) = W X (+ B) for one row X; with GLU, silu(W[:N] X) * (W[N:] X); with NORM, X is first
-        RMSNorm'd (weight NW, after adding the residual R when RESID, the sum stored to S): `normed`."""
+    def gemv_kernel(X, W, B, Y, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                HAS_BIAS: tl.constexpr, GLU: tl.constexpr):
+        """Y (N,) = W X (+ B) for one row X; with GLU, silu(W[:N] X) * (W[N:] X)."""
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         rm = rows < N
         acc = tl.zeros((BN, BK), dtype=tl.float32)
         acc2 = tl.zeros((BN, BK), dtype=tl.float32)  # the up rows (GLU)
-        ss = tl.zeros((BK,), dtype=tl.float32)  # the row's squares (NORM)
-        first = tl.program_id(0) == 0
         for k0 in range(0, K, BK):
             cols = k0 + tl.arange(0, BK)
             wm = rm[:, None] if EVEN_K else rm[:, None] & (cols < K)[None, :]
             x = tl.load(X + cols) if EVEN_K else tl.load(X + cols, mask=cols < K, other=0.0)
-            if NORM:
-                x, sq = _normed_input(x, R, NW, S, 0, cols, cols < K, first, K, RESID)
-                ss += sq
             w = tl.load(W + rows[:, None] * K + cols[None, :], mask=wm, other=0.0, eviction_policy="evict_first")
             acc += w.to(tl.float32) * x[None, :].to(tl.float32)
             if GLU:
@@ -237,54 +184,37 @@ if triton is not None:
                              eviction_policy="evict_first")
                 acc2 += w2.to(tl.float32) * x[None, :].to(tl.float32)
         y = tl.sum(acc, 1)
-        if NORM:
-            inv = tl.rsqrt(tl.sum(ss, 0) / K + eps)
-            y = y * inv
         if HAS_BIAS:
             y += tl.load(B + rows, mask=rm, other=0.0).to(tl.float32)
         if GLU:
             y2 = tl.sum(acc2, 1)
-            if NORM:
-                y2 = y2 * inv
             if HAS_BIAS:
                 y2 += tl.load(B + N + rows, mask=rm, other=0.0).to(tl.float32)
             y = _silu_mul(y, y2, Y.dtype.element_ty)
         tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rm)
 
     @triton.jit
-    def gemv_dot_kernel(X, W, B, Y, R, NW, S, eps, M, N, sx, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        BK: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
-                        NORM: tl.constexpr, RESID: tl.constexpr):
+    def gemv_dot_kernel(X, W, B, Y, M, N, sx, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr):
         """Y (M, N) = X (M, K) Wᵀ (+ B), rows in tiles of BM (the grid's second axis): each program
         streams BN rows of W once for its tile (with GLU also the BN rows N further on, and writes
-        silu(first) * second); with NORM each row of X RMSNorm'd first, as gemv_kernel (R and S
-        contiguous (M, K))."""
+        silu(first) * second)."""
         m = tl.program_id(1) * BM + tl.arange(0, BM)
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
         mm, cm = m < M, cols < N
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         acc2 = tl.zeros((BM, BN), dtype=tl.float32)
-        ss = tl.zeros((BM,), dtype=tl.float32)  # each row's squares (NORM)
-        first = tl.program_id(0) == 0
         for k0 in range(0, K, BK):
             kk = k0 + tl.arange(0, BK)
             xm = mm[:, None] if EVEN_K else mm[:, None] & (kk < K)[None, :]
             wm = cm[:, None] if EVEN_K else cm[:, None] & (kk < K)[None, :]
             x = tl.load(X + m[:, None] * sx + kk[None, :], mask=xm, other=0.0)
-            if NORM:
-                xs, sq = _normed_input(x, R, NW, S, m[:, None] * K, kk[None, :], xm, first, K, RESID)
-                ss += tl.sum(sq, 1)
-                x = xs.to(X.dtype.element_ty)
             w = tl.load(W + cols[:, None] * K + kk[None, :], mask=wm, other=0.0, eviction_policy="evict_first")
             acc = tl.dot(x, tl.trans(w), acc)
             if GLU:
                 w2 = tl.load(W + (cols + N)[:, None] * K + kk[None, :], mask=wm, other=0.0,
                              eviction_policy="evict_first")
                 acc2 = tl.dot(x, tl.trans(w2), acc2)
-        if NORM:
-            inv = tl.rsqrt(ss / K + eps)[:, None]
-            acc = acc * inv
-            acc2 = acc2 * inv
         if HAS_BIAS:
             acc += tl.load(B + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
         if GLU:

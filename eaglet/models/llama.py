@@ -154,19 +154,19 @@ class Attention(nn.Module):
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.kernels)
         return qkv.split([self.nh * self.d, self.nkv * self.d, self.nkv * self.d], -1)
 
-    def kernel_path(self, x: torch.Tensor, cache: Cache, meta: AttnMeta | None) -> bool:
-        """Whether this forward attends through a kernel that stores and attends in one call."""
-        kernel = self.kernels.cache_attention or self.kernels.exact and x.is_cuda
-        return kernel and cache.in_place and meta.fast and cache_attention.usable(x, x.shape[1])
-
     def forward(self, x, cos, sin, cache: Cache, meta: AttnMeta | None) -> torch.Tensor:
         b, t, _ = x.shape
-        if self.kernel_path(x, cache, meta):
+        kernel = self.kernels.cache_attention or self.kernels.exact and x.is_cuda
+        if kernel and cache.in_place and meta.fast and cache_attention.usable(x, t):
             # a few tokens per row: q/k norm, RoPE, store, attend and lay out in one kernel (exact: three,
             # each token's keys read as its decode step reads them)
             qkv = (linear(x, self.qkv_weight, self.qkv_bias, self.kernels) if self.fused
                    else torch.cat(self.project(x), -1))
-            return self.attend(qkv, cos, sin, cache, meta)
+            norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
+            attend = exact_attention.exact_attention if self.kernels.exact else cache_attention.cache_attention
+            o = attend(qkv.view(b, t, -1, self.d), *cache.layer_kv(self.layer, b), meta.slots[:, 0], meta.block_mask,
+                       meta.kv_len, self.nh // self.nkv, rope=(cos, sin), qk_norm=norm, pending=meta.pending)
+            return self.o_proj(o)
         q, k, v = self.project(x)
         q = q.view(b, t, self.nh, self.d)
         k = k.view(b, t, self.nkv, self.d)
@@ -176,27 +176,6 @@ class Attention(nn.Module):
         q, kv = self.rope(q, k, v, cos, sin)  # (B, Hkv, G*T, D), (B, T, 2, Hkv, D)
         o = cache.attend(self.layer, q, kv, meta)  # (B, H, T, D)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, self.nh * self.d))
-
-    def attend(self, qkv: torch.Tensor, cos, sin, cache: Cache, meta: AttnMeta) -> torch.Tensor:
-        """The kernel path after the q/k/v projection (B, T, (H + 2 Hkv) D): o_proj of the attention."""
-        b, t, _ = qkv.shape
-        norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
-        attend = exact_attention.exact_attention if self.kernels.exact else cache_attention.cache_attention
-        o = attend(qkv.view(b, t, -1, self.d), *cache.layer_kv(self.layer, b), meta.slots[:, 0], meta.block_mask,
-                   meta.kv_len, self.nh // self.nkv, rope=(cos, sin), qk_norm=norm, pending=meta.pending)
-        return self.o_proj(o)
-
-    def normed(self, h: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, cos, sin, cache: Cache,
-               meta: AttnMeta | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward(norm of h + residual) and the stream h + residual: on the kernel path with the norm
-        inside the q/k/v projection's kernel (Kernels.norm_fold), else the norm, then forward."""
-        rows = h.numel() // h.shape[-1]
-        if (self.kernels.norm_fold and self.fused and self.kernel_path(h, cache, meta)
-                and gemv.usable(h, self.qkv_weight, rows)):
-            qkv, stream = gemv.normed(h, residual, norm.weight, norm.eps, self.qkv_weight, self.qkv_bias)
-            return self.attend(qkv, cos, sin, cache, meta), stream
-        x, stream = norm(h, residual) if residual is not None else (norm(h), h)
-        return self.forward(x, cos, sin, cache, meta), stream
 
 
 class MLP(nn.Module):
@@ -214,17 +193,6 @@ class MLP(nn.Module):
         self.register_buffer("gate_up_weight", w, persistent=False)  # not in the state dict
         self.register_buffer("gate_up_bias", b, persistent=False)
         self.fused = True
-
-    def normed(self, h: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward(norm of h + residual) and the stream: the norm inside the gate-up kernel where the
-        kernels take it (Kernels.norm_fold), else the norm, then forward."""
-        rows = h.numel() // h.shape[-1]
-        if self.kernels.norm_fold and self.fused and gemv.usable(h, self.gate_up_weight, rows, glu=True):
-            act, stream = gemv.normed(h, residual, norm.weight, norm.eps, self.gate_up_weight, self.gate_up_bias,
-                                      glu=True)
-            return self.down_proj(act), stream
-        x, stream = norm(h, residual)
-        return self.forward(x), stream
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fused:
@@ -257,7 +225,6 @@ def fuse_linears(linears: list[Linear]) -> tuple[torch.Tensor, torch.Tensor | No
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, kernels: Kernels = EAGER):
         super().__init__()
-        self.kernels = kernels
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels.exact)
         self.self_attn = (mla.MLAttention if config.mla is not None else Attention)(config, layer, kernels=kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels.exact)
@@ -275,14 +242,6 @@ class DecoderLayer(nn.Module):
     def forward(self, h, residual, cos, sin, cache, meta):
         """h: this layer's input before the residual add; residual: the stream so far (None at the
         first layer). Returns (mlp output, residual stream): their sum is the layer's output."""
-        if self.kernels.norm_fold and isinstance(self.self_attn, Attention):
-            # each norm inside the kernel that follows it where the kernels take it (Attention.normed,
-            # MLP.normed; routed experts take theirs apart)
-            a, residual = self.self_attn.normed(h, residual, self.input_layernorm, cos, sin, cache, meta)
-            if isinstance(self.ffn, MLP):
-                return self.ffn.normed(a, residual, self.post_attention_layernorm)
-            x, residual = self.post_attention_layernorm(a, residual)
-            return self.ffn(x), residual
         x, residual = self.input_layernorm(h, residual) if residual is not None else (self.input_layernorm(h), h)
         x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, cache, meta), residual)
         return self.ffn(x), residual
