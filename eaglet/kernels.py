@@ -6,7 +6,8 @@ choices can live in one process, and nothing switches a kernel on or off behind 
   faster than cuBLAS at streaming the weights; the MLP's gate-up with its SiLU·mul in the same kernel.
 - `cache_attention`: attention of a few new tokens per row over the KV cache as one Triton kernel
   that rotates q and k, stores the new keys and values, attends and lays out the output
-  (models/cache_attention.py).
+  (models/cache_attention.py); for MLA, over the latent cache in the absorbed form
+  (models/mla_attention.py).
 - `topk`: the top-k of each row a draft tree takes at every level, with its log-softmax, as one
   Triton kernel (spec/topk.py).
 - `moe`: the routed experts of 1 to 64 tokens as Triton kernels that read each touched expert's

@@ -61,6 +61,28 @@ def test_kimi_k2_config_loads_as_deepseek_v3():
     assert ModelConfig.from_hf(kimi.to_hf()) == kimi
 
 
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+@torch.inference_mode()
+def test_the_input_projections_are_one_matmul(tiny_dirs, family):
+    """A loaded MLA model projects its layer input once for q (V2-Lite) or q_a (V3) and kv_a: the two
+    weights are views of one tensor under their checkpoint names, and the forward of a layer equals
+    the two matmuls apart (their parity with transformers is test_model_parity's)."""
+    model = load_model(tiny_dirs[family][0], dtype="float32", device="cpu", tokenizer=False).model
+    attn = model.model.layers[0].self_attn
+    first = attn.q_proj if attn.mla.q_lora_rank is None else attn.q_a_proj
+    assert attn.fused == first.weight.shape[0]
+    assert first.weight.data_ptr() == attn.input_weight.data_ptr()
+    assert attn.kv_a_proj_with_mqa.weight.data_ptr() == attn.input_weight[attn.fused:].data_ptr()
+    keys = model.state_dict().keys()
+    assert not any("input_weight" in k for k in keys) and any(k.endswith("kv_a_proj_with_mqa.weight") for k in keys)
+    x = torch.randn(2, 3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    q, kv = attn.project(x)
+    attn.fused = 0  # the modules one by one
+    q2, kv2 = attn.project(x)
+    torch.testing.assert_close(q, q2)
+    torch.testing.assert_close(kv, kv2)
+
+
 @pytest.fixture(scope="module")
 def mla_target(tiny_dirs):
     """(the tiny DeepSeek-V3 target, 20 prompts, their plain greedy output)."""

@@ -27,7 +27,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..kernels import EAGER, Kernels, fusable
 from . import exact, mla_attention
-from .linear import Linear
+from .linear import Linear, linear
 
 
 class MLAttention(nn.Module):
@@ -38,6 +38,7 @@ class MLAttention(nn.Module):
         m = self.mla = config.mla
         h, nh = config.hidden_size, config.num_heads
         self.layer, self.nh, self.kernels = layer, nh, kernels
+        self.fused = 0  # rows of the fused input projection that are q's (fuse)
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         if m.q_lora_rank is None:
             self.q_proj = Linear(h, nh * qk, bias=False, kernels=kernels)
@@ -54,13 +55,32 @@ class MLAttention(nn.Module):
         self.latent_softmax = kernels.fuse(latent_softmax)
 
     def fuse(self) -> None:
-        """Nothing to fuse: the absorbed form reads kv_b_proj's weight as it is."""
+        """The two projections of the layer's input, q (or q_a) and kv_a, as one matmul (their weights
+        views of one tensor, names unchanged: llama.fuse_linears), where their biases agree; the
+        absorbed form reads kv_b_proj's weight as it is."""
+        first = self.q_proj if self.mla.q_lora_rank is None else self.q_a_proj
+        if (first.bias is None) == (self.kv_a_proj_with_mqa.bias is None):
+            from .llama import fuse_linears  # llama.py imports this module
+
+            w, b = fuse_linears([first, self.kv_a_proj_with_mqa])
+            self.register_buffer("input_weight", w, persistent=False)
+            self.register_buffer("input_bias", b, persistent=False)
+            self.fused = first.weight.shape[0]
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The queries (B, T, nh * (nope + rope)) and the kv_a projection (B, T, kv_lora_rank + rope)."""
+        m = self.mla
+        if self.fused:
+            q, kv = linear(x, self.input_weight, self.input_bias, self.kernels).split(
+                [self.fused, m.kv_lora_rank + m.qk_rope_head_dim], -1)
+        else:
+            q, kv = (self.q_proj if m.q_lora_rank is None else self.q_a_proj)(x), self.kv_a_proj_with_mqa(x)
+        return (q if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(q))), kv
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, meta) -> torch.Tensor:
         m, (b, t, _) = self.mla, x.shape
-        q = self.q_proj(x) if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q, kv = self.project(x)
         q_nope, q_pe = q.view(b, t, self.nh, -1).split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
-        kv = self.kv_a_proj_with_mqa(x)
         if (self.kernels.cache_attention and cache.in_place and cache.absorbed and meta.fast
                 and mla_attention.usable(x, t, m.kv_lora_rank, m.qk_rope_head_dim)):
             # a few tokens a row: norm, RoPE, store and attend in the latent space in one kernel
