@@ -250,7 +250,7 @@ def test_served_rows_come_and_go_without_a_host_sync(tiny_dirs, spec):
     the host wait for the steps in flight and drains the lookahead pipeline."""
     gpu = load_model(tiny_dirs["llama3"][0], dtype="float32", device="cuda", tokenizer=False).model
     sp = Speculator(spec, draft_model=gpu) if spec is not None else None
-    b = Batcher.of(Generator(gpu, None, sp, lookahead=True), 4, 64)
+    b = Batcher.of(Generator(gpu, None, sp, lookahead=True), 4, 200)  # warm-up captures spans of 128 and up
     assert b.dec.warmup(prompt_tokens=16) > 0
     prompts = [[5 + i, 17, 33, 2 * i + 40, 9, 11][: 3 + i % 4] for i in range(10)]
     waiting = [Request(p, 6 + 3 * (i % 4), SamplingParams(), ignore_eos=True) for i, p in enumerate(prompts)]
