@@ -92,6 +92,16 @@ def redact(flags: dict) -> dict:
     return {k: ("<redacted>" if secret(k) and v is not None else v) for k, v in flags.items()}
 
 
+def cpu_model() -> str | None:
+    """The processor's name as Linux reports it (/proc/cpuinfo), else platform's."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
+    return name or platform.processor() or None
+
+
 def environment() -> dict:
     import torch
 
@@ -126,6 +136,7 @@ def environment() -> dict:
     else:
         env["gpu"] = None
         env["cpu"] = platform.processor() or platform.machine()
+    env["cpu_model"] = cpu_model()  # the host's too where a GPU runs: a loaded server's step is the host's work
     from ..dist.workers import summary
 
     env["tensor_parallel"] = summary()  # the NCCL settings every rank held at communicator creation
