@@ -167,6 +167,18 @@ if triton is not None:
         return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
     @triton.jit
+    def fold(scores, seen, v, m_i, l_i, acc):
+        """Scores of a block of keys (scaled; masked where not `seen`) and their values `v` into a running
+        softmax (max m_i, sum l_i, output acc), the weights in the values' dtype for P·V: the new state.
+        A row that has seen nothing yet keeps m = -inf and adds nothing."""
+        scores = tl.where(seen, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+    @triton.jit
     def attend_kernel(QKV, K, V, START, MASK, OUT, PM, PL, PO, COS, SIN, QW, KW, eps, scale, chunk, T,
                 s_b, s_t, sk_b, sk_h, sk_s, s_start, sm_b, sm_t, sm_u, so_b, so_t, sc_b, sc_t, P,
                 H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, TILES: tl.constexpr, ROWS: tl.constexpr,
@@ -209,14 +221,7 @@ if triton is not None:
                 v = tl.load(V + cache + s[:, None] * sk_s + d[None, :], mask=jm[:, None], other=0.0)
                 seen = tl.load(MASK + b * sm_b + tq[:, None] * sm_t + j[None, :] * sm_u, mask=rm[:, None] & jm[None, :],
                                other=0) != 0
-                scores = tl.where(seen, tl.dot(q, tl.trans(k)) * scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(scores, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.exp(scores - m_safe[:, None])
-                alpha = tl.exp(m_i - m_safe)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m_i = m_new
+                m_i, l_i, acc = fold(tl.dot(q, tl.trans(k)) * scale, seen, v, m_i, l_i, acc)
         if last:  # the new tokens
             if TREE:
                 seen = tl.load(MASK + b * sm_b + tq[:, None] * sm_t + (P + u)[None, :] * sm_u,
@@ -224,14 +229,7 @@ if triton is not None:
                 seen = seen != 0
             else:
                 seen = (u[None, :] <= tq[:, None]) & um[None, :]
-            scores = tl.where(seen, tl.dot(q, tl.trans(k_new)) * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padded rows see nothing
-            p = tl.exp(scores - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v_new.dtype), v_new)
-            m_i = m_new
+            m_i, l_i, acc = fold(tl.dot(q, tl.trans(k_new)) * scale, seen, v_new, m_i, l_i, acc)  # padded rows see nothing
         if SPLIT:
             part = (b * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + sp
             rr = tl.arange(0, ROWS)

@@ -29,7 +29,7 @@ from .cache_attention import INTERPRET, MAX_SPLITS, MAX_TOKENS, pow2, split_size
 
 if triton is not None:
     import triton.language as tl
-    from .cache_attention import combine_kernel
+    from .cache_attention import combine_kernel, fold
 
 ROWS = 16  # query rows a program (tl.dot's least): a decode step of 16 heads is one tile
 BLOCK = 32  # cached entries a loop iteration: a (32, kv_lora_rank) tile of latents
@@ -133,17 +133,6 @@ if triton is not None:
         return out
 
     @triton.jit
-    def _fold(scores, seen, lat, m_i, l_i, acc):
-        """Scores of one block (masked where not `seen`) into the running softmax; lat the block's
-        latents (values); rows that see nothing yet keep m = -inf."""
-        scores = tl.where(seen, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat)
-
-    @triton.jit
     def mla_kernel(QL, QP, KV, W, eps, COS, SIN, CACHE, START, MASK, OUT, PM, PL, PO, scale, chunk, T, P,
                    sl_b, sl_t, sl_h, sp_b, sp_t, sp_h, skv_b, skv_t, sc_b, sc_s, s_start, sm_b, sm_t, sm_u,
                    so_b, so_t, scs_b, scs_t,
@@ -178,7 +167,7 @@ if triton is not None:
             scores = _latent_scores(QL, qoff, rm, row, s * sc_s, live, W, eps, ROWS, BLOCK, C, CK, False)
             scores = (scores + tl.dot(qp, tl.trans(pe))) * scale
             lat = tl.load(row + s[:, None] * sc_s + c[None, :], mask=live[:, None], other=0.0)
-            m_i, l_i, acc = _fold(scores, live[None, :], lat, m_i, l_i, acc)
+            m_i, l_i, acc = fold(scores, live[None, :], lat, m_i, l_i, acc)
         if TREE:
             if last & (P > 0):  # the pending entries (a tree's earlier levels): what the mask allows
                 j = tl.arange(0, PP)
@@ -190,7 +179,7 @@ if triton is not None:
                 scores = _latent_scores(QL, qoff, rm, row, s * sc_s, jm, W, eps, ROWS, PP, C, CK, False)
                 scores = (scores + tl.dot(qp, tl.trans(pe))) * scale
                 lat = tl.load(row + s[:, None] * sc_s + c[None, :], mask=jm[:, None], other=0.0)
-                m_i, l_i, acc = _fold(scores, seen, lat, m_i, l_i, acc)
+                m_i, l_i, acc = fold(scores, seen, lat, m_i, l_i, acc)
         if last:  # the new tokens: their entries, kv_a_layernorm(latent) (rounded as RMSNorm) and the rotated key
             u = tl.arange(0, TP)
             um = u < T
@@ -211,7 +200,7 @@ if triton is not None:
                 seen = (u[None, :] <= tq[:, None]) & um[None, :]
             scores = _latent_scores(QL, qoff, rm, KV, kv_off, um, W, inv, ROWS, TP, C, CK, True)
             scores = (scores + tl.dot(qp, tl.trans(pe_new))) * scale
-            m_i, l_i, acc = _fold(scores, seen, lat_new, m_i, l_i, acc)
+            m_i, l_i, acc = fold(scores, seen, lat_new, m_i, l_i, acc)
         if SPLIT:
             part = (b * tl.num_programs(1) + tile) * tl.num_programs(2) + sp
             rr = tl.arange(0, ROWS)
