@@ -9,16 +9,14 @@ import torch
 
 from eaglet import GenerationConfig, Generator, load_model
 from eaglet.config import SpecConfig
-from eaglet.kvcache import KVCache
 from eaglet.models import cache_attention as ca
-from eaglet.models.attention import AttnMeta
 from eaglet.spec.speculator import Speculator
 
 from .conftest import hf_model
 from .test_spec_greedy import random_head
 from eaglet.kernels import EAGER
 
-from .triton_kernels import CACHE_ATTENTION, greedy_logits, triton_device
+from .triton_kernels import CACHE_ATTENTION, decode_then_tree, tree_mask, triton_device
 
 DEV = triton_device()
 
@@ -43,17 +41,6 @@ def reference(qkv, k_cache, v_cache, start, mask, groups, pending=0):
                                                              attn_mask=seen.to(DEV))  # (H, T, D)
         out[i] = o.transpose(0, 1).cpu()
     return out.reshape(b, t, h * d), k_cache, v_cache
-
-
-def tree_mask(b, t, gen):
-    """Random trees: each node's parent is an earlier node; a node sees itself and its ancestors."""
-    m = torch.zeros(b, t, t, dtype=torch.bool)
-    for i in range(b):
-        for u in range(t):
-            m[i, u, u] = True
-            if u:
-                m[i, u] |= m[i, int(torch.randint(0, u, (1,), generator=gen))]
-    return m
 
 
 # (rows, kv heads, query heads per kv head, head dim, new tokens, kv_len, tree, slots per split or None,
@@ -199,29 +186,16 @@ def test_model_decoding_matches_sdpa(tiny_dirs, arch):
     models = {k: load_model(path, dtype="float16", device=DEV, tokenizer=False, kernels=k).model
               for k in (CACHE_ATTENTION, EAGER)}
     assert models[EAGER].config.qk_norm == (arch == "qwen3")
-    c = models[EAGER].config
-    gen = torch.Generator().manual_seed(1)
-    prompt = torch.randint(3, c.vocab_size, (2, 9), generator=gen).to(DEV)
-    tree_ids = torch.randint(3, c.vocab_size, (2, 5), generator=gen).to(DEV)
-    tree = tree_mask(2, 5, gen).to(DEV)
-    depth = tree.sum(-1) - 1  # (B, T) each node's depth below the first
     runs = []
     for kernels, model in models.items():
-        on = kernels.cache_attention
         calls = []
         inner = ca.cache_attention
         ca.cache_attention = lambda *a, **k: calls.append(1) or inner(*a, **k)
         try:
-            cache = KVCache.for_model(c, 2, 64, torch.float16, DEV)
-            logits = greedy_logits(model, cache, prompt, 13)
-            pos = cache.lens[:, None] + depth
-            h, _ = model(tree_ids, pos, cache, AttnMeta.build(cache.lens, pos, cache.kv_len(5), tree_mask=tree,
-                                                              kernels=model.kernels))
-            tree_logits = model.logits(h).float()
+            runs.append(decode_then_tree(model))
         finally:
             ca.cache_attention = inner
-        assert len(calls) == (14 * c.num_layers if on else 0)
-        runs.append((logits, tree_logits, cache.kv[..., :cache.host_lens.max() + 5, :].clone()))
+        assert len(calls) == (14 * model.config.num_layers if kernels.cache_attention else 0)
     for a, b in zip(*runs):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 

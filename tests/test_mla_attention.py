@@ -8,15 +8,12 @@ import pytest
 import torch
 
 from eaglet.kernels import EAGER
-from eaglet.kvcache import KVCache
 from eaglet.models import mla_attention as mk
-from eaglet.models.attention import AttnMeta
 from eaglet.models.llama import rms_norm
 from eaglet.models.mla import rotate
 
 from .conftest import hf_model
-from .test_cache_attention import tree_mask
-from .triton_kernels import CACHE_ATTENTION, greedy_logits, triton_device
+from .triton_kernels import CACHE_ATTENTION, decode_then_tree, tree_mask, triton_device
 
 DEV = triton_device()
 
@@ -101,28 +98,16 @@ def test_model_decoding_matches_the_general_path(mla_dir):
 
     models = {k: load_model(mla_dir, dtype="float16", device=DEV, tokenizer=False, kernels=k).model
               for k in (CACHE_ATTENTION, EAGER)}
-    c = models[EAGER].config
-    gen = torch.Generator().manual_seed(1)
-    prompt = torch.randint(3, c.vocab_size, (2, 9), generator=gen).to(DEV)
-    tree_ids = torch.randint(3, c.vocab_size, (2, 5), generator=gen).to(DEV)
-    tree = tree_mask(2, 5, gen).to(DEV)
-    depth = tree.sum(-1) - 1
     runs = []
     for kernels, model in models.items():
         calls = []
         inner = mk.mla_attention
         mk.mla_attention = lambda *a, **k: calls.append(1) or inner(*a, **k)
         try:
-            cache = KVCache.for_model(c, 2, 64, torch.float16, DEV)
-            logits = greedy_logits(model, cache, prompt, 13)
-            pos = cache.lens[:, None] + depth
-            h, _ = model(tree_ids, pos, cache, AttnMeta.build(cache.lens, pos, cache.kv_len(5), tree_mask=tree,
-                                                              kernels=model.kernels))
-            tree_logits = model.logits(h).float()
+            runs.append(decode_then_tree(model))
         finally:
             mk.mla_attention = inner
-        assert len(calls) == (14 * c.num_layers if kernels.cache_attention else 0)
-        runs.append((logits, tree_logits, cache.kv[..., :cache.host_lens.max() + 5, :].clone()))
+        assert len(calls) == (14 * model.config.num_layers if kernels.cache_attention else 0)
     for a, b in zip(*runs):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 

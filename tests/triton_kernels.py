@@ -37,3 +37,34 @@ def greedy_logits(model, cache, prompt: torch.Tensor, steps: int) -> torch.Tenso
         logits.append(model.logits(h[:, -1]).float())
         ids = logits[-1].argmax(-1, keepdim=True)
     return torch.stack(logits)
+
+
+def tree_mask(b, t, gen):
+    """Random trees: each node's parent is an earlier node; a node sees itself and its ancestors."""
+    m = torch.zeros(b, t, t, dtype=torch.bool)
+    for i in range(b):
+        for u in range(t):
+            m[i, u, u] = True
+            if u:
+                m[i, u] |= m[i, int(torch.randint(0, u, (1,), generator=gen))]
+    return m
+
+
+def decode_then_tree(model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """On a fresh 2-row cache: a 2 x 9 prompt, 12 one-token greedy steps, then a random 5-node tree
+    block (not committed). Returns each forward's last logits (13, 2, V), the tree's logits and the
+    cache entries the forwards wrote."""
+    from eaglet.kvcache import KVCache
+    from eaglet.models.attention import AttnMeta
+
+    c, dev = model.config, next(model.parameters()).device
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, c.vocab_size, (2, 9), generator=gen).to(dev)
+    tree_ids = torch.randint(3, c.vocab_size, (2, 5), generator=gen).to(dev)
+    tree = tree_mask(2, 5, gen).to(dev)
+    cache = KVCache.for_model(c, 2, 64, torch.float16, dev)
+    logits = greedy_logits(model, cache, prompt, 13)
+    pos = cache.lens[:, None] + tree.sum(-1) - 1  # each node's depth below the first
+    h, _ = model(tree_ids, pos, cache, AttnMeta.build(cache.lens, pos, cache.kv_len(5), tree_mask=tree,
+                                                      kernels=model.kernels))
+    return logits, model.logits(h).float(), cache.kv[..., :cache.host_lens.max() + 5, :].clone()
