@@ -85,7 +85,7 @@ class MLAttention(nn.Module):
                 and mla_attention.usable(x, t, m.kv_lora_rank, m.qk_rope_head_dim)):
             # a few tokens a row: norm, RoPE, store and attend in the latent space in one kernel
             w = self.kv_b_proj.weight.view(self.nh, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
-            q_lat = torch.einsum("bthn,hnc->bthc", q_nope, w[:, :m.qk_nope_head_dim]).contiguous()
+            q_lat = torch.einsum("bthn,hnc->bthc", q_nope, w[:, :m.qk_nope_head_dim])  # any strides but the last
             o_lat = mla_attention.mla_attention(
                 q_lat, q_pe, kv, (self.kv_a_layernorm.weight, self.kv_a_layernorm.eps), cache.k[self.layer, :b, 0],
                 meta.slots[:, 0], meta.block_mask, meta.kv_len, meta.pending, (cos, sin), m.rope_interleave, self.scale)

@@ -57,8 +57,9 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, nor
     Stores the new entries; returns the attention-weighted latents (B, T, nh, C)."""
     b, t, nh, c = q_lat.shape
     r = q_pe.shape[-1]
+    q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
     assert kv.shape == (b, t, c + r) and cache.shape[-1] == c + r and q_pe.shape[:3] == (b, t, nh)
-    assert q_lat.stride(-1) == 1 and q_pe.stride(-1) == 1 and kv.stride(-1) == 1 and cache.stride(-1) == 1
+    assert q_pe.stride(-1) == 1 and kv.stride(-1) == 1 and cache.stride(-1) == 1
     cos, sin = rope
     assert cos.shape[:2] == (b, t) and cos.stride() == sin.stride() and cos.stride(-1) == 1
     tiles = -(-nh * t // ROWS)
@@ -188,8 +189,7 @@ if triton is not None:
             inv = tl.rsqrt(tl.sum(xf * xf, 1) / C + eps)[:, None]
             lat_new = (tl.load(W + c).to(tl.float32)[None, :] * (xf * inv).to(x.dtype).to(tl.float32)).to(x.dtype)
             kv_off = b * skv_b + u * skv_t
-            pe_new = _rotated(KV + C, b * skv_b + u * skv_t, u, um, COS, SIN, scs_b, scs_t, b, R, RP,
-                              INTERLEAVED).to(x.dtype)
+            pe_new = _rotated(KV + C, kv_off, u, um, COS, SIN, scs_b, scs_t, b, R, RP, INTERLEAVED).to(x.dtype)
             keep = tl.where(tile == 0, um, False)  # one writer per row (the others read none of them)
             tl.store(row + (start + u)[:, None] * sc_s + c[None, :], lat_new, mask=keep[:, None])
             tl.store(row + (start + u)[:, None] * sc_s + C + e[None, :], pe_new, mask=keep[:, None] & em[None, :])
