@@ -27,7 +27,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "kernel and CUDA graphs, about 0.08x across two runs)")
     p.add_argument("--disable-kernels", default="", metavar="LIST",
                    help=f"comma-separated Triton kernels to leave out on the GPU, for side-by-side runs: "
-                        f"{', '.join(KERNEL_NAMES)}")
+                        f"{', '.join(KERNEL_NAMES)} (cache-attention: MLA's latent attention kernel too)")
 
 
 def model_kernels(args, device=None) -> Kernels:
