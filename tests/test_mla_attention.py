@@ -51,7 +51,9 @@ def reference(q_lat, q_pe, kv, w, cache, start, mask, pending, cos, sin, interle
 # (rows, heads, kv_lora_rank, rope dim, new tokens, pending, kv_len, tree, interleaved, slots per split or None)
 CASES = [(2, 4, 32, 8, 1, 0, 200, False, True, None), (3, 16, 64, 16, 1, 0, 300, False, False, 64),
          (2, 4, 32, 8, 6, 0, 256, True, True, None), (2, 8, 32, 16, 5, 4, 300, True, True, 64),
-         (1, 3, 64, 8, 9, 0, 160, False, False, 64), (2, 16, 32, 8, 2, 0, 90, False, True, None)]
+         (1, 3, 64, 8, 9, 0, 160, False, False, 64), (2, 16, 32, 8, 2, 0, 90, False, True, None),
+         # DeepSeek-V2-Lite's widths (512 + 64, 16 heads): a decode over 600 slots at the split rule, a tree level
+         (1, 16, 512, 64, 1, 0, 600, False, True, None), (2, 16, 512, 64, 6, 5, 300, True, True, None)]
 
 
 @pytest.mark.parametrize("b,nh,c,r,t,pending,kv_len,tree,interleaved,chunk", CASES)
