@@ -4,6 +4,10 @@
 #                                 # (TUNE=1: sweep the fused tiles first; SHAPES="kimi-k2 qwen3-30b-a3b" by default;
 #                                 #  QUANT="bf16 int4 fp8": the experts also as INT4 packs and FP8 blocks)
 #   bash bench/gpu/moe.sh test    # the MoE GPU tests: graphed == eager, the fused kernels row-invariant
+#   bash bench/gpu/moe.sh mla     # the MLA attention kernel: its GPU tests (the kernel against the absorbed form,
+#                                 #  a tiny DeepSeek-V3 through it), then decode and the forward curve side by side with
+#                                 #  the package in $ALT (default .old: `git archive <sha> -- eaglet | tar -x -C .old`
+#                                 #  here, carried), SHAPES="deepseek-v2-lite kimi-k2" by default (bench/gpu/decode_ab.py)
 #   bash bench/gpu/moe.sh shapes  # eaglet bench --shape: plain decode against the touched-bytes roofline, the verify curve
 #                                 # (SPEC="chain:1 chain:2 chain:3 chain:5 tree:4,4,16 tree:6,8,32": the speculation
 #                                 #  settings timed; then `eaglet plan --shape S --gpu h200 --moe-record M --against R`)
@@ -19,6 +23,11 @@ case $phase in
       --paths ${PATHS_:-fused grouped gathered} --quant ${QUANT:-bf16} --out "$out" 2>&1 | tee "$out/bench-moe.log" ;;
   test)
     python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_moe.py tests/test_quant.py -k "moe_graphed or gpu" 2>&1 | tee "$out/moe-test.log" ;;
+  mla)
+    python3 -m pytest -q -p no:cacheprovider tests/test_mla_attention.py tests/test_mla.py tests/test_lookahead.py \
+      -k "absorbed or general_path or speculation_through or one_matmul or host_sync" 2>&1 | tee "$out/mla-test.log"
+    shapes=${SHAPES:-deepseek-v2-lite kimi-k2}
+    python3 bench/gpu/decode_ab.py "$out" "${shapes// /,}" "${ALT:-.old},." 2>&1 | tee "$out/decode-ab.log" ;;
   shapes)
     for s in ${SHAPES:-qwen3-30b-a3b deepseek-v2-lite mixtral-8x7b kimi-k2}; do
       python3 -m eaglet bench --shape $s --context 512 --max-new-tokens 128 --repeats 3 ${SPEC:+--spec-settings $SPEC} \
