@@ -89,8 +89,12 @@ class MLAttention(nn.Module):
             o_lat = mla_attention.mla_attention(
                 q_lat, q_pe, kv, (self.kv_a_layernorm.weight, self.kv_a_layernorm.eps), cache.k[self.layer, :b, 0],
                 meta.slots[:, 0], meta.block_mask, meta.kv_len, meta.pending, (cos, sin), m.rope_interleave, self.scale)
-            o = torch.einsum("bthc,hvc->bthv", o_lat, w[:, m.qk_nope_head_dim:])
-            return self.o_proj(o.reshape(b, t, -1))
+            # each head's value rows, written straight into o_proj's (B*T, nh * v) rows (an einsum's
+            # head-major result would be copied into them)
+            o = o_lat.new_empty(b * t, self.nh, m.v_head_dim)
+            torch.bmm(o_lat.view(b * t, self.nh, m.kv_lora_rank).transpose(0, 1),
+                      w[:, m.qk_nope_head_dim:].transpose(1, 2), out=o.transpose(0, 1))
+            return self.o_proj(o.view(b, t, -1))
         c, k_pe = kv.split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
         q_pe, entry = self.rope_entry(q_pe, k_pe, self.kv_a_layernorm(c), cos, sin, m.rope_interleave)
         latent, mask = cache.latent(self.layer, entry, meta)  # (B, S, W) to attend over, bias (B, 1, T, S)
