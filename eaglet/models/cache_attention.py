@@ -155,18 +155,6 @@ if triton is not None:
         return x
 
     @triton.jit
-    def key_block(q, K, V, slot, live, d, sk_s, scale, m_i, l_i, acc):
-        """One block of cached keys and values (at `slot`, `live`: which exist) into a running softmax
-        (max m_i, sum l_i, output acc), the weights in the values' dtype for P·V: the new state."""
-        k = tl.load(K + slot[:, None] * sk_s + d[None, :], mask=live[:, None], other=0.0)
-        v = tl.load(V + slot[:, None] * sk_s + d[None, :], mask=live[:, None], other=0.0)
-        scores = tl.where(live[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-
-    @triton.jit
     def fold(scores, seen, v, m_i, l_i, acc):
         """Scores of a block of keys (scaled; masked where not `seen`) and their values `v` into a running
         softmax (max m_i, sum l_i, output acc), the weights in the values' dtype for P·V: the new state.
@@ -177,6 +165,15 @@ if triton is not None:
         p = tl.exp(scores - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+    @triton.jit
+    def key_block(q, K, V, slot, live, d, sk_s, scale, m_i, l_i, acc):
+        """One block of cached keys and values (at `slot`, `live`: which exist) into a running softmax
+        (fold)."""
+        k = tl.load(K + slot[:, None] * sk_s + d[None, :], mask=live[:, None], other=0.0)
+        v = tl.load(V + slot[:, None] * sk_s + d[None, :], mask=live[:, None], other=0.0)
+        return fold(tl.dot(q, tl.trans(k)) * scale, live[None, :], v, m_i, l_i, acc)
+
 
     @triton.jit
     def attend_kernel(QKV, K, V, START, MASK, OUT, PM, PL, PO, COS, SIN, QW, KW, eps, scale, chunk, T,
