@@ -20,14 +20,15 @@ TYPES = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "Y": "*bf16", "QKV": "*bf16",
          "CACHE": "*bf16"}
 
 
-def compile_for_h200(fn, const: dict, warps: int = 4, stages: int = 3, types: dict | None = None) -> None:
-    """fn to a cubin for sm_90: the constexprs given, pointers and floats typed by name (`types`, then
-    TYPES), every other argument a 32-bit int."""
+def compile_for_h200(fn, const: dict, warps: int = 4, stages: int = 3, types: dict | None = None) -> bytes:
+    """fn to a cubin for sm_90 (returned): the constexprs given, pointers and floats typed by name
+    (`types`, then TYPES), every other argument a 32-bit int."""
     types = {**TYPES, **(types or {})}
     sig = {p.name: "constexpr" if p.name in const else types.get(p.name, "i32") for p in fn.params}
     kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=H200,
                             options={"num_warps": warps, "num_stages": stages})
     assert kernel.asm["cubin"]
+    return kernel.asm["cubin"]
 
 
 def cases():
