@@ -96,6 +96,31 @@ def test_moe_graphed_equals_eager(tiny_dirs, family, spec):
     assert graphed == eager
 
 
+@pytest.mark.parametrize("moe_kernels", [True, False], ids=["moe-kernels", "moe-kernels-off"])
+@torch.inference_mode()
+def test_moe_in_float16_prefills_long_prompts_graphed(tiny_dirs, moe_kernels):
+    """float16, where torch's grouped matmul does not run: a 100-token prompt's prefill goes through the
+    MoE kernels 64 tokens at a time (graphed == eager); with those kernels off the model is not
+    captured at all, since its many-token path syncs with the host (it used to break the capture)."""
+    import dataclasses
+
+    from eaglet.kernels import Kernels
+    from eaglet.runtime.graphs import graphable
+
+    kernels = dataclasses.replace(Kernels.choose("cuda"), moe=moe_kernels)
+    target = load_model(tiny_dirs["qwen3_moe"][0], dtype="float16", device="cuda", tokenizer=False,
+                        kernels=kernels).model
+    assert graphable(target) == moe_kernels
+    prompts = [[5 + i % 90 for i in range(100)], [7, 8, 9]]
+    cfg = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    out = []
+    for graphs in (False, True):
+        gen = Generator(target, None, graphs=graphs)
+        out.append([c.tokens for c in gen.generate(prompts, cfg)])
+        assert (gen.decoder_in_use().graphs.captured > 0) == (graphs and moe_kernels)
+    assert out[1] == out[0]
+
+
 def eager_and_graphed(target, sp, prompts, cfg) -> list[list[list[int]]]:
     """The replies without CUDA graphs and with them (checked to have replayed graphs)."""
     out = []

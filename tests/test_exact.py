@@ -182,7 +182,7 @@ def test_speculation_through_the_exact_kernel_gives_plain_tokens(spec, monkeypat
 def test_exact_models_are_graphed_only_where_attention_takes_the_kernel(monkeypatch):
     """An exact model's steps are captured only where nothing syncs with the host: half precision, no
     MLA, no sliding window (elsewhere attention runs a call a token over host-made slot lists)."""
-    from eaglet.runtime.decoder import graphable
+    from eaglet.runtime.graphs import graphable
 
     for name, cfg in configs().items():
         monkeypatch.setitem(shapes.SHAPES, name, cfg)

@@ -7,7 +7,7 @@ decoding and verifying a tree with it matches the general path."""
 import pytest
 import torch
 
-from eaglet.kernels import EAGER
+from eaglet.kernels import EAGER, Kernels
 from eaglet.models import mla_attention as mk
 from eaglet.models.llama import rms_norm
 from eaglet.models.mla import rotate
@@ -125,7 +125,8 @@ def test_speculation_through_it_equals_plain_greedy(mla_dir, shape):
     from eaglet.config import SpecConfig
     from eaglet.spec.speculator import Speculator
 
-    model = load_model(mla_dir, dtype="float16", device=DEV, tokenizer=False, kernels=CACHE_ATTENTION).model
+    kernels = CACHE_ATTENTION if DEV == "cpu" else Kernels(cache_attention=True, moe=True)  # on a GPU, graphed
+    model = load_model(mla_dir, dtype="float16", device=DEV, tokenizer=False, kernels=kernels).model
     prompts = [[5, 17, 33, 40, 9], [11, 60, 3, 21, 8, 90, 4]]
     gen = GenerationConfig(max_new_tokens=14, ignore_eos=True)
     plain = [c.tokens for c in Generator(model, None).generate(prompts, gen)]

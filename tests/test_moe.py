@@ -251,6 +251,39 @@ def test_a_model_with_the_fused_kernels_decodes_as_without(tiny_dirs, monkeypatc
     assert counts[0] == counts[1] and counts[0][0][1] == 3  # counted in the kernels as in torch
 
 
+@torch.inference_mode()
+def test_many_tokens_without_a_grouped_matmul_go_through_the_kernels_in_parts(tiny_dirs, monkeypatch):
+    """Where torch's grouped matmul does not run (a float16 model, a GPU older than Hopper), a
+    80-token prefill with Kernels.moe goes through the fused kernels 64 tokens at a time, with the
+    logits of the plain path, and never expert by expert (a host sync, which a CUDA graph cannot take);
+    with neither, the model is not capturable at all."""
+    import dataclasses
+
+    from eaglet.kernels import EAGER
+    from eaglet.models import fused_moe, moe
+
+    from .test_model_parity import eaglet_step
+
+    calls = []
+    real = fused_moe.fused_moe
+    monkeypatch.setattr(fused_moe, "fused_moe", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
+    plain = load(tiny_dirs, "qwen3_moe")
+    fused = load_model(tiny_dirs["qwen3_moe"][0], dtype="float32", device="cpu", tokenizer=False,
+                       kernels=dataclasses.replace(EAGER, moe=True)).model
+    ids = torch.randint(0, 128, (1, 80), generator=torch.Generator().manual_seed(5))
+    step = lambda m: eaglet_step(m, KVCache.for_model(m.config, 1, 96, torch.float32, "cpu"), ids)  # noqa: E731
+    a = step(plain)  # torch's grouped matmul
+    monkeypatch.setattr(moe, "has_grouped_mm", lambda x: False)
+    monkeypatch.setattr(moe, "by_expert", None)  # called: a TypeError
+    b = step(fused)
+    assert (a - b).abs().max() <= 1e-5 * a.abs().max()
+    assert calls == [64, 16] * 3  # three sparse layers
+    cuda = torch.device("cuda")  # the dtype decides before the device is asked anything
+    assert not moe.capturable(EAGER, torch.float16, cuda)
+    assert moe.capturable(dataclasses.replace(EAGER, moe=True), torch.float16, cuda)
+    assert moe.capturable(EAGER, torch.float16, torch.device("cpu"))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()
 def test_fused_kernels_on_the_gpu_are_row_invariant():

@@ -11,8 +11,10 @@ them (the state dict keeps its names), and the forward works on the stacks:
   expert once (models/fused_moe.py); otherwise each token's k experts' weights gathered and applied
   with batched matmuls; both with static shapes and no host sync (what the CUDA graphs capture);
 - many tokens (prefill): the pairs sorted by expert and each expert's rows multiplied as one group
-  of a grouped matmul (`torch._grouped_mm`, no host sync: a prefill's CUDA graph captures it); where
-  the device has no grouped matmul, expert by expert over the tokens routed to it.
+  of a grouped matmul (`torch._grouped_mm`, no host sync: a prefill's CUDA graph captures it); on a
+  GPU without it (float16, or older than Hopper) the Triton kernels MAX_TOKENS tokens at a time, also
+  free of host syncs; with neither (the CPU's training, `--disable-kernels moe` there) expert by
+  expert over the tokens routed to it, a host sync a call (`capturable` says when: no CUDA graphs).
 
 Each token's result depends on its own routing only. The layer counts, on the device and without a
 host sync, the forwards it ran and the distinct experts they touched (`touched`, `forwards`): what a
@@ -201,9 +203,11 @@ class SparseMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         m = fused_moe.MAX_TOKENS
-        if self.kernels.exact and self.kernels.moe and x.shape[0] > m and fused_moe.usable(x[:m]):
-            # an exact model's many tokens (a batch's verify, a prefill) as its few: routed and computed by
-            # the kernels MAX_TOKENS at a time, each token's result as at any count
+        if (self.kernels.moe and x.shape[0] > m and fused_moe.usable(x[:m])
+                and (self.kernels.exact or not has_grouped_mm(x))):
+            # many tokens (a batch's verify, a prefill) as few: routed and computed by the kernels
+            # MAX_TOKENS at a time; an exact model's token so gets its result as at any count, and a GPU
+            # without torch's grouped matmul no host sync (what by_expert would need)
             return torch.cat([self(part) for part in x.split(m)]).reshape(shape)
         fast = self.kernels.moe and fused_moe.usable(x)  # Triton: routing, experts read once, counting
         weights, experts = self.route(x, kernel=fast)
@@ -284,11 +288,22 @@ def gathered(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate
 
 def has_grouped_mm(x: torch.Tensor) -> bool:
     """torch's grouped matmul takes x: on the CPU, or bfloat16 on a GPU of compute capability 9 or more."""
-    if not hasattr(torch, "_grouped_mm") or torch.is_grad_enabled():
+    return not torch.is_grad_enabled() and grouped_mm_takes(x.dtype, x.device)
+
+
+def grouped_mm_takes(dtype: torch.dtype, device: torch.device) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
         return False
-    if x.device.type == "cpu":
+    if device.type == "cpu":
         return True
-    return x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+    return device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def capturable(kernels: Kernels, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether an MoE layer's forward at any token count runs without a host sync on `device`, as a
+    CUDA graph needs: through the Triton kernels (Kernels.moe), or torch's grouped matmul for many
+    tokens; otherwise many tokens go expert by expert (`by_expert`, a sync for the experts in use)."""
+    return device.type != "cuda" or kernels.moe or grouped_mm_takes(dtype, device)
 
 
 def grouped(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,

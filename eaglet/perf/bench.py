@@ -151,7 +151,7 @@ def run_bench(args) -> dict:
     if getattr(args, "spec_settings", None):
         raise InvalidInput("--spec-settings times an untrained head on a --shape; give --shape")
     from ..generate import GenerationConfig
-    from ..runtime.decoder import graphable
+    from ..runtime.graphs import graphable
     from ..spec.metrics import SpecMetrics
     from ..weights import load_model
     from .record import write_record

@@ -54,7 +54,7 @@ from ..models.llama import CausalLM
 from ..models.prefill import MIN_BUCKET, PromptBatch, prompt_bucket
 from ..sampling import RowSampling, SamplingParams
 from ..transfer import to_device
-from .graphs import SPAN, GraphRunner, span
+from .graphs import SPAN, GraphRunner, graphable, span
 from .observer import StepObserver
 from .plain import PlainStep
 
@@ -163,15 +163,6 @@ def prefill_shape(prompts: int, longest: int, batch: int, max_len: int) -> tuple
     tokens: the row bucket that holds them and the length bucket, so a server meets a few dozen
     prefill graphs, all captured at warm-up, not one per count of prompts admitted together."""
     return next(b for b in row_buckets(batch) if b >= prompts), prompt_bucket(longest, max_len)
-
-
-def graphable(model: CausalLM) -> bool:
-    """Whether a model's decode and speculation steps may be captured: an exact model only where its
-    attention takes models/exact_attention.py's kernel (no MLA, no sliding window, half precision);
-    elsewhere it attends a call a token over the slots each sees, shapes from the host (models/exact.py)."""
-    c = model.config
-    return not model.kernels.exact or (c.mla is None and c.sliding_window is None
-                                       and next(model.parameters()).dtype in (torch.bfloat16, torch.float16))
 
 
 class Decoder:

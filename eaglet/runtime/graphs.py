@@ -18,6 +18,8 @@ from collections.abc import Callable, Hashable
 
 import torch
 
+from ..models import moe
+
 
 SPAN = 128  # attention spans are multiples of this
 
@@ -59,3 +61,15 @@ class GraphRunner:
     @property
     def captured(self) -> int:
         return len(self.graphs)
+
+
+def graphable(model: torch.nn.Module) -> bool:
+    """Whether a model's decode and speculation steps may be captured: an exact model only where its
+    attention takes models/exact_attention.py's kernel (no MLA, no sliding window, half precision);
+    elsewhere it attends a call a token over the slots each sees, shapes from the host (models/exact.py).
+    An MoE model only where its layers need no host sync at any token count (moe.capturable)."""
+    c, p = model.config, next(model.parameters())
+    if c.moe is not None and not moe.capturable(model.kernels, p.dtype, p.device):
+        return False
+    return not model.kernels.exact or (c.mla is None and c.sliding_window is None
+                                       and p.dtype in (torch.bfloat16, torch.float16))
