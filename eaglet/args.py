@@ -23,8 +23,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "step that would produce it, a row's those it gets alone in the batch, so speculative "
                         "greedy output equals plain greedy output in bfloat16 too. Its cost (SmolLM2, bfloat16; "
                         "BENCHMARKS.md, 'Exact'): on the CPU plain decoding 0.88x, EAGLE-3 chain 3 0.78x the "
-                        "speed without it; on the GPU not yet measured side by side (eagerly, before its attention "
-                        "kernel and CUDA graphs, about 0.08x across two runs)")
+                        "speed without it; on an H100, graphed, plain 0.45x and EAGLE-3 chain 5 0.43x (its "
+                        "matmuls and norms give up the row-count tuned kernels and torch.compile)")
     p.add_argument("--disable-kernels", default="", metavar="LIST",
                    help=f"comma-separated Triton kernels to leave out on the GPU, for side-by-side runs: "
                         f"{', '.join(KERNEL_NAMES)} (cache-attention: MLA's latent attention kernel too)")
