@@ -13,8 +13,8 @@ them (the state dict keeps its names), and the forward works on the stacks:
 - many tokens (prefill): the pairs sorted by expert and each expert's rows multiplied as one group
   of a grouped matmul (`torch._grouped_mm`, no host sync: a prefill's CUDA graph captures it); on a
   GPU without it (float16, or older than Hopper) the Triton kernels MAX_TOKENS tokens at a time, also
-  free of host syncs; with neither (the CPU's training, `--disable-kernels moe` there) expert by
-  expert over the tokens routed to it, a host sync a call (`capturable` says when: no CUDA graphs).
+  free of host syncs; with neither (training, the CPU without a grouped matmul, `--disable-kernels moe` on
+  such a GPU) expert by expert over the tokens routed to it, a host sync a call (`capturable`: no graphs).
 
 Each token's result depends on its own routing only. The layer counts, on the device and without a
 host sync, the forwards it ran and the distinct experts they touched (`touched`, `forwards`): what a

@@ -12,8 +12,7 @@ from ..kvcache import KVCache
 from ..models.attention import AttnMeta
 from ..models.llama import CausalLM
 from ..models.moe import SparseMoE
-from ..runtime.graphs import graphable
-from ..runtime.graphs import GraphRunner, span
+from ..runtime.graphs import GraphRunner, graphable, span
 
 
 def time_ms(fn, device, repeats: int) -> float:
