@@ -7,13 +7,13 @@ decoding and verifying a tree with it matches the general path."""
 import pytest
 import torch
 
-from eaglet.kernels import EAGER, Kernels
+from eaglet.kernels import Kernels
 from eaglet.models import mla_attention as mk
 from eaglet.models.llama import rms_norm
 from eaglet.models.mla import rotate
 
 from .conftest import hf_model
-from .triton_kernels import CACHE_ATTENTION, decode_then_tree, tree_mask, triton_device
+from .triton_kernels import CACHE_ATTENTION, kernel_matches_general_path, tree_mask, triton_device
 
 DEV = triton_device()
 
@@ -96,22 +96,7 @@ def mla_dir(tmp_path_factory):
 def test_model_decoding_matches_the_general_path(mla_dir):
     """A 9-token block, 12 one-token steps, then a 5-node tree block (not committed), with the kernel
     and without: the same logits and the same latent cache."""
-    from eaglet import load_model
-
-    models = {k: load_model(mla_dir, dtype="float16", device=DEV, tokenizer=False, kernels=k).model
-              for k in (CACHE_ATTENTION, EAGER)}
-    runs = []
-    for kernels, model in models.items():
-        calls = []
-        inner = mk.mla_attention
-        mk.mla_attention = lambda *a, **k: calls.append(1) or inner(*a, **k)
-        try:
-            runs.append(decode_then_tree(model))
-        finally:
-            mk.mla_attention = inner
-        assert len(calls) == (14 * model.config.num_layers if kernels.cache_attention else 0)
-    for a, b in zip(*runs):
-        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    kernel_matches_general_path(mla_dir, mk, "mla_attention")
 
 
 @pytest.mark.slow

@@ -68,3 +68,26 @@ def decode_then_tree(model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     h, _ = model(tree_ids, pos, cache, AttnMeta.build(cache.lens, pos, cache.kv_len(5), tree_mask=tree,
                                                       kernels=model.kernels))
     return logits, model.logits(h).float(), cache.kv[..., :cache.host_lens.max() + 5, :].clone()
+
+
+def kernel_matches_general_path(path, module, name: str) -> None:
+    """The model in `path` (float16) with the cache-attention kernels and without: decode_then_tree
+    gives the same logits and cache entries, and `module.name` (the kernel's entry) is called once a
+    layer a forward with them and never without."""
+    from eaglet.kernels import EAGER
+    from eaglet.weights import load_model
+
+    dev = triton_device()
+    runs = []
+    for kernels in (CACHE_ATTENTION, EAGER):
+        model = load_model(path, dtype="float16", device=dev, tokenizer=False, kernels=kernels).model
+        calls = []
+        inner = getattr(module, name)
+        setattr(module, name, lambda *a, **k: calls.append(1) or inner(*a, **k))
+        try:
+            runs.append(decode_then_tree(model))
+        finally:
+            setattr(module, name, inner)
+        assert len(calls) == (14 * model.config.num_layers if kernels.cache_attention else 0)
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
