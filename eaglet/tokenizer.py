@@ -19,9 +19,10 @@ class Tokenizer:
         core = getattr(hf_tokenizer, "backend_tokenizer", None)
         self.encoder = core if core is not None and core.truncation is None and core.padding is None else None
         # and decodes alike (the server's engine detokenizes every row's new tokens each step) where
-        # transformers adds nothing after the core's decode: no clean-up of tokenization spaces
+        # transformers adds nothing after the core's decode: no clean-up of tokenization spaces, or
+        # one it skips (transformers 5 ignores the flag for BPE tokenizers: SmolLM2's config sets it)
         cleans = getattr(hf_tokenizer, "clean_up_tokenization_spaces", False)
-        self.decoder = core if core is not None and not cleans else None
+        self.decoder = core if core is not None and (not cleans or decodes_alike(hf_tokenizer, core)) else None
 
     def ids(self, text: str, special: bool) -> list[int]:
         """Token ids of `text`, with the special tokens the tokenizer adds or without."""
@@ -81,6 +82,15 @@ class Tokenizer:
         if self.decoder is not None:
             return self.decoder.decode(ids, skip_special_tokens=skip_special)
         return self.hf.decode(ids, skip_special_tokens=skip_special)
+
+
+CLEAN_UP_PROBE = "a . b , c ? d ! e ' f n't g 'm h 's i 've j 're k"  # what the clean-up rewrites
+
+
+def decodes_alike(hf_tokenizer, core) -> bool:
+    """Whether transformers' decode gives the tokenizer core's text where its clean-up would act."""
+    ids = core.encode(CLEAN_UP_PROBE, add_special_tokens=False).ids
+    return hf_tokenizer.decode(ids, skip_special_tokens=True) == core.decode(ids, skip_special_tokens=True)
 
 
 class TextStream:

@@ -116,14 +116,24 @@ def test_a_step_of_tokens_decodes_as_its_tokens_one_by_one(smollm2):
 
 
 def test_tokenizer_decodes_through_transformers_where_it_cleans_up(tiny_tokenizer):
-    """clean_up_tokenization_spaces set: transformers' decode does more than the core's, so it stays."""
+    """clean_up_tokenization_spaces set on a word-level tokenizer: transformers' decode does more than
+    the core's ("a . b" -> "a. b"), so it stays. On a BPE one transformers skips the clean-up, so the
+    core decodes (SmolLM2's config sets the flag; the GPU machine's transformers reads it)."""
     import copy
+
+    from tokenizers import Tokenizer as Core, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
     from eaglet.tokenizer import Tokenizer
 
+    words = Core(models.WordLevel({w: i for i, w in enumerate("<unk> a . b , c ? d ! e".split())}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    cleaning = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", clean_up_tokenization_spaces=True)
+    assert cleaning.decode(words.encode("a . b").ids) == "a. b"
+    assert Tokenizer(cleaning, {0}).decoder is None
     hf = copy.deepcopy(tiny_tokenizer)
     hf.clean_up_tokenization_spaces = True
-    assert Tokenizer(hf, {2}).decoder is None and Tokenizer(tiny_tokenizer, {2}).decoder is not None
+    assert Tokenizer(hf, {2}).decoder is not None and Tokenizer(tiny_tokenizer, {2}).decoder is not None
 
 
 def test_tokenizer_without_core_where_truncation_is_set(tiny_tokenizer):
