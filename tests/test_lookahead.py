@@ -151,6 +151,36 @@ def test_batcher_rows_change_while_a_step_is_in_flight(target, prompts, name, tr
 
 
 @pytest.mark.parametrize("name", ["plain", "chain4"])
+def test_rows_finishing_together_are_freed_in_one_release(target, prompts, name, monkeypatch):
+    """Three requests of one budget finish in the same step; one release_rows (a row named twice)
+    frees all three rows, their cache and their limits, and the rows refilled give what the
+    requests give alone."""
+    monkeypatch.setattr(batcher_mod, "Sequence", Logged)
+    b = Batcher.of(Generator(target, None, speculator(target, name), lookahead=True), 3, 64)
+    releases = []
+    real = b.dec.release
+    monkeypatch.setattr(b.dec, "release", lambda rows: releases.append(list(rows)) or real(rows))
+    alone = Generator(target, None, lookahead=False)
+    for round_ in range(2):
+        reqs = [Request(p, 8, SamplingParams(), ignore_eos=True) for p in prompts[round_:round_ + 3]]
+        seqs, finished = {}, []
+        out = b.add(reqs)
+        while b.running:
+            for o in out:
+                seqs[id(o.seq.request)] = o.seq
+                finished += [o.row] if o.finished else []
+            if finished:
+                b.release_rows(finished + finished[:1])
+                finished = []
+            out = b.step() if b.running else []
+        assert releases[-1] == [0, 1, 2] or name != "plain"  # plain rows end in one step together
+        assert b.free_rows == [0, 1, 2] and b.kv_used == 0 and not b.dec.live.any()
+        for r in reqs:
+            want = alone.generate([r.prompt], GenerationConfig(max_new_tokens=8, ignore_eos=True))[0].tokens
+            assert seqs[id(r)].log == want
+
+
+@pytest.mark.parametrize("name", ["plain", "chain4"])
 def test_steps_cover_only_rows_in_use(target, prompts, name, monkeypatch):
     """A step runs over the smallest bucket of rows that holds every running row: a lone request in
     a four-row batch steps one row, and its tokens are those it gets alone."""

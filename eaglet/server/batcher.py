@@ -119,10 +119,17 @@ class Batcher:
         return self._emit(merged)
 
     def release(self, row: int) -> None:
-        if self.rows[row] is not None:
-            self.rows[row].request.row = None
-            self.rows[row] = None
-            self.dec.release([row])
+        self.release_rows([row])
+
+    def release_rows(self, rows: list[int]) -> None:
+        """Free these rows: one release of the decoder for all of them (each is a few copies to the
+        device, which on the GPU cost the engine thread more than the rows' bookkeeping)."""
+        rows = [r for r in dict.fromkeys(rows) if self.rows[r] is not None]
+        if rows:
+            for r in rows:
+                self.rows[r].request.row = None
+                self.rows[r] = None
+            self.dec.release(rows)
             if not self.running:
                 self.dec.drain()  # an idle batch keeps no step in flight
 

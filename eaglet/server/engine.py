@@ -270,9 +270,8 @@ class Engine:
                 short = self.admits_next(len(admit))
                 switch, self.switch = self.switch, False
                 self.metrics.waiting.labels(self.metrics.name).set(len(self.waiting))
-            for req in cancels:
-                if req.row is not None and self.batcher is not None:
-                    self.batcher.release(req.row)
+            if cancels and self.batcher is not None:
+                self.batcher.release_rows([req.row for req in cancels if req.row is not None])
             if switch and self.batcher is not None:
                 running = [s.request for s in self.batcher.rows if s is not None]
                 self._guarded(self.batcher.to_plain, running, drop_batch=True)
@@ -414,10 +413,11 @@ class Engine:
         t = time.perf_counter()
         m, name = self.metrics, self.metrics.name
         tokens = 0  # this step's, over all rows: one metrics update
+        done = []  # rows to free, at once after the loop
         for o in outputs:
             req = o.seq.request
             if o.error is not None:
-                self.batcher.release(o.row)
+                done.append(o.row)
                 self._fail(req, APIError(500, f"internal error: {type(o.error).__name__}: {o.error}",
                                          "internal_error"))
                 continue
@@ -431,7 +431,7 @@ class Engine:
             req.last_at = t
             chunk = Chunk(o.text, o.tokens)
             if o.finished:
-                self.batcher.release(o.row)
+                done.append(o.row)
                 chunk.finish_reason = o.seq.finish_reason
                 chunk.completion_tokens = o.seq.count
                 chunk.spec = o.seq.spec if self.batcher.speculative and o.seq.spec.drafts else None
@@ -440,6 +440,7 @@ class Engine:
                 if o.seq.count > 1:
                     m.tpot.labels(name).observe((t - req.first_at) / (o.seq.count - 1))
             self._send(req, chunk, final=o.finished)
+        self.batcher.release_rows(done)
         m.step(tokens)
 
     def _fail(self, req: Request, err: APIError) -> None:
