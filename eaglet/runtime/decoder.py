@@ -187,6 +187,7 @@ class Decoder:
         self.firsts: list[Firsts] = []  # admissions whose first tokens are not handed out yet
         self._views: dict[tuple[int, int], Step] = {}  # (id of a step, k) -> that step over rows 0..k-1
         self._prompts: dict[tuple[int, int], PromptBatch] = {}  # each prefill graph's input buffers
+        self._hosts: dict[tuple, list[torch.Tensor]] = {}  # (shape, dtype) -> host buffers for step outputs, free
         # launch ahead of collect: on the GPU by default (on the CPU a step runs while it is launched)
         self._ahead = p.device.type == "cuda" if lookahead is None else lookahead
         self._device_wait = 0.0  # seconds the host has spent blocked on the device's results
@@ -280,13 +281,15 @@ class Decoder:
         mode = self.sampling.choose_mode(np.flatnonzero(self.live))
         key = (step.slots.batch, *self.spans(step.room()), step.name, mode)
         out = step.launch(self.graphs, key, self.observer)
+        # into a host buffer a collected step gave back (the host has read it, and its copy was done);
+        # a fresh pinned one a step cost the engine thread on the H200 more than its bookkeeping
+        free = self._hosts.setdefault((out.shape, out.dtype), [])
+        host = free.pop() if free else torch.empty(out.shape, dtype=out.dtype, pin_memory=out.is_cuda)
+        host.copy_(out, non_blocking=out.is_cuda)
+        done = None
         if out.is_cuda:
-            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-            host.copy_(out, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-        else:
-            host, done = out.clone(), None
         self.in_flight.append(InFlight(host, done, self.epoch.copy()))
 
     def collect(self) -> list[list[int]]:
@@ -303,6 +306,7 @@ class Decoder:
             f.done.synchronize()  # sync: the one per step
             self._device_wait += time.perf_counter() - t
         rows = f.out.tolist()
+        self._hosts[(f.out.shape, f.out.dtype)].append(f.out)  # read: the next launch of this shape may fill it
         rows += [[0] * len(rows[0])] * (self.batch - len(rows))  # rows past the step's prefix: frozen
         out = self.current.collect(rows, (self.epoch == f.epoch).tolist(), self.live, self.observer)
         running = [len(t) for t, on in zip(out, self.live) if on and t]
