@@ -77,14 +77,19 @@ if triton is not None:
         return (x >> 16) ^ x
 
     @triton.jit
+    def ordered_key(x):
+        """x's float32 bits as an int32 that orders like x (larger x, larger key)."""
+        bits = x.to(tl.int32, bitcast=True)
+        return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+    @triton.jit
     def chunk(x_ptr, ids_ptr, start, n, t, seed, BLOCK: tl.constexpr):
         """Entries start..start+BLOCK of the row: their indices, which are live, x / t, its ordered
         32-bit key (larger x, larger key) and x / t plus the row's Gumbel noise (sampling.gumbel_noised)."""
         offs = start + tl.arange(0, BLOCK)
         live = offs < n
         x = tl.load(x_ptr + offs, mask=live, other=-float("inf")).to(tl.float32) / t
-        bits = x.to(tl.int32, bitcast=True)
-        key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        key = ordered_key(x)
         u = mix32(seed ^ tl.load(ids_ptr + offs, mask=live, other=0))
         u = ((u >> 9).to(tl.float32) + 0.5) / 8388608.0  # as sampling.gumbel_noised: inside (0, 1)
         return offs, live, x, key, x - tl.log(-tl.log(u))
@@ -120,9 +125,7 @@ if triton is not None:
             for start in range(0, n, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 live = offs < n
-                xs = tl.load(x_ptr + offs, mask=live, other=-float("inf")).to(tl.float32) / t
-                bits = xs.to(tl.int32, bitcast=True)
-                key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+                key = ordered_key(tl.load(x_ptr + offs, mask=live, other=-float("inf")).to(tl.float32) / t)
                 count += tl.sum((live & (key.to(tl.int64) >= mid)).to(tl.int64), 0)
             up = count >= k
             lo = tl.where(up, mid, lo)

@@ -281,16 +281,23 @@ class Decoder:
         mode = self.sampling.choose_mode(np.flatnonzero(self.live))
         key = (step.slots.batch, *self.spans(step.room()), step.name, mode)
         out = step.launch(self.graphs, key, self.observer)
-        # into a host buffer a collected step gave back (the host has read it, and its copy was done);
-        # a fresh pinned one a step cost the engine thread on the H200 more than its bookkeeping
-        free = self._hosts.setdefault((out.shape, out.dtype), [])
-        host = free.pop() if free else torch.empty(out.shape, dtype=out.dtype, pin_memory=out.is_cuda)
-        host.copy_(out, non_blocking=out.is_cuda)
+        self.in_flight.append(InFlight(*self._to_host(out), self.epoch.copy()))
+
+    def _to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """t's copy on its way to the host: (buffer, the event it is there by; None on the CPU), into a
+        buffer given back (_give_back): a fresh pinned one a step cost the H200's engine thread much."""
+        free = self._hosts.setdefault((t.shape, t.dtype), [])
+        host = free.pop() if free else torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        host.copy_(t, non_blocking=t.is_cuda)
         done = None
-        if out.is_cuda:
+        if t.is_cuda:
             done = torch.cuda.Event()
             done.record()
-        self.in_flight.append(InFlight(host, done, self.epoch.copy()))
+        return host, done
+
+    def _give_back(self, host: torch.Tensor) -> None:
+        """A host buffer the host has read (after its copy's event): the next copy of its shape fills it."""
+        self._hosts[(host.shape, host.dtype)].append(host)
 
     def collect(self) -> list[list[int]]:
         """Wait for the oldest step in flight; each row's emitted tokens ([] for a frozen row, and
@@ -306,7 +313,7 @@ class Decoder:
             f.done.synchronize()  # sync: the one per step
             self._device_wait += time.perf_counter() - t
         rows = f.out.tolist()
-        self._hosts[(f.out.shape, f.out.dtype)].append(f.out)  # read: the next launch of this shape may fill it
+        self._give_back(f.out)
         rows += [[0] * len(rows[0])] * (self.batch - len(rows))  # rows past the step's prefix: frozen
         out = self.current.collect(rows, (self.epoch == f.epoch).tolist(), self.live, self.observer)
         running = [len(t) for t, on in zip(out, self.live) if on and t]
@@ -322,6 +329,7 @@ class Decoder:
                 firsts.done.synchronize()  # sync: the first tokens
             for r, tok in firsts.tokens(self.epoch):
                 out[r].append(tok)
+            self._give_back(firsts.host)
         self.firsts = []
         return out
 
@@ -368,7 +376,10 @@ class Decoder:
         step after its admission (stream order)."""
         ready = [f for f in self.firsts if f.done is None or f.done.query()]
         self.firsts = [f for f in self.firsts if f not in ready]
-        return [t for f in ready for t in f.tokens(self.epoch)]
+        out = [t for f in ready for t in f.tokens(self.epoch)]
+        for f in ready:
+            self._give_back(f.host)
+        return out
 
     def drain(self) -> None:
         """Collect and drop every step in flight."""
@@ -411,11 +422,7 @@ class Decoder:
             first = self.graphs.run(("prefill", *shape, step.name), lambda: step.prefill(batch),
                                     graph=self.graph_prefill)[:len(rows)]
             if not wait and self.lookahead:
-                host = torch.empty(first.shape, dtype=first.dtype, pin_memory=first.is_cuda)
-                host.copy_(first, non_blocking=True)
-                done = torch.cuda.Event() if first.is_cuda else None
-                if done is not None:
-                    done.record()
+                host, done = self._to_host(first)
                 self.firsts.append(Firsts(list(rows), host, self.epoch[rows].copy(), done))
                 first = None
             else:
