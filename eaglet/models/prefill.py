@@ -16,6 +16,7 @@ import torch
 
 from ..kernels import EAGER, Kernels
 from ..kvcache import KVCache, attend_masked
+from ..transfer import to_device
 from . import exact
 from .attention import AttnMeta
 from .llama import CausalLM
@@ -52,8 +53,7 @@ class PromptBatch:
         for i, (p, r) in enumerate(zip(prompts, rows)):
             host[i, :len(p)] = torch.tensor(p)
             host[i, t], host[i, t + 1] = len(p), r
-        if self.ids.is_cuda:
-            host = host.pin_memory().to(self.ids.device, non_blocking=True)  # one copy, no sync
+        host = to_device(host, torch.long, self.ids.device)  # one copy, no sync
         self.ids.copy_(host[:, :t])
         self.lens.copy_(host[:, t])
         self.rows.copy_(host[:, t + 1])

@@ -1,0 +1,26 @@
+"""Small copies to the device through the pinned ring (GPU only): a slot is not refilled before the
+copy that last read it has run, so every copy delivers the value it was given even while the stream
+is held back by a long kernel. Skipped without a GPU."""
+import numpy as np
+import pytest
+import torch
+
+from eaglet.transfer import SLOTS, to_device
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_every_copy_delivers_its_own_value_while_the_stream_is_busy():
+    device = torch.device("cuda")
+    torch.cuda._sleep(200_000_000)  # holds the stream: the copies below queue behind it
+    outs = [to_device(np.full(7, i, dtype=np.int64), torch.long, device) for i in range(3 * SLOTS)]
+    got = torch.stack(outs).cpu()
+    assert torch.equal(got, torch.arange(3 * SLOTS).unsqueeze(1).expand(-1, 7))
+
+
+def test_a_value_over_a_slot_and_a_float_array_arrive_whole():
+    device = torch.device("cuda")
+    big = np.arange(1 << 15, dtype=np.int64)  # 256 KiB: over a slot, a fresh pinned buffer
+    small = np.array([[0.5, 0.25], [1.0, 2.0]], dtype=np.float32)
+    assert torch.equal(to_device(big, torch.long, device).cpu(), torch.from_numpy(big))
+    assert torch.equal(to_device(small, torch.float32, device).cpu(), torch.from_numpy(small))
