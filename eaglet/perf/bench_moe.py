@@ -123,7 +123,9 @@ class Layer:
         return Int4(words, torch.full((e, rows, cols // 32), 0.005, device=gen.device, dtype=self.dtype))
 
     def fp8(self, e: int, rows: int, cols: int, gen) -> Fp8Block:
-        w = (torch.randn(e, rows, cols, device=gen.device, generator=gen) * 0.5).to(torch.float8_e4m3fn)
+        w = torch.empty(e, rows, cols, device=gen.device, dtype=torch.float8_e4m3fn)
+        for j in range(e):  # an expert at a time: float32 noise for a whole stack is 4x its FP8 bytes
+            w[j] = torch.randn(rows, cols, device=gen.device, generator=gen) * 0.5
         return Fp8Block(w, torch.full((e, -(-rows // 128), -(-cols // 128)), 0.04, device=gen.device))
 
     def distinct(self, t: int) -> int:
