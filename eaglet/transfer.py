@@ -22,6 +22,8 @@ class PinnedRing:
         self.next = 0
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if torch.cuda.is_current_stream_capturing():  # a captured copy would read the slot at every replay
+            raise RuntimeError("to_device inside a CUDA-graph capture: copy into the graph's input buffers before it")
         nbytes = t.numel() * t.element_size()
         if nbytes > self.slots[0].numel():
             return t.pin_memory().to(self.device, non_blocking=True)

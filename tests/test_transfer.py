@@ -24,3 +24,12 @@ def test_a_value_over_a_slot_and_a_float_array_arrive_whole():
     small = np.array([[0.5, 0.25], [1.0, 2.0]], dtype=np.float32)
     assert torch.equal(to_device(big, torch.long, device).cpu(), torch.from_numpy(big))
     assert torch.equal(to_device(small, torch.float32, device).cpu(), torch.from_numpy(small))
+
+
+def test_a_copy_inside_a_graph_capture_is_refused():
+    device = torch.device("cuda")
+    out = torch.zeros(3, dtype=torch.long, device=device)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream), pytest.raises(RuntimeError, match="capture"):
+        with torch.cuda.graph(graph, stream=stream):
+            out.copy_(to_device([1, 2, 3], torch.long, device))
