@@ -42,7 +42,9 @@ _rings = threading.local()  # one ring per thread and device: the engine thread 
 
 
 def _ring(device: torch.device) -> PinnedRing:
-    rings = _rings.__dict__.setdefault("by_device", {})
+    if not hasattr(_rings, "by_device"):
+        _rings.by_device = {}
+    rings = _rings.by_device
     key = device.index if device.index is not None else torch.cuda.current_device()
     if key not in rings:
         rings[key] = PinnedRing(torch.device("cuda", key))
