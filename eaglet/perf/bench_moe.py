@@ -184,7 +184,9 @@ def tune(layer: Layer, tokens: list[int], bandwidth: float, repeats: int) -> tup
     sweep, best = [], {}
     for which in ("gate", "down"):
         scores = {}
-        for cols, step, warps in itertools.product(SWEEP_COLS, SWEEP_STEPS, SWEEP_WARPS):
+        # a packed INT4 step of 128 columns is 64 bytes a row: wider steps keep as many bytes in flight
+        steps = SWEEP_STEPS + ((512, 1024) if layer.quant == "int4" else ())
+        for cols, step, warps in itertools.product(SWEEP_COLS, steps, SWEEP_WARPS):
             tiles = replace(Tiles(), **{f"{which}_cols": cols, f"{which}_step": step, f"{which}_warps": warps})
             ms = fits(lambda t: time_ms(layer.kernel(which, t, tiles), repeats) / layer.copies, tokens)
             if ms is None:
