@@ -90,8 +90,7 @@ class Batcher:
                                  [req.sampling.stream() for req in requests], [not req.ignore_eos for req in requests],
                                  wait=not self.dec.in_flight)
         except Exception:
-            for r in rows:
-                self.release(r)
+            self.release_rows(rows)
             raise
         if new is None:  # the device may emit all but the first token, which the prefill drew
             self.dec.set_rows(rows, [self.rows[r].remaining - 1 for r in rows])

@@ -400,9 +400,9 @@ class Engine:
                                                  code="engine_dead"))
                 raise
             log.exception("decoding failed; failing its %d requests", len(requests))
+            if self.batcher is not None:
+                self.batcher.release_rows([req.row for req in requests if req.row is not None])
             for req in requests:
-                if req.row is not None and self.batcher is not None:
-                    self.batcher.release(req.row)
                 self._fail(req, APIError(500, f"internal error: {type(e).__name__}: {e}", "internal_error"))
             if drop_batch:
                 self.batcher = None
