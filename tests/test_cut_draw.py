@@ -1,11 +1,11 @@
-"""The sampled draw under top-k / top-p without a sort (eaglet/cut_draw.py): the kernel draws what the
-torch path (a sort of the vocabulary, sampling.RowSampling.scaled) draws, token for token, for any
+"""The sampled draw under top-k / top-p without a sort (eaglet/cut_draw.py for float32 logits,
+eaglet/radix_draw.py for bfloat16 and float16): the kernels draw what the torch path (a sort of the vocabulary, sampling.RowSampling.scaled) draws, token for token, for any
 mix of settings; equal logits are kept or cut together on both paths; the kernel's draws follow the
 target distribution; a row's draw does not depend on the other rows."""
 import pytest
 import torch
 
-from eaglet import cut_draw
+from eaglet import cut_draw, radix_draw
 from eaglet.kernels import Kernels
 from eaglet.sampling import RowSampling, SamplingParams, gumbel_argmax, target_probs
 
@@ -66,10 +66,11 @@ def test_a_drafters_own_vocabulary_draws_with_the_targets_noise():
     assert torch.equal(rs.pick(logits, offset, DRAW, vocab), rs.pick(logits, offset, None, vocab))
 
 
-def test_equal_logits_are_kept_or_cut_together():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_equal_logits_are_kept_or_cut_together(dtype):
     """A nucleus whose edge falls inside a run of equal logits keeps the whole run, on both paths
     (a sort would keep those it happened to put first)."""
-    logits = torch.tensor([4.0, 2.0, 2.0, 2.0, 2.0, -5.0, -5.0])
+    logits = torch.tensor([4.0, 2.0, 2.0, 2.0, 2.0, -5.0, -5.0], dtype=dtype).float()
     probs = logits.softmax(-1)
     p = SamplingParams(1.0, top_p=float(probs[0] + probs[1] / 2), seed=0)  # the edge at the first 2.0
     want = target_probs(logits, p)
@@ -78,32 +79,34 @@ def test_equal_logits_are_kept_or_cut_together():
     rs = RowSampling(n, DEV)
     rs.set(list(range(n)), [p] * n, [p.stream(i) for i in range(n)])
     rs.choose_mode(range(n))
-    x = logits.to(DEV).expand(n, -1)
+    x = logits.to(dtype).to(DEV).expand(n, -1)
     assert torch.equal(rs.scaled(x)[0].isfinite().cpu(), want > 0)
     drawn = rs.pick(x, 0, DRAW).cpu()
     assert set(drawn.tolist()) == {0, 1, 2, 3, 4}
     assert torch.equal(drawn, rs.pick(x, 0).cpu())
 
 
-def test_the_kernels_draws_follow_the_distribution():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_draws_follow_the_distribution(dtype):
     """400 rows, each its own stream, drawing from one set of logits through the kernel: total
     variation from target_probs under 0.1 (about four standard deviations), and nothing the cut
     removes is drawn. (The torch path, which the kernel matches draw for draw, has its 200,000-draw
     test in test_sampling.py.)"""
-    logits = torch.tensor([0.3, -1.0, 1.2, 0.0, 0.8, -0.4])
+    logits = torch.tensor([0.3, -1.0, 1.2, 0.0, 0.8, -0.4], dtype=dtype).float()
     p = SamplingParams(1.0, top_k=4, top_p=0.8, seed=5)
     n = 400
     rs = RowSampling(n, DEV)
     rs.set(list(range(n)), [p] * n, [p.stream(i) for i in range(n)])
     rs.choose_mode(range(n))
-    counts = torch.bincount(rs.pick(logits.to(DEV).expand(n, -1), 0, DRAW).cpu(), minlength=6).double()
+    counts = torch.bincount(rs.pick(logits.to(dtype).to(DEV).expand(n, -1), 0, DRAW).cpu(), minlength=6).double()
     probs = target_probs(logits, p).double()
     assert counts[probs == 0].sum() == 0 and (probs == 0).sum() == 3  # top-k 4, then top-p drops one
     assert 0.5 * float((counts / n - probs).abs().sum()) < 0.1
 
 
-def test_a_rows_draw_is_the_same_alone_and_in_a_batch():
-    logits = (torch.randn(len(SETTINGS), 1000, generator=torch.Generator().manual_seed(4)) * 2).to(DEV)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_draw_is_the_same_alone_and_in_a_batch(dtype):
+    logits = (torch.randn(len(SETTINGS), 1000, generator=torch.Generator().manual_seed(4)) * 2).to(dtype).to(DEV)
     batch = rows_of(SETTINGS).pick(logits, 7, DRAW)
     for i in (0, 2, 5):
         alone = rows_of([SETTINGS[i]], keys=[100 + i]).pick(logits[i:i + 1], 7, DRAW)
@@ -122,3 +125,28 @@ def test_calls_of_few_rows_keep_the_sort(monkeypatch):
     assert calls == []
     rs.pick(torch.randn(2, 8, 300, device=DEV), nodes(8), DRAW)
     assert calls == [(2, 8, 300)]
+
+
+def test_16_bit_logits_take_the_radix_kernel_at_any_row_count(monkeypatch):
+    """bfloat16 and float16 logits go to radix_draw whatever the row count (one row: its row split over
+    many programs), float32 to cut_draw's kernel; float16's draws equal the sorted path's, signed
+    zeros included (-0 and +0 are one value, kept or cut together)."""
+    monkeypatch.setattr(cut_draw, "MIN_ROWS", 16)
+    calls = []
+    real = radix_draw.radix_draw
+    monkeypatch.setattr(radix_draw, "radix_draw", lambda *a: calls.append(a[0].dtype) or real(*a))
+    assert radix_draw.splits(49152) == 48 and radix_draw.splits(2000) == 2
+    rs = rows_of(SETTINGS[:3])
+    gen = torch.Generator().manual_seed(7)
+    for dtype in (torch.float16, torch.bfloat16):
+        logits = (torch.randn(3, 2000, generator=gen) * 2).to(dtype)
+        logits[:, :40] = 0.0
+        logits[:, 40:80] = -0.0
+        logits[:, 80] = 6.0
+        x = logits.to(DEV)
+        assert torch.equal(rs.pick(x, 3, DRAW), rs.pick(x, 3))
+        one = rows_of(SETTINGS[2:3], keys=[102])
+        assert torch.equal(one.pick(x[2:], 3, DRAW), one.pick(x[2:], 3))
+    assert calls == [torch.float16] * 2 + [torch.bfloat16] * 2
+    rs.pick(torch.randn(3, 16, 300, device=DEV), torch.arange(16, device=DEV).expand(3, -1), DRAW)  # float32: cut_draw
+    assert len(calls) == 4

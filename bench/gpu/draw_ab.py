@@ -1,5 +1,5 @@
-"""The sampled draw under top-k / top-p on the GPU: the sort-free kernel (eaglet/cut_draw.py) against
-the torch path (a sort of each row's vocabulary, then the compiled Gumbel-max), each captured in a
+"""The sampled draw under top-k / top-p on the GPU: the sort-free kernels (eaglet/radix_draw.py, the
+package's path for bfloat16 logits, and eaglet/cut_draw.py's one program a row) against the torch path (a sort of each row's vocabulary, then the compiled Gumbel-max), each captured in a
 CUDA graph and timed by CUDA events, for the logits a plain step (B, V) and a tree verify (B, 16, V)
 draw from; and how many draws the two paths agree on. Random logits, nothing to stage.
 
@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from eaglet import cut_draw, radix_draw
 from eaglet.kernels import Kernels
 from eaglet.perf.record import write_record
 from eaglet.sampling import RowSampling, SamplingParams
@@ -56,11 +57,17 @@ def main(out_dir: str, vocabs: list[int]) -> None:
                 agree = float((rs.pick(logits, offset, fast) == rs.pick(logits, offset, slow)).float().mean())
                 ms = {k: graphed_ms(lambda kern=kern: rs.pick(logits, offset, kern)) for k, kern in
                       (("kernel", fast), ("sort", slow))}
+                takes, radix_draw.takes = radix_draw.takes, lambda x: False  # cut_draw's one program a row,
+                least, cut_draw.MIN_ROWS = cut_draw.MIN_ROWS, 1  # at any row count
+                try:
+                    ms["one_program"] = graphed_ms(lambda: rs.pick(logits, offset, fast))
+                finally:
+                    radix_draw.takes, cut_draw.MIN_ROWS = takes, least
                 key = f"{v} {'x'.join(map(str, shape))} {name}"
                 results[key] = {**ms, "speedup": ms["sort"] / ms["kernel"], "agree": agree}
                 print(f"V {v:6d}  rows {'x'.join(map(str, shape)):6s} {name:22s} kernel {ms['kernel'] * 1e3:7.1f} µs"
-                      f"  sort {ms['sort'] * 1e3:7.1f} µs  {ms['sort'] / ms['kernel']:5.2f}x  agree {agree:.3f}",
-                      flush=True)
+                      f"  one program a row {ms['one_program'] * 1e3:7.1f} µs  sort {ms['sort'] * 1e3:7.1f} µs"
+                      f"  {ms['sort'] / ms['kernel']:5.2f}x  agree {agree:.3f}", flush=True)
     print("record:", write_record("draw-ab", {"vocabs": vocabs, "replays": REPLAYS, "repeats": REPEATS}, results,
                                   out_dir))
 
