@@ -29,14 +29,18 @@ try:
 except ImportError:  # CPU installs without Triton
     triton = None
 
-CHUNK = 128  # entries a histogram step compares against the 256 bins
+CHUNK = 32  # entries a histogram step compares against the 256 bins: a (32, 256) tile, 64 values a thread
+# Off in the package: served on an H100 with CHUNK 128 (a (128, 256) tile, 256 values a thread of 4 warps,
+# beyond the registers) the mixed-settings load was no faster than with cut_draw's kernel (docs/notebook.md);
+# bench/gpu/draw_ab.py times it beside cut_draw's kernel and the sort, to decide.
+ON = False
 SPAN = 1024  # entries a program: 48 programs a row of SmolLM2's 49,152, 126 of Llama 3's 128,256
 BINS = 256
 
 
 def takes(x: torch.Tensor) -> bool:
-    """Whether these logits have 16-bit keys (bfloat16, float16)."""
-    return x.dtype in (torch.bfloat16, torch.float16)
+    """Whether this path draws from these logits: when ON, for 16-bit keys (bfloat16, float16)."""
+    return ON and x.dtype in (torch.bfloat16, torch.float16)
 
 
 def splits(v: int) -> int:
@@ -116,7 +120,7 @@ if triton is not None:
             top = tl.load(top_ptr + r) / t
             sel = tl.load(state_ptr + r * 4 + tl.maximum(col, 0))
             x_ptr += r.to(tl.int64) * stride
-            for start in range(sp * span, sp * span + span, CHUNK):
+            for start in range(sp * span, tl.minimum(sp * span + span, n), CHUNK):
                 offs = start + tl.arange(0, CHUNK)
                 live = offs < n
                 key = key16(x_ptr, offs, live)
@@ -213,7 +217,7 @@ if triton is not None:
             floor = tl.load(state_ptr + r * 4 + 3)
             seed = tl.load(seed_ptr + r)
             x_ptr += r.to(tl.int64) * stride
-            for start in range(sp * span, sp * span + span, CHUNK):
+            for start in range(sp * span, tl.minimum(sp * span + span, n), CHUNK):
                 offs = start + tl.arange(0, CHUNK)
                 live = offs < n
                 key = key16(x_ptr, offs, live)

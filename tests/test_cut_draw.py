@@ -20,8 +20,11 @@ SETTINGS = [SamplingParams(0.8, top_p=0.9), SamplingParams(1.0, top_k=20), Sampl
 
 @pytest.fixture(autouse=True)
 def every_row_count(monkeypatch):
-    """The kernel for calls of any size (in the package: from cut_draw.MIN_ROWS rows)."""
+    """The kernels for calls of any size (in the package: cut_draw's from cut_draw.MIN_ROWS rows), and
+    radix_draw on (off in the package until measured faster)."""
     monkeypatch.setattr(cut_draw, "MIN_ROWS", 1)
+    monkeypatch.setattr(radix_draw, "ON", True)
+    monkeypatch.setattr(radix_draw, "CHUNK", 128)  # fewer, larger steps: Triton's interpreter is slow per step
 
 
 def rows_of(settings, keys=None) -> RowSampling:

@@ -1,7 +1,9 @@
-"""The sampled draw under top-k / top-p on the GPU: the sort-free kernels (eaglet/radix_draw.py, the
-package's path for bfloat16 logits, and eaglet/cut_draw.py's one program a row) against the torch path (a sort of each row's vocabulary, then the compiled Gumbel-max), each captured in a
-CUDA graph and timed by CUDA events, for the logits a plain step (B, V) and a tree verify (B, 16, V)
-draw from; and how many draws the two paths agree on. Random logits, nothing to stage.
+"""The sampled draw under top-k / top-p on the GPU: the package's path (cut_draw.py's kernel from
+cut_draw.MIN_ROWS rows, the sort below), radix_draw.py (bfloat16 logits, each row over many programs;
+off in the package), cut_draw.py's one program a row at any row count, and the torch path (a sort
+of each row's vocabulary, then the compiled Gumbel-max), each captured in a CUDA graph and timed by
+CUDA events, for the logits a plain step (B, V) and a tree verify (B, 16, V) draw from; and how many
+draws the package's and radix_draw's paths share with the sort. Random logits, nothing to stage.
 
   python3 bench/gpu/draw_ab.py OUT_DIR [VOCAB ...]      # default 49152 (SmolLM2) and 128256 (Llama 3)
 """
@@ -57,17 +59,20 @@ def main(out_dir: str, vocabs: list[int]) -> None:
                 agree = float((rs.pick(logits, offset, fast) == rs.pick(logits, offset, slow)).float().mean())
                 ms = {k: graphed_ms(lambda kern=kern: rs.pick(logits, offset, kern)) for k, kern in
                       (("kernel", fast), ("sort", slow))}
-                takes, radix_draw.takes = radix_draw.takes, lambda x: False  # cut_draw's one program a row,
-                least, cut_draw.MIN_ROWS = cut_draw.MIN_ROWS, 1  # at any row count
-                try:
-                    ms["one_program"] = graphed_ms(lambda: rs.pick(logits, offset, fast))
-                finally:
-                    radix_draw.takes, cut_draw.MIN_ROWS = takes, least
+                for path, on, least in (("radix", True, cut_draw.MIN_ROWS), ("one_program", False, 1)):
+                    saved = radix_draw.ON, cut_draw.MIN_ROWS
+                    radix_draw.ON, cut_draw.MIN_ROWS = on, least
+                    try:
+                        ms[path] = graphed_ms(lambda: rs.pick(logits, offset, fast))
+                        agree_radix = float((rs.pick(logits, offset, fast) == rs.pick(logits, offset, slow)).float().mean())
+                    finally:
+                        radix_draw.ON, cut_draw.MIN_ROWS = saved
+                    ms[f"agree_{path}"] = agree_radix
                 key = f"{v} {'x'.join(map(str, shape))} {name}"
                 results[key] = {**ms, "speedup": ms["sort"] / ms["kernel"], "agree": agree}
-                print(f"V {v:6d}  rows {'x'.join(map(str, shape)):6s} {name:22s} kernel {ms['kernel'] * 1e3:7.1f} µs"
-                      f"  one program a row {ms['one_program'] * 1e3:7.1f} µs  sort {ms['sort'] * 1e3:7.1f} µs"
-                      f"  {ms['sort'] / ms['kernel']:5.2f}x  agree {agree:.3f}", flush=True)
+                print(f"V {v:6d}  rows {'x'.join(map(str, shape)):6s} {name:22s} package {ms['kernel'] * 1e3:7.1f} µs"
+                      f"  radix {ms['radix'] * 1e3:7.1f}  one program a row {ms['one_program'] * 1e3:7.1f}"
+                      f"  sort {ms['sort'] * 1e3:7.1f}  agree {agree:.3f} / {ms['agree_radix']:.3f}", flush=True)
     print("record:", write_record("draw-ab", {"vocabs": vocabs, "replays": REPLAYS, "repeats": REPEATS}, results,
                                   out_dir))
 
