@@ -404,3 +404,17 @@ def test_fused_kernels_read_fp8_blocks(n):
     weights = torch.rand(n, k, generator=g)
     want = gathered(x, experts, weights, gate_up.dequantized(torch.float32), down.dequantized(torch.float32))
     assert (fused_moe(x, experts, weights, gate_up, down) - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--tokens", "65"], "--tokens 65: must be 1 to 64"),
+    (["--tokens", "1", "4", "--tune", "--tune-tokens", "16"], "--tune-tokens 16: not among --tokens 1 4"),
+    (["--shape", "llama-3.1-8b"], "--shape llama-3.1-8b: not an MoE shape"),
+])
+def test_bench_moe_bad_input_is_one_error_line(flags, said, capsys, tmp_path):
+    from eaglet.cli import main
+
+    assert main(["bench-moe", "--out", str(tmp_path), *flags]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("eaglet: error:") and said in err and "Traceback" not in err
+    assert not list(tmp_path.iterdir())

@@ -11,15 +11,17 @@
 #   bash bench/gpu/moe.sh shapes  # eaglet bench --shape: plain decode against the touched-bytes roofline, the verify curve
 #                                 # (SPEC="chain:1 chain:2 chain:3 chain:5 tree:4,4,16 tree:6,8,32": the speculation
 #                                 #  settings timed; then `eaglet plan --shape S --gpu h200 --moe-record M --against R`)
-# Everything it writes lands in $OUT/moe-<phase>.tar (records, tiles, the log).
+# Everything it writes lands in $OUT/moe-<phase>/ as it is written (records, tiles, the log: a call cut
+# short by its time limit still brings back what it had), or /tmp/moe-<phase>/ without $OUT.
+# TUNE_TOKENS="1 16 64": the token counts the tile sweep scores (default: every measured count).
 phase=$1
 source "$(dirname "$0")/setup.sh"
 set +e
-out=/tmp/records-moe-$phase-$$
+out=${OUT:-/tmp}/moe-$phase
 mkdir -p "$out"
 case $phase in
   layer)
-    python3 -m eaglet bench-moe --shape ${SHAPES:-kimi-k2 qwen3-30b-a3b} ${TUNE:+--tune} --tiles-out "$out/moe_tiles.json" \
+    python3 -m eaglet bench-moe --shape ${SHAPES:-kimi-k2 qwen3-30b-a3b} ${TUNE:+--tune} ${TUNE_TOKENS:+--tune-tokens $TUNE_TOKENS} --tiles-out "$out/moe_tiles.json" \
       --paths ${PATHS_:-fused grouped gathered} --quant ${QUANT:-bf16} --out "$out" 2>&1 | tee "$out/bench-moe.log" ;;
   test)
     python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_moe.py tests/test_quant.py -k "moe_graphed or gpu" 2>&1 | tee "$out/moe-test.log" ;;
@@ -34,4 +36,3 @@ case $phase in
         --out "$out" 2>&1 | tee -a "$out/bench-shape.log"
     done ;;
 esac
-tar -cf "${OUT:-/tmp}/moe-$phase.tar" -C "$out" .

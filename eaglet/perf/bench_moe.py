@@ -54,6 +54,8 @@ def add_parser(sub) -> None:
                    help="expert weights: bfloat16, INT4 packs (group 32, bfloat16 scales) and/or FP8 with a "
                         "scale per 128 x 128 block, read as stored by the fused kernels, each against its own floor")
     p.add_argument("--tune", action="store_true", help="sweep the fused kernels' tiles; write the best per shape")
+    p.add_argument("--tune-tokens", type=int, nargs="+", metavar="T",
+                   help="the token counts --tune scores tiles on (default: every --tokens count)")
     p.add_argument("--tiles-out", default=str(fused_moe.TILES_FILE), help="where --tune writes the tiles")
     p.add_argument("--repeats", type=int, default=15, help="timed repeats (median reported)")
     p.add_argument("--out", default="bench/results", help="directory for the JSON record")
@@ -72,6 +74,9 @@ def check_args(args) -> None:
     bad = [t for t in args.tokens if not 1 <= t <= fused_moe.MAX_TOKENS]
     if bad:
         raise InvalidInput(f"--tokens {bad[0]}: must be 1 to {fused_moe.MAX_TOKENS}")
+    extra = [t for t in args.tune_tokens or () if t not in args.tokens]
+    if extra:
+        raise InvalidInput(f"--tune-tokens {extra[0]}: not among --tokens {' '.join(map(str, args.tokens))}")
     if not torch.cuda.is_available() or fused_moe.triton is None:
         raise InvalidInput("bench-moe needs a CUDA GPU with Triton")
 
@@ -193,6 +198,8 @@ def tune(layer: Layer, tokens: list[int], bandwidth: float, repeats: int) -> tup
                 continue
             score = sum(ms[t] / layer.floor_ms(t, bandwidth) for t in tokens)
             sweep.append({"kernel": which, "cols": cols, "step": step, "warps": warps, "ms": ms})
+            print(f"  tune {which}: cols {cols} step {step} warps {warps}: "
+                  + " ".join(f"T{t} {ms[t]:.3f}" for t in tokens) + " ms", flush=True)
             scores[(cols, step, warps)] = score
         best[which] = min(scores, key=scores.get)
     (gc, gs, gw), (dc, ds, dw) = best["gate"], best["down"]
@@ -216,7 +223,7 @@ def bench_shape(name: str, args, bandwidth: float, quant: str = "bf16") -> dict:
     tiles = fused_moe.tiles_for(layer.e, layer.h, layer.i, layer.k, quant)
     paths = args.paths if quant == "bf16" else ["fused"]  # the other paths read bfloat16 weights
     if args.tune:
-        tiles, out["sweep"] = tune(layer, args.tokens, bandwidth, args.repeats)
+        tiles, out["sweep"] = tune(layer, args.tune_tokens or args.tokens, bandwidth, args.repeats)
     out["tiles"] = asdict(tiles)
     print(f"{name} ({quant}): hidden {layer.h}, expert width {layer.i}, {layer.e} experts, top {layer.k}; "
           f"{layer.copies} copies of the layer; tiles {out['tiles']}")
