@@ -29,6 +29,9 @@ try:
 except ImportError:  # CPU installs without Triton
     triton = None
 
+if triton is not None:
+    from .cut_draw import chunk  # a chunk's x / T and Gumbel-noised scores, as cut_draw's kernel draws
+
 CHUNK = 32  # entries a histogram step compares against the 256 bins: a (32, 256) tile, 64 values a thread
 # Off in the package: served on an H100 with CHUNK 128 (a (128, 256) tile, 256 values a thread of 4 warps,
 # beyond the registers) the mixed-settings load was no faster than with cut_draw's kernel (docs/notebook.md);
@@ -93,9 +96,6 @@ if triton is not None:
         k = tl.where(b >= 0, b, b ^ 0x7FFF)
         return tl.where(b == -32768, 0, k) + 32768
 
-    @triton.jit
-    def scaled(x_ptr, offs, live, t):
-        return tl.load(x_ptr + offs, mask=live, other=float("-inf")).to(tl.float32) / t
 
     @triton.jit
     def cuts(n, per, t_ptr, k_ptr, p_ptr, r):
@@ -124,7 +124,7 @@ if triton is not None:
                 offs = start + tl.arange(0, CHUNK)
                 live = offs < n
                 key = key16(x_ptr, offs, live)
-                e = tl.exp(scaled(x_ptr, offs, live, t) - top)
+                e = tl.exp(tl.load(x_ptr + offs, mask=live, other=float("-inf")).to(tl.float32) / t - top)
                 if col < 0:
                     b = key >> 8
                 else:
@@ -218,13 +218,8 @@ if triton is not None:
             seed = tl.load(seed_ptr + r)
             x_ptr += r.to(tl.int64) * stride
             for start in range(sp * span, tl.minimum(sp * span + span, n), CHUNK):
-                offs = start + tl.arange(0, CHUNK)
-                live = offs < n
-                key = key16(x_ptr, offs, live)
-                u = mix32(seed ^ tl.load(ids_ptr + offs, mask=live, other=0))
-                u = ((u >> 9).to(tl.float32) + 0.5) / 8388608.0
-                score = scaled(x_ptr, offs, live, t) - tl.log(-tl.log(u))
-                score = tl.where(live & (key >= floor), score, -float("inf"))
+                offs, live, _, _, score = chunk(x_ptr, ids_ptr, start, n, t, seed, CHUNK)
+                score = tl.where(live & (key16(x_ptr, offs, live) >= floor), score, -float("inf"))
                 m = tl.max(score, 0)
                 i = tl.min(tl.where(score == m, offs, n), 0)
                 take = m > best
@@ -232,9 +227,3 @@ if triton is not None:
                 best = tl.maximum(best, m)
         tl.store(best_ptr + r * tl.num_programs(1) + sp, best)
         tl.store(at_ptr + r * tl.num_programs(1) + sp, at)
-
-    @triton.jit
-    def mix32(x):
-        x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
-        x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
-        return (x >> 16) ^ x
