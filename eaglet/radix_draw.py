@@ -74,7 +74,7 @@ def radix_draw(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, 
     target = torch.empty(r, dtype=torch.float32, device=dev)  # p * Z
     best = torch.empty(r, s, dtype=torch.float32, device=dev)
     at = torch.empty(r, s, dtype=torch.int64, device=dev)
-    args = (rows, rows.stride(0), v, span, per, temperature, top_k, top_p, top)
+    args = (rows, rows.stride(0), v, span, per, temperature, top_k, top_p, top)  # what every (row, split) kernel takes
     grid, one = (r, s), (r,)
     stride = r * s * BINS  # one round's partials
     hist_kernel[grid](*args, state, -1, cnt, mass, CHUNK=CHUNK)
@@ -95,7 +95,6 @@ if triton is not None:
         b = tl.load(x_ptr + offs, mask=live, other=float("-inf")).to(tl.int16, bitcast=True).to(tl.int32)
         k = tl.where(b >= 0, b, b ^ 0x7FFF)
         return tl.where(b == -32768, 0, k) + 32768
-
 
     @triton.jit
     def cuts(n, per, t_ptr, k_ptr, p_ptr, r):
@@ -148,18 +147,16 @@ if triton is not None:
 
     @triton.jit
     def crossing(c, k):
-        """The bin (from the top) where the running count reaches k, and the count above it."""
-        bins = tl.arange(0, 256)
+        """The bin (from the top) where the running count reaches k."""
         incl = tl.cumsum(c, 0, reverse=True)
-        at = tl.max(tl.where((incl >= k) & (incl - c < k), bins, -1), 0)
-        return at, tl.sum(tl.where(bins > at, c, 0), 0)
+        return tl.max(tl.where((incl >= k) & (incl - c < k), tl.arange(0, 256), -1), 0)
 
     @triton.jit
     def kth_bin_kernel(n, per, t_ptr, k_ptr, p_ptr, s, cnt_ptr, state_ptr, SP2: tl.constexpr):
         r = tl.program_id(0)
         cut, k = cuts(n, per, t_ptr, k_ptr, p_ptr, r)
         if cut:
-            hi, _ = crossing(summed(cnt_ptr, r, s, SP2), k)
+            hi = crossing(summed(cnt_ptr, r, s, SP2), k)
             tl.store(state_ptr + r * 4, hi)
 
     @triton.jit
@@ -176,7 +173,7 @@ if triton is not None:
             c1 = summed(cnt_ptr, r, s, SP2)
             m1 = summed(mass_ptr, r, s, SP2)
             above = tl.sum(tl.where(bins > hi, c1, 0), 0)
-            lo, _ = crossing(summed(cnt_ptr + stride, r, s, SP2), k - above)
+            lo = crossing(summed(cnt_ptr + stride, r, s, SP2), k - above)
             m2 = summed(mass_ptr + stride, r, s, SP2)
             z = tl.sum(tl.where(bins > hi, m1, 0.0), 0) + tl.sum(tl.where(bins >= lo, m2, 0.0), 0)
             goal = tl.where(p < 1.0, p * z, float("inf"))
