@@ -60,8 +60,28 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return _ring(device).to_device(t.contiguous())
 
 
+INDEXES = 256  # row indexes each thread keeps on the device, the most recently used
+
+
+def row_index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """`rows` as a long tensor on the device, copied once and kept (the last INDEXES sets, per
+    thread): a server frees and refills the same few rows again and again, and a release indexes
+    every cache and counter it touches with the same set (a copy each cost the engine thread a
+    few percent of its time on the GPU). A kept tensor is never written, so reuse is always safe."""
+    if not hasattr(_rings, "indexes"):
+        _rings.indexes = {}
+    kept, key = _rings.indexes, (device.type, device.index, tuple(rows))
+    out = kept.pop(key, None)
+    if out is None:
+        out = to_device(rows, torch.long, device)
+        if len(kept) >= INDEXES:
+            del kept[next(iter(kept))]  # the least recently used
+    kept[key] = out
+    return out
+
+
 def zero_rows(t: torch.Tensor, rows: list[int]) -> None:
     """t[rows] = 0 without a host sync. Indexing a CUDA tensor with a Python list, or building the
     index with torch.tensor(..., device=cuda), copies it from pageable memory, which waits for every
     kernel queued before it: on a server, the steps in flight."""
-    t.index_fill_(0, to_device(rows, torch.long, t.device), 0)
+    t.index_fill_(0, row_index(rows, t.device), 0)

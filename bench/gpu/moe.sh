@@ -3,6 +3,8 @@
 #   bash bench/gpu/moe.sh layer   # eaglet bench-moe: every path against the touched-bytes floor
 #                                 # (TUNE=1: sweep the fused tiles first; SHAPES="kimi-k2 qwen3-30b-a3b" by default;
 #                                 #  QUANT="bf16 int4 fp8": the experts also as INT4 packs and FP8 blocks)
+#   bash bench/gpu/moe.sh layer-ab  # the fused kernels of the package in $ALT (default .old) and of this checkout, one after
+#                                 #  the other (SHAPES="qwen3-30b-a3b kimi-k2" by default), records in alt/ and this/
 #   bash bench/gpu/moe.sh test    # the MoE GPU tests: graphed == eager, the fused kernels row-invariant
 #   bash bench/gpu/moe.sh mla     # the MLA attention kernel: its GPU tests (the kernel against the absorbed form,
 #                                 #  a tiny DeepSeek-V3 through it), then decode and the forward curve side by side with
@@ -23,6 +25,12 @@ case $phase in
   layer)
     python3 -m eaglet bench-moe --shape ${SHAPES:-kimi-k2 qwen3-30b-a3b} ${TUNE:+--tune} ${TUNE_TOKENS:+--tune-tokens $TUNE_TOKENS} --tiles-out "$out/moe_tiles.json" \
       --paths ${PATHS_:-fused grouped gathered} --quant ${QUANT:-bf16} --out "$out" 2>&1 | tee "$out/bench-moe.log" ;;
+  layer-ab)  # the fused kernels from the package in $ALT (default .old), then from this checkout (with the grouped matmul)
+    for side in alt this; do
+      dir=${ALT:-.old} paths=fused; [ $side = this ] && dir=. paths="fused grouped"
+      (cd $dir && python3 -m eaglet bench-moe --shape ${SHAPES:-qwen3-30b-a3b kimi-k2} --paths $paths --quant bf16 \
+        --out "$out/$side") 2>&1 | tee -a "$out/bench-moe-ab.log"
+    done ;;
   test)
     python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_moe.py tests/test_quant.py -k "moe_graphed or gpu" 2>&1 | tee "$out/moe-test.log" ;;
   mla)

@@ -62,7 +62,7 @@ for name in $servers; do
     --spec $spec $draft $extra --log-level warning) &
   pids+=($!)
 done
-for spec in $servers; do wait_health ${PORT[$spec]}; done
+for spec in $servers; do wait_health ${PORT[$spec]} ${WAIT:-600}; done  # warm-up: 2.5-5.5 min on a fresh machine
 bs() { python3 -m eaglet bench-serve --url http://127.0.0.1:${PORT[$1]} --prompts /tmp/sharegpt.json --max-tokens 128 \
          --ignore-eos --max-prompt-chars 600 --seed 0 --no-progress "${@:2}"; }
 for c in ${CONC:-1 4 16 64}; do

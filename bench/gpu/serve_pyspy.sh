@@ -14,7 +14,7 @@ mkdir -p "$out"
 python3 -m eaglet serve --model $GGUF --port 8033 --max-batch ${MAX_BATCH:-64} --max-model-len 1024 ${SERVE_ARGS:-} \
   --log-level warning &
 pid=$!
-wait_health 8033
+wait_health 8033 ${WAIT:-600} || { echo 'serve_pyspy.sh: the server did not come up'; kill $pid; exit 1; }
 bs() { python3 -m eaglet bench-serve --url http://127.0.0.1:8033 --prompts /tmp/sharegpt.json --max-tokens 128 \
          --ignore-eos --max-prompt-chars 600 --seed 0 --no-progress "$@"; }
 for c in ${CONC:-64}; do

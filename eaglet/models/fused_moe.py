@@ -10,7 +10,10 @@ chunks of CHUNK pairs:
 - `gate_up_kernel`: h = SiLU(x W_gate^T) * (x W_up^T) for each pair, (pairs, I);
 - `down_kernel`: y = (h W_down^T) * routing weight for each pair, (pairs, H);
 
-and `combine_kernel` sums each token's k rows in slot order. A token's result depends on its own routing
+and the sum of each token's k rows in slot order: by the down kernel's program that finishes that
+token's tile of columns last (each counts itself on a per-(token, tile) counter, release-acquire, as
+the routing kernel does; so no third kernel and its launch), or by `combine_kernel` where no counter
+buffer is at hand (a call inside a capture that made none). A token's result depends on its own routing
 only: the same tiles and the same reduction order whatever the other tokens in the call, and one
 tile configuration per layer shape (`Tiles`, chosen by `eaglet bench-moe --tune` and kept in
 moe_tiles.json), whatever the token count. Dot products in the weights' dtype with float32
@@ -166,18 +169,40 @@ def gate_up_act(x: torch.Tensor, gate_up: Stack, experts: torch.Tensor, tiles: T
 
 
 def down_weighted(act: torch.Tensor, down: Stack, experts: torch.Tensor, weights: torch.Tensor,
-                  tiles: Tiles) -> torch.Tensor:
-    """(act W_down^T) times each pair's routing weight (float32, (N, k)): (N k, H) float32."""
+                  tiles: Tiles, out: torch.Tensor | None = None, add: torch.Tensor | None = None,
+                  counters: torch.Tensor | None = None) -> torch.Tensor:
+    """(act W_down^T) times each pair's routing weight (float32, (N, k)): (N k, H) float32. With
+    `counters` (int32 zeros, N x cdiv(H, tiles.down_cols) or more; zero again after), also each
+    token's k rows summed in slot order (plus `add`) into `out` (N, H)."""
     pairs, h_dim, i_dim = experts.numel(), down.shape[1], down.shape[2]
     y = torch.empty(pairs, h_dim, dtype=torch.float32, device=act.device)
     gdc = dependent_launch(act)
     w, ws, swe, swr, sse, ssr, quant, group = stack_args(down)
+    combine = counters is not None
+    out = y if out is None else out
     down_kernel[(pairs, triton.cdiv(h_dim, tiles.down_cols))](
-        act, w, ws, experts, weights, y, pairs, h_dim, i_dim,
-        act.stride(0), swe, swr, sse, ssr, y.stride(0), QUANT=quant, GROUP=group,
-        PAIRS=triton.next_power_of_2(pairs), BHO=tiles.down_cols, BI=tiles.down_step, CHUNK=CHUNK,
-        GDC=gdc, num_warps=tiles.down_warps, num_stages=tiles.stages, **({"launch_pdl": True} if gdc else {}))
+        act, w, ws, experts, weights, y, out, out if add is None else add, counters if combine else y,
+        pairs, h_dim, i_dim, act.stride(0), swe, swr, sse, ssr, y.stride(0), K=experts.shape[1],
+        QUANT=quant, GROUP=group, PAIRS=triton.next_power_of_2(pairs), BHO=tiles.down_cols, BI=tiles.down_step,
+        CHUNK=CHUNK, COMBINE=combine, ADD=add is not None, GDC=gdc, num_warps=tiles.down_warps,
+        num_stages=tiles.stages, **({"launch_pdl": True} if gdc else {}))
     return y
+
+
+COUNTER_TILES = 1024  # tiles of columns a token's counters cover (H / down_cols at most)
+_counters: dict[torch.device, torch.Tensor] = {}  # one zeroed set a device, shared by every layer (one stream)
+
+
+def counters_for(x: torch.Tensor, tiles: int) -> torch.Tensor | None:
+    """The device's per-(token, tile) counters for the down kernel's sum (made on first use; None
+    where that first use is inside a CUDA-graph capture, whose pool must not own them, or the shape
+    has more tiles than they cover)."""
+    c = _counters.get(x.device)
+    if c is None:
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        c = _counters[x.device] = torch.zeros(MAX_TOKENS * COUNTER_TILES, dtype=torch.int32, device=x.device)
+    return c if tiles <= COUNTER_TILES else None
 
 
 def fused_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: Stack,
@@ -192,12 +217,16 @@ def fused_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gat
     tiles = tiles or tiles_for(gate_up.shape[0], x.shape[1], down.shape[2], k, quant_name(gate_up))
     experts = experts.contiguous()
     act = gate_up_act(x, gate_up, experts, tiles, counts)
-    y = down_weighted(act, down, experts, weights.float().contiguous(), tiles)
     out = torch.empty_like(x)
+    add = None if add is None else add.contiguous()
+    counters = counters_for(x, triton.cdiv(x.shape[1], tiles.down_cols))
+    y = down_weighted(act, down, experts, weights.float().contiguous(), tiles, out, add, counters)
+    if counters is not None:
+        return out
     block = 1024
     gdc = dependent_launch(x)
     combine_kernel[(n, triton.cdiv(x.shape[1], block))](
-        y, out, out if add is None else add.contiguous(), x.shape[1], K=k, BLOCK=block, ADD=add is not None,
+        y, out, out if add is None else add, x.shape[1], K=k, BLOCK=block, ADD=add is not None,
         GDC=gdc, **({"launch_pdl": True} if gdc else {}))
     return out
 
@@ -298,10 +327,10 @@ if triton is not None:
                          mask=live[:, None] & (cols[None, :] < I))
 
     @triton.jit
-    def down_kernel(act, w, ws, experts, wt, y, pairs, H, I, sa, swe, swr, sse, ssr, sy,
-                    QUANT: tl.constexpr, GROUP: tl.constexpr,
+    def down_kernel(act, w, ws, experts, wt, y, out, add, counters, pairs, H, I, sa, swe, swr, sse, ssr, sy,
+                    K: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
                     PAIRS: tl.constexpr, BHO: tl.constexpr, BI: tl.constexpr, CHUNK: tl.constexpr,
-                    GDC: tl.constexpr):
+                    COMBINE: tl.constexpr, ADD: tl.constexpr, GDC: tl.constexpr):
         if GDC:
             tl.extra.cuda.gdc_launch_dependents()
         p = tl.program_id(0)
@@ -324,6 +353,30 @@ if triton is not None:
                 scale = tl.load(wt + rows, mask=live, other=0.0)
                 tl.store(y + rows[:, None] * sy + cols[None, :], acc * scale[:, None],
                          mask=live[:, None] & (cols[None, :] < H))
+                if COMBINE:  # count each pair on its token's counter; the token's last pair sums its k rows
+                    tl.debug_barrier()  # every thread's part of the tile stored before the release
+                    tile = tl.program_id(1)
+                    for r in range(0, CHUNK):
+                        pick = tl.arange(0, CHUNK) == r
+                        if tl.sum((pick & live).to(tl.int32), 0) > 0:
+                            t = tl.sum(tl.where(pick, rows, 0), 0) // K
+                            at = counters + t * tl.num_programs(1) + tile
+                            if tl.atomic_add(at, 1, sem="acq_rel") == K - 1:
+                                combine_row(y, out, add, t, cols, H, sy, K, ADD)
+                                tl.atomic_xchg(at, 0)
+
+    @triton.jit
+    def combine_row(y, out, add, t, cols, H, sy, K: tl.constexpr, ADD: tl.constexpr):
+        """out[t, cols] = the sum of y's rows t k .. t k + k - 1 in slot order, in float32 (plus
+        add[t, cols]), then out's dtype: combine_kernel's arithmetic, read past L1 (other programs
+        wrote those rows)."""
+        m = cols < H
+        acc = tl.load(y + t * K * sy + cols, mask=m, other=0.0, cache_modifier=".cg")
+        for j in tl.static_range(1, K):
+            acc += tl.load(y + (t * K + j) * sy + cols, mask=m, other=0.0, cache_modifier=".cg")
+        if ADD:
+            acc += tl.load(add + t * H + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(out + t * H + cols, acc.to(out.dtype.element_ty), mask=m)
 
     @triton.jit
     def combine_kernel(y, out, add, H, K: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr, GDC: tl.constexpr):

@@ -53,7 +53,7 @@ from ..kvcache import KVCache
 from ..models.llama import CausalLM
 from ..models.prefill import MIN_BUCKET, PromptBatch, prompt_bucket
 from ..sampling import RowSampling, SamplingParams
-from ..transfer import to_device
+from ..transfer import to_device, zero_rows
 from .graphs import SPAN, GraphRunner, graphable, span
 from .observer import StepObserver
 from .plain import PlainStep
@@ -187,7 +187,7 @@ class Decoder:
         self.firsts: list[Firsts] = []  # admissions whose first tokens are not handed out yet
         self._views: dict[tuple[int, int], Step] = {}  # (id of a step, k) -> that step over rows 0..k-1
         self._prompts: dict[tuple[int, int], PromptBatch] = {}  # each prefill graph's input buffers
-        self._hosts: dict[tuple, list[torch.Tensor]] = {}  # (shape, dtype) -> host buffers for step outputs, free
+        self._hosts: dict[tuple, list] = {}  # (shape, dtype) -> free host buffers for step outputs, with events
         # launch ahead of collect: on the GPU by default (on the CPU a step runs while it is launched)
         self._ahead = p.device.type == "cuda" if lookahead is None else lookahead
         self._device_wait = 0.0  # seconds the host has spent blocked on the device's results
@@ -284,20 +284,19 @@ class Decoder:
         self.in_flight.append(InFlight(*self._to_host(out), self.epoch.copy()))
 
     def _to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """t's copy on its way to the host: (buffer, the event it is there by; None on the CPU), into a
-        buffer given back (_give_back): a fresh pinned one a step cost the H200's engine thread much."""
+        """t's copy on its way to the host (buffer, its event; None on the CPU), in a buffer given back."""
         free = self._hosts.setdefault((t.shape, t.dtype), [])
-        host = free.pop() if free else torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        host, done = free.pop() if free else (torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda),
+                                              torch.cuda.Event() if t.is_cuda else None)
         host.copy_(t, non_blocking=t.is_cuda)
-        done = None
-        if t.is_cuda:
-            done = torch.cuda.Event()
+        if done is not None:  # an event per buffer, recorded again: no event made and destroyed a step
             done.record()
         return host, done
 
-    def _give_back(self, host: torch.Tensor) -> None:
-        """A host buffer the host has read (after its copy's event): the next copy of its shape fills it."""
-        self._hosts[(host.shape, host.dtype)].append(host)
+    def _give_back(self, host: torch.Tensor, done: torch.cuda.Event | None) -> None:
+        """A host buffer the host has read (after its copy's event `done`): the next copy of its shape
+        fills it and records that event again."""
+        self._hosts[(host.shape, host.dtype)].append((host, done))
 
     def collect(self) -> list[list[int]]:
         """Wait for the oldest step in flight; each row's emitted tokens ([] for a frozen row, and
@@ -313,7 +312,7 @@ class Decoder:
             f.done.synchronize()  # sync: the one per step
             self._device_wait += time.perf_counter() - t
         rows = f.out.tolist()
-        self._give_back(f.out)
+        self._give_back(f.out, f.done)
         rows += [[0] * len(rows[0])] * (self.batch - len(rows))  # rows past the step's prefix: frozen
         out = self.current.collect(rows, (self.epoch == f.epoch).tolist(), self.live, self.observer)
         running = [len(t) for t, on in zip(out, self.live) if on and t]
@@ -329,7 +328,7 @@ class Decoder:
                 firsts.done.synchronize()  # sync: the first tokens
             for r, tok in firsts.tokens(self.epoch):
                 out[r].append(tok)
-            self._give_back(firsts.host)
+            self._give_back(firsts.host, firsts.done)
         self.firsts = []
         return out
 
@@ -378,7 +377,7 @@ class Decoder:
         self.firsts = [f for f in self.firsts if f not in ready]
         out = [t for f in ready for t in f.tokens(self.epoch)]
         for f in ready:
-            self._give_back(f.host)
+            self._give_back(f.host, f.done)
         return out
 
     def drain(self) -> None:
@@ -437,7 +436,8 @@ class Decoder:
     def release(self, rows: list[int]) -> None:
         """Free rows at once: their cache length drops to 0 and they are frozen."""
         self.epoch[rows] += 1
-        self.set_rows(rows, [0] * len(rows))
+        self.live[rows] = False
+        zero_rows(self.slots.limit, rows)
         self.cache.release(rows)
         for step in self._used:
             step.release(rows)
