@@ -74,6 +74,22 @@ def test_matches_sdpa_and_stores(b, hkv, g, d, t, kv_len, tree, chunk, rows):
     assert torch.equal(cache[0], k_want) and torch.equal(cache[1], v_want)
 
 
+def test_the_last_split_combines_as_the_combine_kernel_does(monkeypatch):
+    """The split that finishes last for its (row, kv head, tile) combines the partial states
+    (models/launch.py's counters) bitwise as the second kernel does, and leaves the counters zero."""
+    from eaglet.models import launch
+
+    gen = torch.Generator().manual_seed(1)
+    b, hkv, g, d, t, kv_len = 2, 2, 4, 64, 3, 300
+    qkv = torch.randn(b, t, hkv * (g + 2), d, generator=gen).to(DEV, torch.float16)
+    cache = torch.randn(2, b, hkv, kv_len, d, generator=gen).to(DEV, torch.float16)
+    start = torch.tensor([kv_len - t, 100], device=DEV)
+    folded = ca.cache_attention(qkv, *cache.clone(), start, None, kv_len, g, 64)  # five splits
+    assert not launch._counters[qkv.device].any()
+    monkeypatch.setattr(ca, "counters", lambda *a: None)
+    assert torch.equal(folded, ca.cache_attention(qkv, *cache.clone(), start, None, kv_len, g, 64))
+
+
 def level_mask(b, pending, t, gen):
     """A draft tree's next level: t new nodes, each seeing itself and a random earlier node's
     ancestry among the `pending` entries before them (or only the committed prefix)."""

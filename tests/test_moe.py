@@ -229,6 +229,7 @@ def test_the_down_kernels_sum_equals_the_combine_kernel(n, monkeypatch):
     experts' output added, with tiles of columns narrower than the row; the counters are zero
     after, for the next layer and the next replay."""
     from eaglet.models import fused_moe as fm
+    from eaglet.models import launch
 
     g = torch.Generator().manual_seed(n)
     e, k, h, i = 8, 3, 40, 24
@@ -238,8 +239,8 @@ def test_the_down_kernels_sum_equals_the_combine_kernel(n, monkeypatch):
     weights = torch.rand(n, k, generator=g)
     tiles = fm.Tiles(down_cols=16)  # three tiles of a 40-wide row, the last partial
     summed = fm.fused_moe(x, experts, weights, gate_up, down, tiles, add=add)
-    assert not fm._counters[x.device].any()
-    monkeypatch.setattr(fm, "counters_for", lambda *a: None)
+    assert not launch._counters[x.device].any()
+    monkeypatch.setattr(fm, "counters", lambda *a: None)
     assert torch.equal(summed, fm.fused_moe(x, experts, weights, gate_up, down, tiles, add=add))
 
 @torch.inference_mode()

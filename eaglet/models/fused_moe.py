@@ -13,7 +13,7 @@ chunks of CHUNK pairs:
 and the sum of each token's k rows in slot order: by the down kernel's program that finishes that
 token's tile of columns last (each counts itself on a per-(token, tile) counter, release-acquire, as
 the routing kernel does; so no third kernel and its launch), or by `combine_kernel` where no counter
-buffer is at hand (a call inside a capture that made none). A token's result depends on its own routing
+buffer is at hand (models/launch.py). A token's result depends on its own routing
 only: the same tiles and the same reduction order whatever the other tokens in the call, and one
 tile configuration per layer shape (`Tiles`, chosen by `eaglet bench-moe --tune` and kept in
 moe_tiles.json), whatever the token count. Dot products in the weights' dtype with float32
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .cache_attention import INTERPRET
+from .launch import INTERPRET, counters, dependent_launch, pdl
 
 try:
     import triton
@@ -38,13 +38,6 @@ except ImportError:  # CPU installs without Triton
 CHUNK = 16  # pairs an owner applies a weight tile to at once (tl.dot's smallest tile)
 MAX_TOKENS = 64
 TILES_FILE = Path(__file__).with_name("moe_tiles.json")
-
-
-def dependent_launch(x: torch.Tensor) -> bool:
-    """Whether down and combine start while the kernel before them finishes (programmatic dependent
-    launch, compute capability 9+): their launch and first loads overlap its tail, each program
-    waiting for the previous kernel's results before it reads them."""
-    return not INTERPRET and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
 @dataclass(frozen=True)
@@ -185,24 +178,8 @@ def down_weighted(act: torch.Tensor, down: Stack, experts: torch.Tensor, weights
         pairs, h_dim, i_dim, act.stride(0), swe, swr, sse, ssr, y.stride(0), K=experts.shape[1],
         QUANT=quant, GROUP=group, PAIRS=triton.next_power_of_2(pairs), BHO=tiles.down_cols, BI=tiles.down_step,
         CHUNK=CHUNK, COMBINE=combine, ADD=add is not None, GDC=gdc, num_warps=tiles.down_warps,
-        num_stages=tiles.stages, **({"launch_pdl": True} if gdc else {}))
+        num_stages=tiles.stages, **pdl(gdc))
     return y
-
-
-COUNTER_TILES = 1024  # tiles of columns a token's counters cover (H / down_cols at most)
-_counters: dict[torch.device, torch.Tensor] = {}  # one zeroed set a device, shared by every layer (one stream)
-
-
-def counters_for(x: torch.Tensor, tiles: int) -> torch.Tensor | None:
-    """The device's per-(token, tile) counters for the down kernel's sum (made on first use; None
-    where that first use is inside a CUDA-graph capture, whose pool must not own them, or the shape
-    has more tiles than they cover)."""
-    c = _counters.get(x.device)
-    if c is None:
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None
-        c = _counters[x.device] = torch.zeros(MAX_TOKENS * COUNTER_TILES, dtype=torch.int32, device=x.device)
-    return c if tiles <= COUNTER_TILES else None
 
 
 def fused_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: Stack,
@@ -219,15 +196,15 @@ def fused_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gat
     act = gate_up_act(x, gate_up, experts, tiles, counts)
     out = torch.empty_like(x)
     add = None if add is None else add.contiguous()
-    counters = counters_for(x, triton.cdiv(x.shape[1], tiles.down_cols))
-    y = down_weighted(act, down, experts, weights.float().contiguous(), tiles, out, add, counters)
-    if counters is not None:
+    count = counters(x, n * triton.cdiv(x.shape[1], tiles.down_cols))  # a (token, tile of columns) each
+    y = down_weighted(act, down, experts, weights.float().contiguous(), tiles, out, add, count)
+    if count is not None:
         return out
     block = 1024
     gdc = dependent_launch(x)
     combine_kernel[(n, triton.cdiv(x.shape[1], block))](
         y, out, out if add is None else add, x.shape[1], K=k, BLOCK=block, ADD=add is not None,
-        GDC=gdc, **({"launch_pdl": True} if gdc else {}))
+        GDC=gdc, **pdl(gdc))
     return out
 
 
@@ -356,14 +333,12 @@ if triton is not None:
                 if COMBINE:  # count each pair on its token's counter; the token's last pair sums its k rows
                     tl.debug_barrier()  # every thread's part of the tile stored before the release
                     tile = tl.program_id(1)
-                    for r in range(0, CHUNK):
-                        pick = tl.arange(0, CHUNK) == r
-                        if tl.sum((pick & live).to(tl.int32), 0) > 0:
-                            t = tl.sum(tl.where(pick, rows, 0), 0) // K
-                            at = counters + t * tl.num_programs(1) + tile
-                            if tl.atomic_add(at, 1, sem="acq_rel") == K - 1:
-                                combine_row(y, out, add, t, cols, H, sy, K, ADD)
-                                tl.atomic_xchg(at, 0)
+                    for r in range(0, tl.minimum(CHUNK, length - c)):  # the chunk's live pairs come first
+                        t = tl.sum(tl.where(tl.arange(0, CHUNK) == r, rows, 0), 0) // K
+                        at = counters + t * tl.num_programs(1) + tile
+                        if tl.atomic_add(at, 1, sem="acq_rel") == K - 1:
+                            combine_row(y, out, add, t, cols, H, sy, K, ADD)
+                            tl.atomic_xchg(at, 0)
 
     @triton.jit
     def combine_row(y, out, add, t, cols, H, sy, K: tl.constexpr, ADD: tl.constexpr):
