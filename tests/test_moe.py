@@ -220,29 +220,6 @@ def test_fused_kernels_equal_the_gathered_path(n):
     assert (fused_moe(x, experts, weights, gate_up, down) - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-
-@pytest.mark.parametrize("n", [1, 20])
-@torch.inference_mode()
-def test_the_down_kernels_sum_equals_the_combine_kernel(n, monkeypatch):
-    """The sum of each token's k rows by the down kernel's last program for each (token, tile)
-    (counters, release-acquire) is bitwise what the separate combine kernel gives, the shared
-    experts' output added, with tiles of columns narrower than the row; the counters are zero
-    after, for the next layer and the next replay."""
-    from eaglet.models import fused_moe as fm
-    from eaglet.models import launch
-
-    g = torch.Generator().manual_seed(n)
-    e, k, h, i = 8, 3, 40, 24
-    gate_up, down = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
-    x, add = torch.randn(n, h, generator=g), torch.randn(n, h, generator=g)
-    experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
-    weights = torch.rand(n, k, generator=g)
-    tiles = fm.Tiles(down_cols=16)  # three tiles of a 40-wide row, the last partial
-    summed = fm.fused_moe(x, experts, weights, gate_up, down, tiles, add=add)
-    assert not launch._counters[x.device].any()
-    monkeypatch.setattr(fm, "counters", lambda *a: None)
-    assert torch.equal(summed, fm.fused_moe(x, experts, weights, gate_up, down, tiles, add=add))
-
 @torch.inference_mode()
 def test_a_model_with_the_fused_kernels_decodes_as_without(tiny_dirs, monkeypatch):
     """Kernels.moe on the tiny Qwen3-MoE: the same logits for a prefill, a decode step and a 5-token

@@ -24,8 +24,6 @@
 # branch's eaglet/*.py, git-ignored and carried), beside it in every round: an A/B of two versions;
 # ALT_NONE=1 with ALT: a fourth, `--spec none` from DIR (the side by side with a previous commit,
 # plain and speculating: `git archive SHA eaglet | tar -x -C .prev`, carry .prev, ALT=.prev ALT_NONE=1).
-# SPY=1: py-spy (in .gpudata/extra) samples the speculating server, without pausing it, through one more run at
-# each concurrency (pyspy-eagle3-cC.txt; fold with bench/cpu/pyspy_fold.py).
 # SERVE_ARGS: more flags for this checkout's servers (e.g. --multi-step 1); ALT_ARGS: for the ALT speculating
 # server (ALT=$PWD ALT_ARGS="--spec-multi-step 2": an A/B of one flag on this checkout).
 # With $OUT set (the GPU machine) the records come back as one tar, $OUT/serve-records.tar.
@@ -76,13 +74,6 @@ for c in ${CONC:-1 4 16 64}; do
       bs $spec --num-requests $n --concurrency $c --out "$out" | grep -E "throughput|TTFT|TPOT|engine|gc pauses|accept|record"
     done
   done
-  if [ -n "${SPY:-}" ]; then  # py-spy on the speculating server through one more run, not pausing it (raw stacks)
-    /tmp/site/bin/py-spy record -p ${pids[0]} --nonblocking --idle --threads -r 500 -d ${SECONDS_REC:-4} -f raw \
-      -o "$out/pyspy-eagle3-c$c.txt" > /dev/null 2>&1 &
-    spy=$!
-    bs eagle3 --num-requests $n --concurrency $c | grep -E "throughput"
-    wait $spy
-  fi
 done
 kill "${pids[@]}"; wait 2>/dev/null
 [ -n "${OUT:-}" ] && tar -C "$out" -cf "$OUT/serve-records.tar" . && rm -rf "$out"

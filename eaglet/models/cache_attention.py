@@ -15,8 +15,7 @@ nothing is read back that the kernel wrote. The output is written in token order
 
 Programs: one per row, kv head, tile of query rows (the kv head's G heads times T tokens), and
 split of the cached span. Long spans are split (flash-decoding): each split writes its partial
-softmax state, and the split that finishes last for its (row, kv head, tile) combines them
-(models/launch.py's counters; a second, small kernel where none are at hand). The split
+softmax state for a second, small kernel to combine; one split needs no second kernel. The split
 rule comes from bench/gpu/cache_attention_probe.py's measurements (BENCHMARKS.md).
 
 Used for bfloat16 and float16 where a model's `Kernels.cache_attention` is on (eaglet/kernels.py:
@@ -31,10 +30,9 @@ equals plain, only the time (docs/notebook.md), so the kernel keeps FlashAttenti
 from __future__ import annotations
 
 import math
+import os
 
 import torch
-
-from .launch import INTERPRET, counters, dependent_launch, pdl
 
 try:
     import triton
@@ -42,6 +40,7 @@ try:
 except ImportError:  # CPU installs without Triton: the SDPA path runs
     triton = None
 
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_TOKENS = 64  # longer blocks (prefill) take the SDPA path
 MAX_SPLITS = 64
 
@@ -117,17 +116,14 @@ def cache_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     assert rope is None or (cos.shape[:2] == (b, t) and cos.stride() == sin.stride() and cos.stride(-1) == 1)
     assert qk_norm is None or rope is not None  # the kernel norms q and k on the way to rotating them
     qw, kw, eps = qk_norm if qk_norm is not None else (out, out, 0.0)
-    count = counters(qkv, b * hkv * tiles) if splits > 1 else None  # the last split combines
-    gdc = dependent_launch(qkv)
     attend_kernel[(b, hkv * tiles, splits)](
         qkv, k_cache, v_cache, start, m, out, part_m, part_l, part_o, cos, sin, qw, kw, eps, 1.0 / math.sqrt(d),
         chunk, t, qkv.stride(0), qkv.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         start.stride(0), m.stride(0) if tree else 0, m.stride(1) if tree else 0, m.stride(2) if tree else 0,
-        out.stride(0), out.stride(1), cos.stride(0), cos.stride(1), pending, start if count is None else count,
+        out.stride(0), out.stride(1), cos.stride(0), cos.stride(1), pending,
         H=h, HKV=hkv, G=groups, TILES=tiles, ROWS=rows, TP=max(16, pow2(t)), PP=max(16, pow2(pending)), D=d, BLOCK=64,
-        TREE=tree, SPLIT=splits > 1, ROPE=rope is not None, QK_NORM=qk_norm is not None, FOLD=count is not None,
-        SP=max(2, pow2(splits)), GDC=gdc, **pdl(gdc))
-    if splits > 1 and count is None:
+        TREE=tree, SPLIT=splits > 1, ROPE=rope is not None, QK_NORM=qk_norm is not None)
+    if splits > 1:
         combine_kernel[(b, hkv * tiles)](part_m, part_l, part_o, out, splits, t, out.stride(0), out.stride(1),
                                    G=groups, TILES=tiles, ROWS=rows, D=d, SP=max(2, pow2(splits)))
     return out
@@ -181,13 +177,10 @@ if triton is not None:
 
     @triton.jit
     def attend_kernel(QKV, K, V, START, MASK, OUT, PM, PL, PO, COS, SIN, QW, KW, eps, scale, chunk, T,
-                s_b, s_t, sk_b, sk_h, sk_s, s_start, sm_b, sm_t, sm_u, so_b, so_t, sc_b, sc_t, P, COUNTS,
+                s_b, s_t, sk_b, sk_h, sk_s, s_start, sm_b, sm_t, sm_u, so_b, so_t, sc_b, sc_t, P,
                 H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, TILES: tl.constexpr, ROWS: tl.constexpr,
                 TP: tl.constexpr, PP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, TREE: tl.constexpr, SPLIT: tl.constexpr,
-                ROPE: tl.constexpr, QK_NORM: tl.constexpr, FOLD: tl.constexpr, SP: tl.constexpr, GDC: tl.constexpr):
-        if GDC:  # the next kernel may launch; q, k and v are the previous kernel's output
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+                ROPE: tl.constexpr, QK_NORM: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1) // TILES
         tile = tl.program_id(1) % TILES
@@ -240,12 +233,6 @@ if triton is not None:
             tl.store(PM + part * ROWS + rr, m_i)
             tl.store(PL + part * ROWS + rr, l_i)
             tl.store(PO + (part * ROWS + rr[:, None]) * D + d[None, :], acc)
-            if FOLD:  # count this split; the last of its group combines them
-                tl.debug_barrier()  # every thread's part stored before the release
-                group = b * tl.num_programs(1) + tl.program_id(1)
-                if tl.atomic_add(COUNTS + group, 1, sem="acq_rel") == tl.num_programs(2) - 1:
-                    _combine(PM, PL, PO, OUT, b, group, tile, h, tl.num_programs(2), T, so_b, so_t, G, ROWS, D, SP)
-                    tl.atomic_xchg(COUNTS + group, 0)
         else:
             o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # padded rows: 0
             tl.store(OUT + b * so_b + tq[:, None] * so_t + (h * G + r % G)[:, None] * D + d[None, :],
@@ -255,22 +242,15 @@ if triton is not None:
     def combine_kernel(PM, PL, PO, OUT, splits, T, so_b, so_t,
                  G: tl.constexpr, TILES: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, SP: tl.constexpr):
         b = tl.program_id(0)
-        _combine(PM, PL, PO, OUT, b, b * tl.num_programs(1) + tl.program_id(1), tl.program_id(1) % TILES,
-                 tl.program_id(1) // TILES, splits, T, so_b, so_t, G, ROWS, D, SP)
-
-    @triton.jit
-    def _combine(PM, PL, PO, OUT, b, group, tile, h, splits, T, so_b, so_t,
-                 G: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, SP: tl.constexpr):
-        """The output of one (row, kv head, tile) from its splits' partial softmax states (read past
-        L1: other programs wrote them)."""
+        h = tl.program_id(1) // TILES
+        tile = tl.program_id(1) % TILES
         s = tl.arange(0, SP)
         rr = tl.arange(0, ROWS)
         d = tl.arange(0, D)
         sm = s < splits
-        base = group * splits
-        m = tl.load(PM + (base + s)[:, None] * ROWS + rr[None, :], mask=sm[:, None], other=float("-inf"),
-                    cache_modifier=".cg")  # (SP, ROWS)
-        lsum = tl.load(PL + (base + s)[:, None] * ROWS + rr[None, :], mask=sm[:, None], other=0.0, cache_modifier=".cg")
+        base = (b * tl.num_programs(1) + tl.program_id(1)) * splits
+        m = tl.load(PM + (base + s)[:, None] * ROWS + rr[None, :], mask=sm[:, None], other=float("-inf"))  # (SP, ROWS)
+        lsum = tl.load(PL + (base + s)[:, None] * ROWS + rr[None, :], mask=sm[:, None], other=0.0)
         m_all = tl.max(m, 0)
         m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # padded rows
         w = tl.where(sm[:, None], tl.exp(m - m_all[None, :]), 0.0)  # (SP, ROWS)
@@ -278,7 +258,7 @@ if triton is not None:
         o = tl.zeros([ROWS, D], dtype=tl.float32)
         for i in range(0, splits):
             wi = tl.sum(tl.where(s[:, None] == i, w, 0.0), 0)  # (ROWS,)
-            o += wi[:, None] * tl.load(PO + ((base + i) * ROWS + rr[:, None]) * D + d[None, :], cache_modifier=".cg")
+            o += wi[:, None] * tl.load(PO + ((base + i) * ROWS + rr[:, None]) * D + d[None, :])
         o = o / tl.where(denom == 0.0, 1.0, denom)[:, None]
         r = tile * ROWS + rr
         tq = r // G

@@ -10,10 +10,7 @@ chunks of CHUNK pairs:
 - `gate_up_kernel`: h = SiLU(x W_gate^T) * (x W_up^T) for each pair, (pairs, I);
 - `down_kernel`: y = (h W_down^T) * routing weight for each pair, (pairs, H);
 
-and the sum of each token's k rows in slot order: by the down kernel's program that finishes that
-token's tile of columns last (each counts itself on a per-(token, tile) counter, release-acquire, as
-the routing kernel does; so no third kernel and its launch), or by `combine_kernel` where no counter
-buffer is at hand (models/launch.py). A token's result depends on its own routing
+and `combine_kernel` sums each token's k rows in slot order. A token's result depends on its own routing
 only: the same tiles and the same reduction order whatever the other tokens in the call, and one
 tile configuration per layer shape (`Tiles`, chosen by `eaglet bench-moe --tune` and kept in
 moe_tiles.json), whatever the token count. Dot products in the weights' dtype with float32
@@ -27,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .launch import INTERPRET, counters, dependent_launch, pdl
+from .cache_attention import INTERPRET
 
 try:
     import triton
@@ -38,6 +35,13 @@ except ImportError:  # CPU installs without Triton
 CHUNK = 16  # pairs an owner applies a weight tile to at once (tl.dot's smallest tile)
 MAX_TOKENS = 64
 TILES_FILE = Path(__file__).with_name("moe_tiles.json")
+
+
+def dependent_launch(x: torch.Tensor) -> bool:
+    """Whether down and combine start while the kernel before them finishes (programmatic dependent
+    launch, compute capability 9+): their launch and first loads overlap its tail, each program
+    waiting for the previous kernel's results before it reads them."""
+    return not INTERPRET and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
 @dataclass(frozen=True)
@@ -162,23 +166,17 @@ def gate_up_act(x: torch.Tensor, gate_up: Stack, experts: torch.Tensor, tiles: T
 
 
 def down_weighted(act: torch.Tensor, down: Stack, experts: torch.Tensor, weights: torch.Tensor,
-                  tiles: Tiles, out: torch.Tensor | None = None, add: torch.Tensor | None = None,
-                  counters: torch.Tensor | None = None) -> torch.Tensor:
-    """(act W_down^T) times each pair's routing weight (float32, (N, k)): (N k, H) float32. With
-    `counters` (int32 zeros, N x cdiv(H, tiles.down_cols) or more; zero again after), also each
-    token's k rows summed in slot order (plus `add`) into `out` (N, H)."""
+                  tiles: Tiles) -> torch.Tensor:
+    """(act W_down^T) times each pair's routing weight (float32, (N, k)): (N k, H) float32."""
     pairs, h_dim, i_dim = experts.numel(), down.shape[1], down.shape[2]
     y = torch.empty(pairs, h_dim, dtype=torch.float32, device=act.device)
     gdc = dependent_launch(act)
     w, ws, swe, swr, sse, ssr, quant, group = stack_args(down)
-    combine = counters is not None
-    out = y if out is None else out
     down_kernel[(pairs, triton.cdiv(h_dim, tiles.down_cols))](
-        act, w, ws, experts, weights, y, out, out if add is None else add, counters if combine else y,
-        pairs, h_dim, i_dim, act.stride(0), swe, swr, sse, ssr, y.stride(0), K=experts.shape[1],
-        QUANT=quant, GROUP=group, PAIRS=triton.next_power_of_2(pairs), BHO=tiles.down_cols, BI=tiles.down_step,
-        CHUNK=CHUNK, COMBINE=combine, ADD=add is not None, GDC=gdc, num_warps=tiles.down_warps,
-        num_stages=tiles.stages, **pdl(gdc))
+        act, w, ws, experts, weights, y, pairs, h_dim, i_dim,
+        act.stride(0), swe, swr, sse, ssr, y.stride(0), QUANT=quant, GROUP=group,
+        PAIRS=triton.next_power_of_2(pairs), BHO=tiles.down_cols, BI=tiles.down_step, CHUNK=CHUNK,
+        GDC=gdc, num_warps=tiles.down_warps, num_stages=tiles.stages, **({"launch_pdl": True} if gdc else {}))
     return y
 
 
@@ -194,17 +192,13 @@ def fused_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gat
     tiles = tiles or tiles_for(gate_up.shape[0], x.shape[1], down.shape[2], k, quant_name(gate_up))
     experts = experts.contiguous()
     act = gate_up_act(x, gate_up, experts, tiles, counts)
+    y = down_weighted(act, down, experts, weights.float().contiguous(), tiles)
     out = torch.empty_like(x)
-    add = None if add is None else add.contiguous()
-    count = counters(x, n * triton.cdiv(x.shape[1], tiles.down_cols))  # a (token, tile of columns) each
-    y = down_weighted(act, down, experts, weights.float().contiguous(), tiles, out, add, count)
-    if count is not None:
-        return out
     block = 1024
     gdc = dependent_launch(x)
     combine_kernel[(n, triton.cdiv(x.shape[1], block))](
-        y, out, out if add is None else add, x.shape[1], K=k, BLOCK=block, ADD=add is not None,
-        GDC=gdc, **pdl(gdc))
+        y, out, out if add is None else add.contiguous(), x.shape[1], K=k, BLOCK=block, ADD=add is not None,
+        GDC=gdc, **({"launch_pdl": True} if gdc else {}))
     return out
 
 
@@ -304,10 +298,10 @@ if triton is not None:
                          mask=live[:, None] & (cols[None, :] < I))
 
     @triton.jit
-    def down_kernel(act, w, ws, experts, wt, y, out, add, counters, pairs, H, I, sa, swe, swr, sse, ssr, sy,
-                    K: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
+    def down_kernel(act, w, ws, experts, wt, y, pairs, H, I, sa, swe, swr, sse, ssr, sy,
+                    QUANT: tl.constexpr, GROUP: tl.constexpr,
                     PAIRS: tl.constexpr, BHO: tl.constexpr, BI: tl.constexpr, CHUNK: tl.constexpr,
-                    COMBINE: tl.constexpr, ADD: tl.constexpr, GDC: tl.constexpr):
+                    GDC: tl.constexpr):
         if GDC:
             tl.extra.cuda.gdc_launch_dependents()
         p = tl.program_id(0)
@@ -330,28 +324,6 @@ if triton is not None:
                 scale = tl.load(wt + rows, mask=live, other=0.0)
                 tl.store(y + rows[:, None] * sy + cols[None, :], acc * scale[:, None],
                          mask=live[:, None] & (cols[None, :] < H))
-                if COMBINE:  # count each pair on its token's counter; the token's last pair sums its k rows
-                    tl.debug_barrier()  # every thread's part of the tile stored before the release
-                    tile = tl.program_id(1)
-                    for r in range(0, tl.minimum(CHUNK, length - c)):  # the chunk's live pairs come first
-                        t = tl.sum(tl.where(tl.arange(0, CHUNK) == r, rows, 0), 0) // K
-                        at = counters + t * tl.num_programs(1) + tile
-                        if tl.atomic_add(at, 1, sem="acq_rel") == K - 1:
-                            combine_row(y, out, add, t, cols, H, sy, K, ADD)
-                            tl.atomic_xchg(at, 0)
-
-    @triton.jit
-    def combine_row(y, out, add, t, cols, H, sy, K: tl.constexpr, ADD: tl.constexpr):
-        """out[t, cols] = the sum of y's rows t k .. t k + k - 1 in slot order, in float32 (plus
-        add[t, cols]), then out's dtype: combine_kernel's arithmetic, read past L1 (other programs
-        wrote those rows)."""
-        m = cols < H
-        acc = tl.load(y + t * K * sy + cols, mask=m, other=0.0, cache_modifier=".cg")
-        for j in tl.static_range(1, K):
-            acc += tl.load(y + (t * K + j) * sy + cols, mask=m, other=0.0, cache_modifier=".cg")
-        if ADD:
-            acc += tl.load(add + t * H + cols, mask=m, other=0.0).to(tl.float32)
-        tl.store(out + t * H + cols, acc.to(out.dtype.element_ty), mask=m)
 
     @triton.jit
     def combine_kernel(y, out, add, H, K: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr, GDC: tl.constexpr):

@@ -19,10 +19,11 @@ tests) it runs on any device.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .cache_attention import pow2
-from .launch import INTERPRET, dependent_launch, pdl
 
 try:
     import triton
@@ -30,6 +31,7 @@ try:
 except ImportError:  # CPU installs without Triton
     triton = None
 
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ROWS = 16  # more rows go to cuBLAS: at 64 it matched the best tile of the sweep
 
 
@@ -119,21 +121,20 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: 
     out = n // 2 if glu else n  # output columns; with glu each program also reads the rows `out` further on
     y = torch.empty(m, out, dtype=x.dtype, device=x.device)
     b = bias if bias is not None else y  # not read
-    gdc = dependent_launch(x)  # launch and ramp over the previous kernel's tail (models/launch.py)
     if exact:
         bm, bn, bk, warps, stages = exact_tiles(n, k, glu)
         gemv_dot_kernel[(triton.cdiv(out, bn), triton.cdiv(m, bm))](
             xr, weight, b, y, m, out, xr.stride(0), K=k, BM=bm, BN=bn, BK=bk, EVEN_K=k % bk == 0,
-            HAS_BIAS=bias is not None, GLU=glu, GDC=gdc, num_warps=warps, num_stages=stages, **pdl(gdc))
+            HAS_BIAS=bias is not None, GLU=glu, num_warps=warps, num_stages=stages)
     elif m == 1:
         bn, bk, warps = glu_tiles(1, k) if glu else tiles(n, k)
         gemv_kernel[(triton.cdiv(out, bn),)](xr, weight, b, y, out, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
-                                         HAS_BIAS=bias is not None, GLU=glu, GDC=gdc, num_warps=warps, **pdl(gdc))
+                                         HAS_BIAS=bias is not None, GLU=glu, num_warps=warps)
     else:
         bm, bn, bk, warps, stages = glu_tiles(m, k) if glu else dot_tiles(m, n, k)
         gemv_dot_kernel[(triton.cdiv(out, bn),)](xr, weight, b, y, m, out, xr.stride(0), K=k, BM=bm, BN=bn, BK=bk,
-                                             EVEN_K=k % bk == 0, HAS_BIAS=bias is not None, GLU=glu, GDC=gdc,
-                                             num_warps=warps, num_stages=stages, **pdl(gdc))
+                                             EVEN_K=k % bk == 0, HAS_BIAS=bias is not None, GLU=glu,
+                                             num_warps=warps, num_stages=stages)
     return y.view(*x.shape[:-1], out)
 
 
@@ -166,11 +167,8 @@ if triton is not None:
 
     @triton.jit
     def gemv_kernel(X, W, B, Y, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                HAS_BIAS: tl.constexpr, GLU: tl.constexpr, GDC: tl.constexpr):
+                HAS_BIAS: tl.constexpr, GLU: tl.constexpr):
         """Y (N,) = W X (+ B) for one row X; with GLU, silu(W[:N] X) * (W[N:] X)."""
-        if GDC:  # the next kernel may launch; X is the previous kernel's output
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         rm = rows < N
         acc = tl.zeros((BN, BK), dtype=tl.float32)
@@ -197,13 +195,10 @@ if triton is not None:
 
     @triton.jit
     def gemv_dot_kernel(X, W, B, Y, M, N, sx, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr, GDC: tl.constexpr):
+                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr):
         """Y (M, N) = X (M, K) Wᵀ (+ B), rows in tiles of BM (the grid's second axis): each program
         streams BN rows of W once for its tile (with GLU also the BN rows N further on, and writes
         silu(first) * second)."""
-        if GDC:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
         m = tl.program_id(1) * BM + tl.arange(0, BM)
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
         mm, cm = m < M, cols < N

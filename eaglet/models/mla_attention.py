@@ -26,11 +26,10 @@ from __future__ import annotations
 import torch
 
 from .cache_attention import INTERPRET, MAX_SPLITS, MAX_TOKENS, pow2, split_size, triton
-from .launch import counters, dependent_launch, pdl
 
 if triton is not None:
     import triton.language as tl
-    from .cache_attention import _combine, combine_kernel, fold
+    from .cache_attention import combine_kernel, fold
 
 ROWS = 16  # query rows a program (tl.dot's least): a decode step of 16 heads is one tile
 BLOCK = 32  # cached entries a loop iteration: a (32, kv_lora_rank) tile of latents
@@ -79,19 +78,16 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, nor
     assert pending == 0 or (tree and mask.shape[-1] == pending + t)
     m = mask if tree else start  # not read without a tree
     weight, eps = norm
-    count = counters(q_lat, b * tiles) if splits > 1 else None  # the last split combines (models/launch.py)
-    gdc = dependent_launch(q_lat)
     mla_kernel[(b, tiles, splits)](
         q_lat, q_pe, kv, weight, eps, cos, sin, cache, start, m, out, part_m, part_l, part_o, scale, chunk, t, pending,
         q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), q_pe.stride(0), q_pe.stride(1), q_pe.stride(2),
         kv.stride(0), kv.stride(1), cache.stride(0), cache.stride(1), start.stride(0),
         m.stride(0) if tree else 0, m.stride(1) if tree else 0, m.stride(2) if tree else 0,
-        out.stride(0), out.stride(1), cos.stride(0), cos.stride(1), start if count is None else count,
+        out.stride(0), out.stride(1), cos.stride(0), cos.stride(1),
         NH=nh, C=c, R=r, RP=max(16, pow2(r)), ROWS=ROWS, TP=max(16, pow2(t)), PP=max(16, pow2(pending)), BLOCK=BLOCK,
         CK=min(c, CHUNK),
-        TREE=tree, SPLIT=splits > 1, INTERLEAVED=interleaved, FOLD=count is not None, SP=max(2, pow2(splits)),
-        GDC=gdc, num_warps=8, **pdl(gdc))
-    if splits > 1 and count is None:
+        TREE=tree, SPLIT=splits > 1, INTERLEAVED=interleaved, num_warps=8)
+    if splits > 1:
         combine_kernel[(b, tiles)](part_m, part_l, part_o, out, splits, t, out.stride(0), out.stride(1),
                                    G=nh, TILES=tiles, ROWS=ROWS, D=c, SP=max(2, pow2(splits)))
     return out.view(b, t, nh, c)
@@ -140,14 +136,10 @@ if triton is not None:
     @triton.jit
     def mla_kernel(QL, QP, KV, W, eps, COS, SIN, CACHE, START, MASK, OUT, PM, PL, PO, scale, chunk, T, P,
                    sl_b, sl_t, sl_h, sp_b, sp_t, sp_h, skv_b, skv_t, sc_b, sc_s, s_start, sm_b, sm_t, sm_u,
-                   so_b, so_t, scs_b, scs_t, COUNTS,
+                   so_b, so_t, scs_b, scs_t,
                    NH: tl.constexpr, C: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, ROWS: tl.constexpr,
                    TP: tl.constexpr, PP: tl.constexpr, BLOCK: tl.constexpr, CK: tl.constexpr, TREE: tl.constexpr,
-                   SPLIT: tl.constexpr, INTERLEAVED: tl.constexpr, FOLD: tl.constexpr, SP: tl.constexpr,
-                   GDC: tl.constexpr):
-        if GDC:  # the next kernel may launch; the queries and the new entries are the previous kernels' output
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+                   SPLIT: tl.constexpr, INTERLEAVED: tl.constexpr):
         b = tl.program_id(0)
         tile = tl.program_id(1)
         sp = tl.program_id(2)
@@ -215,12 +207,6 @@ if triton is not None:
             tl.store(PM + part * ROWS + rr, m_i)
             tl.store(PL + part * ROWS + rr, l_i)
             tl.store(PO + (part * ROWS + rr[:, None]) * C + c[None, :], acc)
-            if FOLD:  # count this split; the last of its (row, tile) combines them
-                tl.debug_barrier()  # every thread's part stored before the release
-                group = b * tl.num_programs(1) + tile
-                if tl.atomic_add(COUNTS + group, 1, sem="acq_rel") == tl.num_programs(2) - 1:
-                    _combine(PM, PL, PO, OUT, b, group, tile, 0, tl.num_programs(2), T, so_b, so_t, NH, ROWS, C, SP)
-                    tl.atomic_xchg(COUNTS + group, 0)
         else:
             o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # padded rows: 0
             tl.store(OUT + b * so_b + tq[:, None] * so_t + hq[:, None] * C + c[None, :], o.to(OUT.dtype.element_ty),
