@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Where `eaglet serve`'s host time goes under load on the H200: one server (SERVE_ARGS), one warm-up
 # run of `eaglet bench-serve` at each concurrency in CONC (default 64), then py-spy samples the server
-# (all threads, idle ones too, 500 Hz, raw collapsed stacks) through a second run at that level.
+# (all threads, idle ones too, 500 Hz, raw collapsed stacks) through a second run at that level, without
+# pausing it (py-spy's default pauses the process a sample: the server ran at a quarter of its speed).
 # Needs the model and sharegpt_first_turns.json.gz staged and the py-spy wheel in .whl.
 #   SERVE_ARGS="--spec none" bash bench/gpu/serve_pyspy.sh
 #   SERVE_ARGS="--draft eaglet/drafters/smollm2-135m-instruct-eagle3 --spec-policy PROFILE" bash bench/gpu/serve_pyspy.sh
@@ -21,7 +22,7 @@ for c in ${CONC:-64}; do
   n=$(( c * 8 > 32 ? c * 8 : 32 ))
   bs --num-requests $n --concurrency $c > /dev/null
   tag=${TAG:-serve}-c$c
-  /tmp/site/bin/py-spy record -p $pid --idle --threads -r 500 -d ${SECONDS_REC:-6} -f raw -o "$out/$tag.txt" > /dev/null 2>&1 &
+  /tmp/site/bin/py-spy record -p $pid --nonblocking --idle --threads -r 500 -d ${SECONDS_REC:-6} -f raw -o "$out/$tag.txt" > /dev/null 2>&1 &
   spy=$!
   bs --num-requests $n --concurrency $c --out "$out" | grep -E "throughput|TPOT|ITL|accept"
   wait $spy
