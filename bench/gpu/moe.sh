@@ -4,7 +4,7 @@
 #                                 # (TUNE=1: sweep the fused tiles first; SHAPES="kimi-k2 qwen3-30b-a3b" by default;
 #                                 #  QUANT="bf16 int4 fp8": the experts also as INT4 packs and FP8 blocks)
 #   bash bench/gpu/moe.sh layer-ab  # the fused kernels of the package in $ALT (default .old) and of this checkout, one after
-#                                 #  the other (SHAPES="qwen3-30b-a3b kimi-k2" by default), records in alt/ and this/
+#                                 #  the other (SHAPES="qwen3-30b-a3b kimi-k2" by default; QUANT as for layer), records in alt/ and this/
 #   bash bench/gpu/moe.sh test    # the MoE GPU tests: graphed == eager, the fused kernels row-invariant
 #   bash bench/gpu/moe.sh mla     # the MLA attention kernel: its GPU tests (the kernel against the absorbed form,
 #                                 #  a tiny DeepSeek-V3 through it), then decode and the forward curve side by side with
@@ -28,7 +28,7 @@ case $phase in
   layer-ab)  # the fused kernels from the package in $ALT (default .old), then from this checkout (with the grouped matmul)
     for side in alt this; do
       dir=${ALT:-.old} paths=fused; [ $side = this ] && dir=. paths="fused grouped"
-      (cd $dir && python3 -m eaglet bench-moe --shape ${SHAPES:-qwen3-30b-a3b kimi-k2} --paths $paths --quant bf16 \
+      (cd $dir && python3 -m eaglet bench-moe --shape ${SHAPES:-qwen3-30b-a3b kimi-k2} --paths $paths --quant ${QUANT:-bf16} \
         --out "$out/$side") 2>&1 | tee -a "$out/bench-moe-ab.log"
     done ;;
   test)
