@@ -20,7 +20,7 @@ candidates: `rows_gemv` (CUDA cores, up to 8 rows) and `dot_splitk` (the tensor-
 split across programs, configs of six numbers, the last the split).
 
   python3 bench/gpu/layer_probe.py OUT_DIR
-  python3 bench/gpu/layer_probe.py OUT_DIR sweep [llama-3.1-8b | qwen3-8b | smollm2-135m] [ROWS, e.g. 1,6,16,64]
+  python3 bench/gpu/layer_probe.py OUT_DIR sweep [llama-3.1-8b | qwen3-8b | smollm2-135m | qwen3-30b-a3b] [ROWS, e.g. 1,6,16,64]
   SWEEP=split python3 ...   (2 to 16 rows: what dot_tiles picks against the split-K candidates only)
   SWEEP=swap python3 ...    (2 to 16 rows: against `dot_swap` and `dot_swap_tma`, the operands swapped)
   python3 bench/gpu/layer_probe.py OUT_DIR glu [SHAPE] [ROWS]   (gate-up + SiLU·mul: unfused against gemv.glu)
@@ -291,6 +291,9 @@ SWEEP_SHAPES = {
                       "lm_head": (151936, 4096)}),
     "smollm2-135m": (30, {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
                           "lm_head": (49152, 576)}),
+    # its dense projections only (the experts are bench-moe's): 8.4 µs each at decode on the H200 against
+    # ~5 and ~4 of bytes (forward-profile-gpu-20261204-190608.json)
+    "qwen3-30b-a3b": (48, {"qkv": (5120, 2048), "o": (2048, 4096), "lm_head": (151936, 2048)}),
 }
 
 
