@@ -291,7 +291,7 @@ SWEEP_SHAPES = {
                       "lm_head": (151936, 4096)}),
     "smollm2-135m": (30, {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
                           "lm_head": (49152, 576)}),
-    # its dense projections only (the experts are bench-moe's): 8.4 µs each at decode on the H200 against
+    # its dense projections only (the experts are bench-moe's): ~7-8 µs each at decode on the H200 against
     # ~5 and ~4 of bytes (forward-profile-gpu-20261204-190608.json)
     "qwen3-30b-a3b": (48, {"qkv": (5120, 2048), "o": (2048, 4096), "lm_head": (151936, 2048)}),
 }
