@@ -43,15 +43,11 @@ BLOCK = 2048  # entries a chunk: a row is read in chunks, every pass
 MIN_ROWS = 16
 
 
-def on_device(x: torch.Tensor) -> bool:
-    """Whether Triton can run on these logits (the GPU, or the interpreter)."""
-    return triton is not None and (x.is_cuda or INTERPRET) and x.shape[-1] < (1 << 31)
-
-
 def usable(x: torch.Tensor) -> bool:
     """Whether the kernel takes these logits (callers ask only where Kernels.draw is on): at least
     MIN_ROWS rows (positions) of them."""
-    return on_device(x) and x.numel() >= MIN_ROWS * x.shape[-1]
+    return (triton is not None and (x.is_cuda or INTERPRET) and x.shape[-1] < (1 << 31)
+            and x.numel() >= MIN_ROWS * x.shape[-1])
 
 
 def cut_draw(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

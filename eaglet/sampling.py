@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import cut_draw, radix_draw
+from . import cut_draw
 from .errors import InvalidInput
 from .kernels import fusable
 
@@ -267,10 +267,7 @@ class RowSampling:
         if not self.mode.sampled:
             return best
         ids = self.vocab_ids(logits.shape[-1], vocab)
-        cut = self.mode.filtered and kernels is not None and kernels.draw
-        if cut and radix_draw.takes(logits) and cut_draw.on_device(logits):  # 16-bit logits, any row count
-            drawn = radix_draw.radix_draw(logits, self.temperature, self.top_k, self.top_p, self.seeds(offset), ids)
-        elif cut and cut_draw.usable(logits):
+        if self.mode.filtered and kernels is not None and kernels.draw and cut_draw.usable(logits):
             drawn = cut_draw.cut_draw(logits, self.temperature, self.top_k, self.top_p, self.seeds(offset), ids)
         else:  # the cut by a sort of each row's vocabulary, then one fused pass
             fn = gumbel_argmax if kernels is None else kernels.fuse(gumbel_argmax)

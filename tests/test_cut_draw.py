@@ -1,11 +1,11 @@
-"""The sampled draw under top-k / top-p without a sort (eaglet/cut_draw.py for float32 logits,
-eaglet/radix_draw.py for bfloat16 and float16): the kernels draw what the torch path (a sort of the vocabulary, sampling.RowSampling.scaled) draws, token for token, for any
+"""The sampled draw under top-k / top-p without a sort (eaglet/cut_draw.py, float32 and bfloat16
+logits): the kernel draws what the torch path (a sort of the vocabulary, sampling.RowSampling.scaled) draws, token for token, for any
 mix of settings; equal logits are kept or cut together on both paths; the kernel's draws follow the
 target distribution; a row's draw does not depend on the other rows."""
 import pytest
 import torch
 
-from eaglet import cut_draw, radix_draw
+from eaglet import cut_draw
 from eaglet.kernels import Kernels
 from eaglet.sampling import RowSampling, SamplingParams, gumbel_argmax, target_probs
 
@@ -20,11 +20,8 @@ SETTINGS = [SamplingParams(0.8, top_p=0.9), SamplingParams(1.0, top_k=20), Sampl
 
 @pytest.fixture(autouse=True)
 def every_row_count(monkeypatch):
-    """The kernels for calls of any size (in the package: cut_draw's from cut_draw.MIN_ROWS rows), and
-    radix_draw on (off in the package until measured faster)."""
+    """The kernel for calls of any size (in the package: from cut_draw.MIN_ROWS rows)."""
     monkeypatch.setattr(cut_draw, "MIN_ROWS", 1)
-    monkeypatch.setattr(radix_draw, "ON", True)
-    monkeypatch.setattr(radix_draw, "CHUNK", 128)  # fewer, larger steps: Triton's interpreter is slow per step
 
 
 def rows_of(settings, keys=None) -> RowSampling:
@@ -129,27 +126,3 @@ def test_calls_of_few_rows_keep_the_sort(monkeypatch):
     rs.pick(torch.randn(2, 8, 300, device=DEV), nodes(8), DRAW)
     assert calls == [(2, 8, 300)]
 
-
-def test_16_bit_logits_take_the_radix_kernel_at_any_row_count(monkeypatch):
-    """bfloat16 and float16 logits go to radix_draw whatever the row count (one row: its row split over
-    many programs), float32 to cut_draw's kernel; float16's draws equal the sorted path's, signed
-    zeros included (-0 and +0 are one value, kept or cut together)."""
-    monkeypatch.setattr(cut_draw, "MIN_ROWS", 16)
-    calls = []
-    real = radix_draw.radix_draw
-    monkeypatch.setattr(radix_draw, "radix_draw", lambda *a: calls.append(a[0].dtype) or real(*a))
-    assert radix_draw.splits(49152) == 48 and radix_draw.splits(2000) == 2
-    rs = rows_of(SETTINGS[:3])
-    gen = torch.Generator().manual_seed(7)
-    for dtype in (torch.float16, torch.bfloat16):
-        logits = (torch.randn(3, 2000, generator=gen) * 2).to(dtype)
-        logits[:, :40] = 0.0
-        logits[:, 40:80] = -0.0
-        logits[:, 80] = 6.0
-        x = logits.to(DEV)
-        assert torch.equal(rs.pick(x, 3, DRAW), rs.pick(x, 3))
-        one = rows_of(SETTINGS[2:3], keys=[102])
-        assert torch.equal(one.pick(x[2:], 3, DRAW), one.pick(x[2:], 3))
-    assert calls == [torch.float16] * 2 + [torch.bfloat16] * 2
-    rs.pick(torch.randn(3, 16, 300, device=DEV), torch.arange(16, device=DEV).expand(3, -1), DRAW)  # float32: cut_draw
-    assert len(calls) == 4

@@ -17,11 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent))
 from inprocess import bench_serve, serving  # noqa: E402
-from serve_host_load import model_without_cost, system  # noqa: E402
+from serve_host_load import model_without_cost, system, warm_replay_free  # noqa: E402
 
 from eaglet.generate import Generator  # noqa: E402
 from eaglet.perf.record import write_record  # noqa: E402
@@ -66,13 +64,7 @@ def main() -> None:
         app = build_app(gen, "m", max_batch=args.concurrency, max_len=1024,
                         multi_step=args.multi_step if name == "plain" else None)
         engine = app.state.engine
-        with torch.inference_mode():  # every row bucket's one real step before any timing
-            for setting in engine.settings():
-                dec = engine.decoder()
-                dec.use(engine.step(setting))
-                dec.graphs.enabled = True
-                dec.warmup(prompt_tokens=16)
-                dec.graphs.enabled = False
+        warm_replay_free(engine)
         engine.start()
         runs = {"alone": [], "http": []}
         with serving(app, port):

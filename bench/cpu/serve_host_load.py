@@ -75,6 +75,18 @@ def model_without_cost(tokens_per_step: int):
     return loaded, load_speculator(SpecConfig("eagle3", str(bundled_drafter())), loaded.model)
 
 
+def warm_replay_free(engine) -> None:
+    """Every row bucket's one real step of every setting the engine's policy can choose, before any
+    timing (replay_any_shape keeps what it makes; the engine reuses it)."""
+    with torch.inference_mode():
+        for setting in engine.settings():
+            dec = engine.decoder()
+            dec.use(engine.step(setting))
+            dec.graphs.enabled = True  # warmup() is for graphs
+            dec.warmup(prompt_tokens=16)
+            dec.graphs.enabled = False
+
+
 def system(base, name: str):
     """The speculator of a system named plain (None), chain:S or tree:S,K,N."""
     return None if name == "plain" else dataclasses.replace(base, spec=setting_spec(name, base.spec))
@@ -127,14 +139,7 @@ def main() -> None:
         gen = Generator(loaded.model, loaded.tokenizer, system(base, sysname))
         app = build_app(gen, "m", max_batch=args.concurrency, max_len=1024, multi_step=multi,
                         spec_multi_step=spec_multi)
-        with torch.inference_mode():  # every row bucket's one real step before any timing (the engine reuses it)
-            engine = app.state.engine
-            for setting in engine.settings():
-                dec = engine.decoder()
-                dec.use(engine.step(setting))
-                dec.graphs.enabled = True  # warmup() is for graphs; replay_any_shape keeps what it makes
-                dec.warmup(prompt_tokens=16)
-                dec.graphs.enabled = False
+        warm_replay_free(app.state.engine)
         with serving(app, port):
             rounds = [bench(port, args) for _ in range(args.rounds + 1)][1:]  # the first warms up
             if args.pyspy:

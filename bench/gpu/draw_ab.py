@@ -1,9 +1,8 @@
 """The sampled draw under top-k / top-p on the GPU: the package's path (cut_draw.py's kernel from
-cut_draw.MIN_ROWS rows, the sort below), radix_draw.py (bfloat16 logits, each row over many programs;
-off in the package), cut_draw.py's one program a row at any row count, and the torch path (a sort
-of each row's vocabulary, then the compiled Gumbel-max), each captured in a CUDA graph and timed by
-CUDA events, for the logits a plain step (B, V) and a tree verify (B, 16, V) draw from; and how many
-draws the package's and radix_draw's paths share with the sort. Random logits, nothing to stage.
+cut_draw.MIN_ROWS rows, the sort below), cut_draw.py's one program a row at any row count, and the
+torch path (a sort of each row's vocabulary, then the compiled Gumbel-max), each captured in a CUDA
+graph and timed by CUDA events, for the logits a plain step (B, V) and a tree verify (B, 16, V) draw
+from; and how many draws the package's path shares with the sort. Random logits, nothing to stage.
 
   python3 bench/gpu/draw_ab.py OUT_DIR [VOCAB ...]      # default 49152 (SmolLM2) and 128256 (Llama 3)
 """
@@ -12,7 +11,7 @@ import sys
 
 import torch
 
-from eaglet import cut_draw, radix_draw
+from eaglet import cut_draw
 from eaglet.kernels import Kernels
 from eaglet.perf.record import write_record
 from eaglet.sampling import RowSampling, SamplingParams
@@ -60,18 +59,16 @@ def main(out_dir: str, vocabs: list[int]) -> None:
                 ms = {k: graphed_ms(lambda kern=kern: rs.pick(logits, offset, kern)) for k, kern in
                       (("kernel", fast), ("sort", slow))}
                 ms["agree"] = agree()  # the package's path and the sort: the same draws but for float near-ties
-                for path, on, least in (("radix", True, cut_draw.MIN_ROWS), ("one_program", False, 1)):
-                    saved = radix_draw.ON, cut_draw.MIN_ROWS
-                    radix_draw.ON, cut_draw.MIN_ROWS = on, least
-                    try:
-                        ms[path], ms[f"agree_{path}"] = graphed_ms(lambda: rs.pick(logits, offset, fast)), agree()
-                    finally:
-                        radix_draw.ON, cut_draw.MIN_ROWS = saved
+                saved, cut_draw.MIN_ROWS = cut_draw.MIN_ROWS, 1
+                try:
+                    ms["one_program"] = graphed_ms(lambda: rs.pick(logits, offset, fast))
+                finally:
+                    cut_draw.MIN_ROWS = saved
                 key = f"{v} {'x'.join(map(str, shape))} {name}"
                 results[key] = {**ms, "speedup": ms["sort"] / ms["kernel"]}
                 print(f"V {v:6d}  rows {'x'.join(map(str, shape)):6s} {name:22s} package {ms['kernel'] * 1e3:7.1f} µs"
-                      f"  radix {ms['radix'] * 1e3:7.1f}  one program a row {ms['one_program'] * 1e3:7.1f}"
-                      f"  sort {ms['sort'] * 1e3:7.1f}  agree {ms['agree']:.3f} / {ms['agree_radix']:.3f}", flush=True)
+                      f"  one program a row {ms['one_program'] * 1e3:7.1f}  sort {ms['sort'] * 1e3:7.1f}"
+                      f"  agree {ms['agree']:.3f}", flush=True)
     print("record:", write_record("draw-ab", {"vocabs": vocabs, "replays": REPLAYS, "repeats": REPEATS}, results,
                                   out_dir))
 
