@@ -1,3 +1,6 @@
 from .cli import main
-import sys
-sys.exit(main())
+
+if __name__ == "__main__":  # not when a spawned engine process (server/remote.py) imports the main module
+    import sys
+
+    sys.exit(main())

@@ -4,8 +4,8 @@ two ways at the same concurrency, alternating rounds: its Engine alone, fed by a
 in this process (requests tokenized beforehand, chunks read and dropped: no HTTP, no JSON), and the
 same engine behind FastAPI with `eaglet bench-serve` in its own process. The engine detokenizes and
 streams either way; the difference is the event loop's HTTP work sharing the engine's GIL (and, on a
-machine with few cores, the client's process). A probe for whether an engine in a process of its own
-would pay; it runs on any machine's CPUs.
+machine with few cores, the client's process). Third, the same engine in a process of its own
+(`serve --engine-process`, server/remote.py) behind FastAPI in this one. It runs on any machine's CPUs.
 
   .venv/bin/python bench/cpu/engine_alone.py [--systems plain tree:4,4,16] [--concurrency 16] [--rounds 3]
 """
@@ -19,12 +19,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from inprocess import bench_serve, serving  # noqa: E402
-from serve_host_load import model_without_cost, system, warm_replay_free  # noqa: E402
+from serve_host_load import model_without_cost, replay_free_engine, system, warm_replay_free  # noqa: E402
 
 from eaglet.generate import Generator  # noqa: E402
 from eaglet.perf.record import write_record  # noqa: E402
 from eaglet.sampling import SamplingParams  # noqa: E402
-from eaglet.server.app import build_app  # noqa: E402
+from eaglet.server.app import build_app, serve_app  # noqa: E402
+from eaglet.server.remote import EngineClient  # noqa: E402
 from eaglet.server.request import Request  # noqa: E402
 
 TOKENS = 128
@@ -60,23 +61,30 @@ def main() -> None:
     prompts = [loaded.tokenizer.apply_chat([{"role": "user", "content": t}]) for t in turns]
     results = {}
     for port, name in enumerate(args.systems, start=8095):
+        multi = args.multi_step if name == "plain" else None
         gen = Generator(loaded.model, loaded.tokenizer, system(base, name))
-        app = build_app(gen, "m", max_batch=args.concurrency, max_len=1024,
-                        multi_step=args.multi_step if name == "plain" else None)
+        app = build_app(gen, "m", max_batch=args.concurrency, max_len=1024, multi_step=multi)
         engine = app.state.engine
         warm_replay_free(engine)
         engine.start()
-        runs = {"alone": [], "http": []}
-        with serving(app, port):
+        remote = serve_app(EngineClient(replay_free_engine, name, 3, args.concurrency, multi))
+        runs = {"alone": [], "http": [], "process": []}
+        with serving(app, port), serving(remote, port + 10):
             asyncio.run(bare(engine, prompts, args.concurrency))  # warm-up of each way
             bench_serve(port, args.prompts, args.num_requests, args.concurrency)
+            bench_serve(port + 10, args.prompts, args.num_requests, args.concurrency)
             for _ in range(args.rounds):
                 runs["alone"].append(asyncio.run(bare(engine, prompts, args.concurrency)))
                 runs["http"].append(bench_serve(port, args.prompts, args.num_requests, args.concurrency)["output_throughput"])
+                runs["process"].append(bench_serve(port + 10, args.prompts, args.num_requests,
+                                                   args.concurrency)["output_throughput"])
+        engine.shutdown()
         med = {k: statistics.median(v) for k, v in runs.items()}
-        results[name] = {"rounds": runs, "median_tok_s": med, "alone_over_http": med["alone"] / med["http"]}
+        results[name] = {"rounds": runs, "median_tok_s": med, "alone_over_http": med["alone"] / med["http"],
+                         "process_over_http": med["process"] / med["http"]}
         print(f"{name:<14} alone {med['alone']:8.0f} tok/s, behind HTTP {med['http']:8.0f} "
-              f"({med['alone'] / med['http']:.2f}x)", flush=True)
+              f"({med['alone'] / med['http']:.2f}x), engine process behind HTTP {med['process']:8.0f} "
+              f"({med['process'] / med['http']:.2f}x)", flush=True)
     print("record:", write_record("engine-alone", vars(args), results, args.out))
 
 

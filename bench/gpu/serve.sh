@@ -22,7 +22,7 @@
 # i.e. "--spec-steps 5 --spec-topk 4 --spec-draft-tokens 16"; "--spec-steps 5": chain 5).
 # ALT=DIR: a third server, speculating like the first but run from another eaglet package in DIR (e.g. a
 # branch's eaglet/*.py, git-ignored and carried), beside it in every round: an A/B of two versions;
-# ALT_NONE=1 with ALT: a fourth, `--spec none` from DIR (the side by side with a previous commit,
+# ALT_NONE=1 with ALT: a fourth, `--spec none` from DIR (flags: ALT_NONE_ARGS) (the side by side with a previous commit,
 # plain and speculating: `git archive SHA eaglet | tar -x -C .prev`, carry .prev, ALT=.prev ALT_NONE=1).
 # SERVE_ARGS: more flags for this checkout's servers (e.g. --multi-step 1); ALT_ARGS: for the ALT speculating
 # server (ALT=$PWD ALT_ARGS="--spec-multi-step 2": an A/B of one flag on this checkout).
@@ -56,7 +56,7 @@ pids=()
 for name in $servers; do
   spec=$name draft= dir=$PWD extra=${SERVE_ARGS:-}
   [ $name = alt ] && spec=eagle3 dir=$ALT extra=${ALT_ARGS:-}  # python -m puts the working directory first on the path
-  [ $name = altnone ] && spec=none dir=$ALT extra=
+  [ $name = altnone ] && spec=none dir=$ALT extra=${ALT_NONE_ARGS:-}
   [ $spec = eagle3 ] && draft="--draft $PWD/eaglet/drafters/smollm2-135m-instruct-eagle3 ${SPEC_MAX_BATCH:+--spec-max-batch $SPEC_MAX_BATCH} ${policy:+--spec-policy $(realpath $policy)} ${SPEC_ARGS:-}"
   (cd $dir && exec python3 -m eaglet serve --model $GGUF --port ${PORT[$name]} --max-batch ${MAX_BATCH:-64} --max-model-len 1024 \
     --spec $spec $draft $extra --log-level warning) &

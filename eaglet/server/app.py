@@ -32,7 +32,6 @@ from ..spec.metrics import SpecMetrics
 from .engine import Chunk, Engine, Request
 from . import MAX_BODY
 from .guard import Guard
-from .metrics import ServerMetrics
 from .policy import SpecPolicy
 from .protocol import (
     APIError,
@@ -87,19 +86,20 @@ def build_app(generator: Generator, model_name: str, max_batch: int = 8, max_que
               max_len: int | None = None, policy: SpecPolicy | None = None, api_key: str | None = None,
               max_body: int = MAX_BODY, multi_step: int | None = None, spec_multi_step: int = 1,
               channel=None) -> FastAPI:
-    """The app and its engine (started and stopped with the app's lifespan); `max_len` is each
-    row's context (prompt + generated), at most the model's; `policy` chooses plain or a
-    speculation setting per batch (default: always the generator's own); `api_key` and
+    """The app and its engine in this process (started and stopped with the app's lifespan);
+    `max_len` is each row's context (prompt + generated), at most the model's; `policy` chooses
+    plain or a speculation setting per batch (default: always the generator's own); `api_key` and
     `max_body` are what guard.py checks before any route; `multi_step` and `spec_multi_step`: the
     decoder steps a host round trip, plain and speculating (Engine); `channel`: the engine leads
     tensor-parallel ranks (dist/follow.py)."""
-    tok = generator.tokenizer
-    if tok is None:
-        raise InvalidInput("serving needs a tokenizer; the model directory has none")
-    max_len = min(max_len or generator.context, generator.context)
-    vocab = generator.model.config.vocab_size
-    metrics = ServerMetrics(model_name)
-    engine = Engine(generator, max_batch, max_queue, max_len, metrics, policy, multi_step, spec_multi_step, channel)
+    return serve_app(Engine.serving(generator, model_name, max_batch, max_queue, max_len, policy, multi_step,
+                                    spec_multi_step, channel), api_key, max_body)
+
+
+def serve_app(engine, api_key: str | None = None, max_body: int = MAX_BODY) -> FastAPI:
+    """The routes around an engine: an Engine (its thread in this process) or a remote.EngineClient
+    (the engine in a process of its own), which offer the same calls."""
+    tok, vocab, max_len, model_name = engine.tokenizer, engine.vocab, engine.max_len, engine.name
 
     @asynccontextmanager
     async def lifespan(app):
@@ -262,7 +262,6 @@ def build_app(generator: Generator, model_name: str, max_batch: int = 8, max_que
 
     @app.get("/metrics")
     async def prometheus():
-        engine.sync_idle()  # the engine's wait so far counts now, not when it next wakes
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await engine.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -54,6 +54,9 @@ def add_serve_parsers(sub) -> None:
     sv.add_argument("--spec-multi-step", type=int, default=1, metavar="N",
                     help="speculation steps launched back to back per host round trip (default 1: each step "
                          "already brings several tokens a row, and a trip delays the next admission)")
+    sv.add_argument("--engine-process", action="store_true",
+                    help="run the engine (model, batching, detokenizing) in a process of its own, so the HTTP "
+                         "side's Python work (parsing, tokenizing, streaming) does not share its GIL (not with --tp)")
     sv.add_argument("--eager", action="store_true", help="no CUDA graphs")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -97,10 +100,7 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from ..errors import InvalidInput
-    from ..generate import Generator
-    from ..weights import load_model
-    from .app import build_app
-    from .policy import SpecPolicy, load_profile_policy
+    from .app import serve_app
 
     if args.max_batch < 1 or args.max_queue < 1 or (args.max_model_len is not None and args.max_model_len < 2):
         raise InvalidInput("--max-batch and --max-queue must be >= 1, --max-model-len >= 2")
@@ -112,17 +112,67 @@ def cmd_serve(args) -> int:
         raise InvalidInput(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
     if args.spec_max_batch is not None and args.spec_max_batch < 0:
         raise InvalidInput(f"--spec-max-batch must be >= 0, got {args.spec_max_batch}")
+    tp = shard(args)
+    if args.engine_process and tp is not None and tp.world > 1:
+        raise InvalidInput("--engine-process does not combine with --tp: rank 0's engine leads the other ranks "
+                           "from the process that joined them")
+    serving_policy(args)  # checked before the (slow) model load
+    channel = None
+    if tp is not None and tp.world > 1:  # rank 0 serves and leads; the other ranks follow its decoder
+        from ..dist.follow import Channel
+
+        channel = Channel()
+    if args.engine_process:  # the model loads in the engine's process
+        from .remote import EngineClient
+
+        engine = EngineClient(serving_engine, args)
+    else:
+        engine = serving_engine(args, channel if tp is None or tp.rank == 0 else None)
+    app = serve_app(engine, args.api_key, args.max_body_bytes)
+    if tp is not None and tp.rank:
+        from ..dist.follow import follow
+
+        follow(app.state.engine, channel)
+        return 0
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ranks = f", tensor-parallel over {tp.world} ranks" if channel else ""
+    where = ", the engine in a process of its own" if args.engine_process else ""
+    print(f"[eaglet] serving {engine.name} ({engine.describe()}, {args.max_batch} rows, context "
+          f"{engine.max_len}{ranks}{where}) at http://{args.host}:{args.port}/v1", file=sys.stderr)
+    if channel is None:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        return 0
+    return serve_leading(app, channel, args)
+
+
+def serving_policy(args):
+    """The speculation configured (or None) and --spec-policy's table (or None)."""
+    from ..errors import InvalidInput
+    from .policy import load_profile_policy
+
     spec = spec_config(args, args.model)
-    table = None
-    if args.spec_policy:  # checked before the (slow) model load
-        if spec is None:
-            raise InvalidInput("--spec-policy chooses among settings of a drafter, but none is configured "
-                               "(give --spec/--draft, or drop --spec-policy)")
-        table, rec = load_profile_policy(args.spec_policy)
-        profiled = (rec.get("flags") or {}).get("spec")
-        if profiled and profiled != spec.method:
-            print(f"[eaglet] warning: {args.spec_policy} profiled the {profiled} drafter; serving {spec.method}",
-                  file=sys.stderr)
+    if not args.spec_policy:
+        return spec, None
+    if spec is None:
+        raise InvalidInput("--spec-policy chooses among settings of a drafter, but none is configured "
+                           "(give --spec/--draft, or drop --spec-policy)")
+    table, rec = load_profile_policy(args.spec_policy)
+    profiled = (rec.get("flags") or {}).get("spec")
+    if profiled and profiled != spec.method:
+        print(f"[eaglet] warning: {args.spec_policy} profiled the {profiled} drafter; serving {spec.method}",
+              file=sys.stderr)
+    return spec, table
+
+
+def serving_engine(args, channel=None):
+    """`eaglet serve`'s engine, not started: the model, its speculator and policy (in the server's
+    process, or in the engine's own: remote.py calls this there)."""
+    from ..generate import Generator
+    from ..weights import load_model
+    from .engine import Engine
+    from .policy import SpecPolicy
+
+    spec, table = serving_policy(args)
     max_spec = args.spec_max_batch if args.spec_max_batch is not None or table else 1
     loaded = load_model(args.model, args.dtype, args.device, kernels=model_kernels(args), tp=shard(args))
     if loaded.tokenizer is None:
@@ -136,28 +186,9 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or ("SmolLM2-135M-Instruct" if path is None else
                                       path.stem if path.is_file() else path.resolve().name)
     policy = SpecPolicy(speculator, table, max_spec, args.spec_policy)
-    tp = shard(args)
-    channel = None
-    if tp is not None and tp.world > 1:  # rank 0 serves and leads; the other ranks follow its decoder
-        from ..dist.follow import Channel
-
-        channel = Channel()
-    app = build_app(Generator(loaded.model, loaded.tokenizer, speculator, graphs=not args.eager), name,
-                    args.max_batch, args.max_queue, args.max_model_len, policy, args.api_key, args.max_body_bytes,
-                    args.multi_step, args.spec_multi_step, channel if tp is None or tp.rank == 0 else None)
-    if tp is not None and tp.rank:
-        from ..dist.follow import follow
-
-        follow(app.state.engine, channel)
-        return 0
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ranks = f", tensor-parallel over {tp.world} ranks" if channel else ""
-    print(f"[eaglet] serving {name} ({policy.describe()}, {args.max_batch} rows, context "
-          f"{app.state.engine.max_len}{ranks}) at http://{args.host}:{args.port}/v1", file=sys.stderr)
-    if channel is None:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-        return 0
-    return serve_leading(app, channel, args)
+    return Engine.serving(Generator(loaded.model, loaded.tokenizer, speculator, graphs=not args.eager), name,
+                          args.max_batch, args.max_queue, args.max_model_len, policy, args.multi_step,
+                          args.spec_multi_step, channel)
 
 
 def serve_leading(app, channel, args) -> int:

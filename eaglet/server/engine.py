@@ -55,6 +55,7 @@ from functools import partial
 
 import torch
 
+from ..errors import InvalidInput
 from ..generate import Generator
 from ..runtime.decoder import Decoder, Step
 from ..spec.loop import SpecStep
@@ -110,6 +111,24 @@ class Engine:
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="eaglet-engine", daemon=True)
         metrics.kv(0, slots * max_len)
+        self.name = metrics.name  # the served model's
+
+    @classmethod
+    def serving(cls, generator: Generator, model_name: str, max_batch: int = 8, max_queue: int = 256,
+                max_len: int | None = None, policy: SpecPolicy | None = None, multi_step: int | None = None,
+                spec_multi_step: int = 1, channel=None) -> "Engine":
+        """A server's engine (app.build_app's arguments), its own Prometheus metrics."""
+        if generator.tokenizer is None:
+            raise InvalidInput("serving needs a tokenizer; the model directory has none")
+        max_len = min(max_len or generator.context, generator.context)
+        return cls(generator, max_batch, max_queue, max_len, ServerMetrics(model_name), policy, multi_step,
+                   spec_multi_step, channel)
+
+    describe = property(lambda self: self.policy.describe)  # a call: what the server prints
+
+    # what the HTTP side needs besides the engine (an engine process sends it: remote.py)
+    tokenizer = property(lambda self: self.generator.tokenizer)
+    vocab = property(lambda self: self.generator.model.config.vocab_size)
 
     def warmup(self) -> int:
         """Before the first request (GPU, graphs on): capture the CUDA graphs of every decoder the
@@ -305,6 +324,14 @@ class Engine:
             self.time_admits += bool(admit)
             if end - self.time_pushed > 0.05:  # a few counter updates every 50 ms, not every iteration
                 self._push_time()
+
+    async def metrics_text(self) -> bytes:
+        """The Prometheus text of /metrics."""
+        return self.metrics_text_now()
+
+    def metrics_text_now(self) -> bytes:
+        self.sync_idle()  # the engine's wait so far counts now, not when it next wakes
+        return self.metrics.render()
 
     def sync_idle(self) -> None:
         """Count the engine's wait so far (the HTTP side calls it before /metrics is rendered): a
