@@ -164,4 +164,3 @@ def gate_steps(monkeypatch, gate: threading.Event, sampled_only: bool) -> thread
 
     monkeypatch.setattr(engine_mod, "Batcher", Gated)
     return held
-

@@ -181,11 +181,11 @@ class EngineClient:
 
     def _handle(self, kind: str, body) -> None:
         if kind == "chunks":
-            for rid, chunk, final in body:
+            for rid, final, *fields in body:
                 req = self.reqs.pop(rid, None) if final else self.reqs.get(rid)
                 if req is not None:
                     req.done = final
-                    req.queue.put_nowait(chunk)
+                    req.queue.put_nowait(Chunk(*fields))
         elif kind == "metrics" and self.pending_metrics:
             self.pending_metrics.pop(0).set_result(body)
         elif kind == "stopped":
@@ -250,7 +250,9 @@ def _child(conn, up, factory, args) -> None:
                 if req.done:  # cancelled meanwhile
                     continue
                 req.done = final
-                items.append((req.id, chunk, final))
+                # a tuple, not the dataclass: a fraction of the pickling (every chunk of every step)
+                items.append((req.id, final, chunk.text, chunk.tokens, chunk.finish_reason, chunk.completion_tokens,
+                              chunk.spec, chunk.error))
                 if final:
                     reqs.pop(req.id, None)
         engine.outbox.clear()
@@ -277,7 +279,7 @@ def _child(conn, up, factory, args) -> None:
                 engine.submit(req)
             except APIError as e:
                 reqs.pop(rid, None)
-                send(("chunks", [(rid, Chunk("", 0, error=e), True)]))
+                send(("chunks", [(rid, True, "", 0, None, 0, None, e)]))
         elif kind == "cancel":
             if (req := reqs.pop(body, None)) is not None:
                 engine.cancel(req)
