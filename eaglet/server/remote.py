@@ -53,7 +53,7 @@ class EngineInfo:
 
 
 class EngineClient:
-    def __init__(self, factory, *args, timeout: float | None = None):
+    def __init__(self, factory, *args):
         """Spawns the engine's process, which calls `factory(*args)` (a module-level function
         returning an Engine, not started), and waits until it is built; its load error comes back
         as an EagletError with the child's message."""
@@ -67,9 +67,6 @@ class EngineClient:
         self.proc.start()
         down.close(), up.close()  # the child's ends: when the child exits, reads here see EOF
         self.buf = bytearray()  # what _readable has read of the child's next frames
-        if timeout is not None and not self.up.poll(timeout):
-            self.proc.kill()
-            raise EagletError(f"the engine process did not start in {timeout:.0f} s")
         kind, body = self._recv("building the engine")
         if kind == "error":
             self.proc.join(10)
