@@ -374,14 +374,17 @@ def test_dead_engine_is_503(tiny, monkeypatch):
 
 # ---- the command --------------------------------------------------------------------------------
 
-def test_eaglet_serve_equals_eaglet_generate(model_dir, capsys, monkeypatch):
-    """`eaglet serve` in its own process; its greedy chat reply equals `eaglet generate --chat`'s."""
+@pytest.mark.parametrize("engine_process", [False, True])
+def test_eaglet_serve_equals_eaglet_generate(model_dir, capsys, monkeypatch, engine_process):
+    """`eaglet serve` in its own process (and its engine in one more); its greedy chat reply equals
+    `eaglet generate --chat`'s; the engine's log lines reach the server's output."""
     monkeypatch.setenv("EAGLET_CACHE", str(model_dir.parent / "cache"))
     flags = ["--model", str(model_dir), "--device", "cpu", "--spec", "ngram", "--spec-steps", "3"]
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "eaglet", "serve", *flags, "--port", str(port),
-                             "--served-model-name", "tiny", "--max-batch", "4"], env=env,
+                             "--served-model-name", "tiny", "--max-batch", "4", "--log-level", "info",
+                             *(["--engine-process"] if engine_process else [])], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         prompt = "the quick brown fox"
@@ -405,6 +408,7 @@ def test_eaglet_serve_equals_eaglet_generate(model_dir, capsys, monkeypatch):
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out
+    assert "INFO eaglet.server: a batch of 1 request starts" in out  # from the engine's thread or process
 
 
 def test_serve_flags_are_checked(capsys):

@@ -4,6 +4,7 @@ handlers. eaglet/cli.py adds the parsers and dispatches to the handlers; heavy m
 inside the handlers."""
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -95,8 +96,6 @@ def add_serve_parsers(sub) -> None:
 
 
 def cmd_serve(args) -> int:
-    import logging
-
     import uvicorn
 
     from ..errors import InvalidInput
@@ -134,7 +133,6 @@ def cmd_serve(args) -> int:
 
         follow(app.state.engine, channel)
         return 0
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ranks = f", tensor-parallel over {tp.world} ranks" if channel else ""
     where = ", the engine in a process of its own" if args.engine_process else ""
     print(f"[eaglet] serving {engine.name} ({engine.describe()}, {args.max_batch} rows, context "
@@ -172,6 +170,8 @@ def serving_engine(args, channel=None):
     from .engine import Engine
     from .policy import SpecPolicy
 
+    # here, not in cmd_serve: an engine process (spawned) starts with no logging configured
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec, table = serving_policy(args)
     max_spec = args.spec_max_batch if args.spec_max_batch is not None or table else 1
     loaded = load_model(args.model, args.dtype, args.device, kernels=model_kernels(args), tp=shard(args))
