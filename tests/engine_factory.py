@@ -24,3 +24,15 @@ def tiny_engine(model_dir, drafter_dir, kind: str, max_batch: int = 4) -> Engine
 
 def failing_engine(message: str) -> Engine:
     raise ModelLoadError(message)
+
+
+def step_failing_engine(model_dir) -> Engine:
+    """The tiny model's engine whose every decoding step raises (after the admission's first tokens)."""
+    from eaglet.server import engine as engine_mod
+
+    class Failing(engine_mod.Batcher):
+        def step(self, trip=None):
+            raise RuntimeError("step bug")
+
+    engine_mod.Batcher = Failing
+    return tiny_engine(model_dir, None, "plain")

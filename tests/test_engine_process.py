@@ -2,12 +2,13 @@
 behind the same routes. Greedy replies equal Generator's (plain and EAGLE-3, streamed and not, eight
 at once); /metrics comes from the child; a client that leaves frees its row; a killed engine
 process turns open requests and /health into 503; a load failure in the child is one error line;
-the pipe's frames are parsed whole from partial reads."""
+the pipe's frames are parsed whole from partial reads; an error the engine process raises reaches its request."""
 from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
 import os
+import pickle
 import threading
 
 import httpx
@@ -18,7 +19,7 @@ from eaglet.errors import EagletError
 from eaglet.server.app import serve_app
 from eaglet.server.remote import EngineClient, take_frames
 
-from .engine_factory import failing_engine, tiny_engine
+from .engine_factory import failing_engine, step_failing_engine, tiny_engine
 from .serving import PROMPTS, LiveServer, kv_empty, reference, speculator, wait_for
 
 
@@ -78,6 +79,15 @@ def test_engine_process_frees_a_leaving_clients_row_and_fails_when_killed(model_
         assert r.status_code == 503
 
 
+def test_an_error_in_the_engine_process_reaches_its_request(model_dir):
+    client = EngineClient(step_failing_engine, model_dir)
+    with LiveServer(None, app=serve_app(client)) as srv:
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8},
+                       timeout=30)
+        assert r.status_code == 500 and r.json()["error"]["message"] == "internal error: RuntimeError: step bug"
+        assert httpx.get(srv.url + "/health").status_code == 200  # a failed batch, not a dead engine
+
+
 def test_engine_process_load_failure_is_one_line(tmp_path, capsys):
     with pytest.raises(EagletError, match="no weights here"):
         EngineClient(failing_engine, "no weights here")
@@ -98,3 +108,7 @@ def test_frames_are_taken_whole_from_partial_reads():
         got += take_frames(buf)
     t.join()
     assert got == msgs and not buf
+    buf += b"\x00\x00\x00\x03bad" + bytes(buf)  # a frame that does not unpickle is dropped, not read again
+    with pytest.raises(pickle.UnpicklingError):
+        take_frames(buf)
+    assert not buf

@@ -26,6 +26,9 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def __reduce__(self):  # whole through a pickle (an engine process's chunks: remote.py)
+        return APIError, (self.status, self.message, self.type, self.param, self.code)
+
 
 TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "literal"}
 

@@ -204,17 +204,19 @@ def take_frames(buf: bytearray) -> list:
     big-endian length, or -1 and an 8-byte one, then the pickle), removed from it; a partial frame
     stays for the next read."""
     out, at = [], 0
-    while len(buf) - at >= 4:
-        (n,), head = struct.unpack_from("!i", buf, at), 4
-        if n == -1:
-            if len(buf) - at < 12:
+    try:
+        while len(buf) - at >= 4:
+            (n,), head = struct.unpack_from("!i", buf, at), 4
+            if n == -1:
+                if len(buf) - at < 12:
+                    break
+                (n,), head = struct.unpack_from("!Q", buf, at + 4), 12
+            if len(buf) - at < head + n:
                 break
-            (n,), head = struct.unpack_from("!Q", buf, at + 4), 12
-        if len(buf) - at < head + n:
-            break
-        out.append(pickle.loads(buf[at + head:at + head + n]))
-        at += head + n
-    del buf[:at]
+            at += head + n
+            out.append(pickle.loads(buf[at - n:at]))
+    finally:  # a frame that cannot be read is dropped with those before it, not read again
+        del buf[:at]
     return out
 
 
