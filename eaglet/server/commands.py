@@ -115,7 +115,7 @@ def cmd_serve(args) -> int:
     if args.engine_process and tp is not None and tp.world > 1:
         raise InvalidInput("--engine-process does not combine with --tp: rank 0's engine leads the other ranks "
                            "from the process that joined them")
-    serving_policy(args)  # checked before the (slow) model load
+    serving_policy(args, warn=True)  # checked before the (slow) model load
     channel = None
     if tp is not None and tp.world > 1:  # rank 0 serves and leads; the other ranks follow its decoder
         from ..dist.follow import Channel
@@ -143,8 +143,9 @@ def cmd_serve(args) -> int:
     return serve_leading(app, channel, args)
 
 
-def serving_policy(args):
-    """The speculation configured (or None) and --spec-policy's table (or None)."""
+def serving_policy(args, warn: bool = False):
+    """The speculation configured (or None) and --spec-policy's table (or None); `warn`: say when the
+    profile was taken of another drafter."""
     from ..errors import InvalidInput
     from .policy import load_profile_policy
 
@@ -156,7 +157,7 @@ def serving_policy(args):
                            "(give --spec/--draft, or drop --spec-policy)")
     table, rec = load_profile_policy(args.spec_policy)
     profiled = (rec.get("flags") or {}).get("spec")
-    if profiled and profiled != spec.method:
+    if warn and profiled and profiled != spec.method:
         print(f"[eaglet] warning: {args.spec_policy} profiled the {profiled} drafter; serving {spec.method}",
               file=sys.stderr)
     return spec, table
