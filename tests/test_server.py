@@ -384,7 +384,7 @@ def test_eaglet_serve_equals_eaglet_generate(model_dir, capsys, monkeypatch, eng
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "eaglet", "serve", *flags, "--port", str(port),
                              "--served-model-name", "tiny", "--max-batch", "4", "--log-level", "info",
-                             *(["--engine-process"] if engine_process else [])], env=env,
+                             "--engine-process" if engine_process else "--no-engine-process"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         prompt = "the quick brown fox"

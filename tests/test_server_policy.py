@@ -48,10 +48,10 @@ def policy_record(tmp_path):
 
 
 def serve_app(monkeypatch, flags: list[str]):
-    """What `eaglet serve FLAGS` would hand to uvicorn.run: its app."""
+    """What `eaglet serve FLAGS` would hand to uvicorn.run: its app (the engine a thread in it, to look at)."""
     apps = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
-    assert main(["serve", *flags]) == 0
+    assert main(["serve", "--no-engine-process", *flags]) == 0
     return apps[0]
 
 

@@ -4,6 +4,7 @@ handlers. eaglet/cli.py adds the parsers and dispatches to the handlers; heavy m
 inside the handlers."""
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
@@ -55,9 +56,10 @@ def add_serve_parsers(sub) -> None:
     sv.add_argument("--spec-multi-step", type=int, default=1, metavar="N",
                     help="speculation steps launched back to back per host round trip (default 1: each step "
                          "already brings several tokens a row, and a trip delays the next admission)")
-    sv.add_argument("--engine-process", action="store_true",
-                    help="run the engine (model, batching, detokenizing) in a process of its own, so the HTTP "
-                         "side's Python work (parsing, tokenizing, streaming) does not share its GIL (not with --tp)")
+    sv.add_argument("--engine-process", action=argparse.BooleanOptionalAction,
+                    help="the engine (model, batching, detokenizing) in a process of its own, so the HTTP side's "
+                         "Python work (parsing, tokenizing, streaming) does not share its GIL (default: on, but "
+                         "not with --tp; --no-engine-process: an engine thread in the server's process)")
     sv.add_argument("--eager", action="store_true", help="no CUDA graphs")
     sv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -115,6 +117,8 @@ def cmd_serve(args) -> int:
     if args.engine_process and tp is not None and tp.world > 1:
         raise InvalidInput("--engine-process does not combine with --tp: rank 0's engine leads the other ranks "
                            "from the process that joined them")
+    if args.engine_process is None:
+        args.engine_process = tp is None or tp.world == 1
     serving_policy(args, warn=True)  # checked before the (slow) model load
     channel = None
     if tp is not None and tp.world > 1:  # rank 0 serves and leads; the other ranks follow its decoder
