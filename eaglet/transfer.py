@@ -66,8 +66,8 @@ INDEXES = 256  # row indexes each thread keeps on the device, the most recently 
 def row_index(rows: list[int], device: torch.device) -> torch.Tensor:
     """`rows` as a long tensor on the device, copied once and kept (the last INDEXES sets, per
     thread): a server frees and refills the same few rows again and again, and a release indexes
-    every cache and counter it touches with the same set (a copy each cost the engine thread a
-    few percent of its time on the GPU). A kept tensor is never written, so reuse is always safe."""
+    every cache and counter it touches with the same set (before, a copy to the device each). A kept
+    tensor is never written, so reuse is always safe."""
     if not hasattr(_rings, "indexes"):
         _rings.indexes = {}
     kept, key = _rings.indexes, (device.type, device.index, tuple(rows))

@@ -8,18 +8,26 @@ import torch
 from eaglet.config import SpecConfig
 from eaglet.errors import ModelLoadError
 from eaglet.generate import Generator
+from eaglet.server.app import make_engine
 from eaglet.server.engine import Engine
 from eaglet.spec.speculator import load_speculator
 from eaglet.weights import load_model
 
 
+def speculator(tiny, drafter_dir, kind: str):
+    """The server tests' speculators of the tiny model: plain (None), ngram or its random EAGLE-3 drafter."""
+    if kind == "plain":
+        return None
+    spec = SpecConfig("eagle3", draft=str(drafter_dir), steps=3) if kind == "eagle3" else SpecConfig("ngram", steps=3)
+    return load_speculator(spec, tiny.model, tiny.path)
+
+
 def tiny_engine(model_dir, drafter_dir, kind: str, max_batch: int = 4) -> Engine:
-    """The tiny model's engine, plain or with its random EAGLE-3 drafter (serving.speculator's)."""
+    """The tiny model's engine with speculator(kind)."""
     torch.set_num_threads(1)
     tiny = load_model(model_dir, dtype="float32", device="cpu")
-    sp = None if kind == "plain" else load_speculator(SpecConfig("eagle3", draft=str(drafter_dir), steps=3),
-                                                      tiny.model, tiny.path)
-    return Engine.serving(Generator(tiny.model, tiny.tokenizer, sp), "tiny", max_batch=max_batch)
+    return make_engine(Generator(tiny.model, tiny.tokenizer, speculator(tiny, drafter_dir, kind)), "tiny",
+                       max_batch=max_batch)
 
 
 def failing_engine(message: str) -> Engine:

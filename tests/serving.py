@@ -15,17 +15,17 @@ import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from eaglet.config import ModelConfig, SpecConfig
+from eaglet.config import ModelConfig
 from eaglet.generate import GenerationConfig, Generator
 from eaglet.server import batcher as batcher_mod
 from eaglet.server import engine as engine_mod
 from eaglet.server.app import build_app
 from eaglet.spec.drafters.eagle3_ckpt import save_eagle3
 from eaglet.spec.drafters.eagle3_head import Eagle3Config
-from eaglet.spec.speculator import load_speculator
 from eaglet.weights import load_model
 
 from .conftest import make_tiny_tokenizer
+from .engine_factory import speculator  # noqa: F401 (the server tests' speculators)
 from .test_eagle3_ckpt import random_head
 
 TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
@@ -124,16 +124,6 @@ def tiny(model_dir, one_thread):
 def drafter_dir(model_dir, tmp_path_factory):
     cfg = Eagle3Config.for_target(ModelConfig.from_file(model_dir / "config.json"), draft_vocab_size=40)
     return save_eagle3(random_head(cfg), tmp_path_factory.mktemp("drafter") / "eagle3", dtype=torch.float32)
-
-
-SPECS = {"plain": None, "ngram": SpecConfig("ngram", steps=3), "eagle3": None}
-
-
-def speculator(tiny, drafter_dir, kind: str):
-    if kind == "plain":
-        return None
-    spec = SpecConfig("eagle3", draft=str(drafter_dir), steps=3) if kind == "eagle3" else SPECS[kind]
-    return load_speculator(spec, tiny.model, tiny.path)
 
 
 @pytest.fixture(scope="module")

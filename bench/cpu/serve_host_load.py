@@ -33,8 +33,7 @@ from eaglet.runtime.plain import PlainStep  # noqa: E402
 from eaglet.spec.loop import SpecStep  # noqa: E402
 from eaglet.perf.record import write_record  # noqa: E402
 from eaglet.runtime.graphs import GraphRunner  # noqa: E402
-from eaglet.server.app import build_app  # noqa: E402
-from eaglet.server.engine import Engine  # noqa: E402
+from eaglet.server.app import build_app, make_engine  # noqa: E402
 from eaglet.server.policy import setting_spec  # noqa: E402
 from eaglet.spec.speculator import bundled_drafter, load_speculator  # noqa: E402
 from eaglet.weights import load_model  # noqa: E402
@@ -92,8 +91,8 @@ def replay_free_engine(name: str, tokens_per_step: int, rows: int, multi_step: i
     """The probe's engine for system `name`, warmed: what an engine process builds
     (server/remote.py's factory, so a module-level function)."""
     loaded, base = model_without_cost(tokens_per_step)
-    engine = Engine.serving(Generator(loaded.model, loaded.tokenizer, system(base, name)), "m", max_batch=rows,
-                            max_len=1024, multi_step=multi_step)
+    engine = make_engine(Generator(loaded.model, loaded.tokenizer, system(base, name)), "m", max_batch=rows,
+                         max_len=1024, multi_step=multi_step)
     warm_replay_free(engine)
     return engine
 

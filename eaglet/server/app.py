@@ -32,6 +32,7 @@ from ..spec.metrics import SpecMetrics
 from .engine import Chunk, Engine, Request
 from . import MAX_BODY
 from .guard import Guard
+from .metrics import ServerMetrics
 from .policy import SpecPolicy
 from .protocol import (
     APIError,
@@ -92,8 +93,19 @@ def build_app(generator: Generator, model_name: str, max_batch: int = 8, max_que
     `max_body` are what guard.py checks before any route; `multi_step` and `spec_multi_step`: the
     decoder steps a host round trip, plain and speculating (Engine); `channel`: the engine leads
     tensor-parallel ranks (dist/follow.py)."""
-    return serve_app(Engine.serving(generator, model_name, max_batch, max_queue, max_len, policy, multi_step,
-                                    spec_multi_step, channel), api_key, max_body)
+    return serve_app(make_engine(generator, model_name, max_batch, max_queue, max_len, policy, multi_step,
+                                 spec_multi_step, channel), api_key, max_body)
+
+
+def make_engine(generator: Generator, model_name: str, max_batch: int = 8, max_queue: int = 256,
+                max_len: int | None = None, policy: SpecPolicy | None = None, multi_step: int | None = None,
+                spec_multi_step: int = 1, channel=None) -> Engine:
+    """A server's engine, not started (build_app's arguments), with its own Prometheus metrics."""
+    if generator.tokenizer is None:
+        raise InvalidInput("serving needs a tokenizer; the model directory has none")
+    max_len = min(max_len or generator.context, generator.context)
+    return Engine(generator, max_batch, max_queue, max_len, ServerMetrics(model_name), policy, multi_step,
+                  spec_multi_step, channel)
 
 
 def serve_app(engine, api_key: str | None = None, max_body: int = MAX_BODY) -> FastAPI:

@@ -172,7 +172,7 @@ def serving_engine(args, channel=None):
     process, or in the engine's own: remote.py calls this there)."""
     from ..generate import Generator
     from ..weights import load_model
-    from .engine import Engine
+    from .app import make_engine
     from .policy import SpecPolicy
 
     # here, not in cmd_serve: an engine process (spawned) starts with no logging configured
@@ -191,9 +191,9 @@ def serving_engine(args, channel=None):
     name = args.served_model_name or ("SmolLM2-135M-Instruct" if path is None else
                                       path.stem if path.is_file() else path.resolve().name)
     policy = SpecPolicy(speculator, table, max_spec, args.spec_policy)
-    return Engine.serving(Generator(loaded.model, loaded.tokenizer, speculator, graphs=not args.eager), name,
-                          args.max_batch, args.max_queue, args.max_model_len, policy, args.multi_step,
-                          args.spec_multi_step, channel)
+    return make_engine(Generator(loaded.model, loaded.tokenizer, speculator, graphs=not args.eager), name,
+                       args.max_batch, args.max_queue, args.max_model_len, policy, args.multi_step,
+                       args.spec_multi_step, channel)
 
 
 def serve_leading(app, channel, args) -> int:

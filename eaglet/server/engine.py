@@ -1,7 +1,7 @@
-"""The engine thread: one thread owns the model and the Batcher; the HTTP side (asyncio) only
-appends to a bounded waiting queue under a lock and reads each request's asyncio.Queue, which the
-engine fills through loop.call_soon_threadsafe, so a request never waits on the model to be
-accepted or refused.
+"""The engine thread: one thread owns the model and the Batcher (in the server's process, or in a
+process of its own: remote.py); the HTTP side (asyncio) only appends to a bounded waiting queue
+under a lock and reads each request's asyncio.Queue, which the engine fills through
+loop.call_soon_threadsafe, so a request never waits on the model to be accepted or refused.
 
 Loop: apply cancellations (a disconnected client's row is released at the next step boundary,
 its cache freed at once) -> admit waiting requests into free rows (their first tokens go out at
@@ -55,7 +55,6 @@ from functools import partial
 
 import torch
 
-from ..errors import InvalidInput
 from ..generate import Generator
 from ..runtime.decoder import Decoder, Step
 from ..spec.loop import SpecStep
@@ -113,18 +112,8 @@ class Engine:
         metrics.kv(0, slots * max_len)
         self.name = metrics.name  # the served model's
 
-    @classmethod
-    def serving(cls, generator: Generator, model_name: str, max_batch: int = 8, max_queue: int = 256,
-                max_len: int | None = None, policy: SpecPolicy | None = None, multi_step: int | None = None,
-                spec_multi_step: int = 1, channel=None) -> "Engine":
-        """A server's engine (app.build_app's arguments), its own Prometheus metrics."""
-        if generator.tokenizer is None:
-            raise InvalidInput("serving needs a tokenizer; the model directory has none")
-        max_len = min(max_len or generator.context, generator.context)
-        return cls(generator, max_batch, max_queue, max_len, ServerMetrics(model_name), policy, multi_step,
-                   spec_multi_step, channel)
-
-    describe = property(lambda self: self.policy.describe)  # a call: what the server prints
+    def describe(self) -> str:
+        return self.policy.describe()
 
     # what the HTTP side needs besides the engine (an engine process sends it: remote.py)
     tokenizer = property(lambda self: self.generator.tokenizer)
@@ -483,16 +472,22 @@ class Engine:
         iteration, not one per chunk (each is a write to the loop's self-pipe, and the loop's
         thread then competes with this one for the GIL)."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        with self.cond:
-            for req, chunk, final in self.outbox:
-                if req.done:  # cancelled meanwhile: nobody listens
-                    continue
-                req.done = final
-                by_loop.setdefault(req.loop, []).append((req.queue, chunk))
-        self.outbox.clear()
+        for req, chunk, _ in self.take_outbox():
+            by_loop.setdefault(req.loop, []).append((req.queue, chunk))
         for loop, items in by_loop.items():
             with suppress(RuntimeError):  # the event loop is closed (server shutting down)
                 loop.call_soon_threadsafe(put_all, items)
+
+    def take_outbox(self) -> list[tuple[Request, Chunk, bool]]:
+        """This iteration's chunks of the requests still listened to (a final one marks it done)."""
+        items = []
+        with self.cond:
+            for req, chunk, final in self.outbox:
+                if not req.done:  # else cancelled, or finished by an earlier chunk: nobody listens
+                    req.done = final
+                    items.append((req, chunk, final))
+        self.outbox.clear()
+        return items
 
     def _gauges(self) -> None:
         b = self.batcher

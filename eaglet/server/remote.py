@@ -244,17 +244,12 @@ def _child(conn, up, factory, args) -> None:
 
     def flush() -> None:  # Engine._flush, onto the pipe
         items = []
-        with engine.cond:
-            for req, chunk, final in engine.outbox:
-                if req.done:  # cancelled meanwhile
-                    continue
-                req.done = final
-                # a tuple, not the dataclass: a fraction of the pickling (every chunk of every step)
-                items.append((req.id, final, chunk.text, chunk.tokens, chunk.finish_reason, chunk.completion_tokens,
-                              chunk.spec, chunk.error))
-                if final:
-                    reqs.pop(req.id, None)
-        engine.outbox.clear()
+        for req, chunk, final in engine.take_outbox():
+            # a tuple, not the dataclass: a fraction of the pickling (every chunk of every step)
+            items.append((req.id, final, chunk.text, chunk.tokens, chunk.finish_reason, chunk.completion_tokens,
+                          chunk.spec, chunk.error))
+            if final:
+                reqs.pop(req.id, None)
         if items:
             send(("chunks", items))
 
