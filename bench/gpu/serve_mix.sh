@@ -14,7 +14,7 @@ gunzip -c /tmp/stage/sharegpt_first_turns.json.gz > /tmp/sharegpt.json
 python3 -m eaglet serve --model $GGUF --port 8041 --max-batch 64 --max-model-len 1024 \
   --draft $PWD/eaglet/drafters/smollm2-135m-instruct-eagle3 --log-level warning &
 pid=$!
-wait_health 8041
+wait_health 8041 ${WAIT:-600}
 bs() { python3 -m eaglet bench-serve --url http://127.0.0.1:8041 --prompts /tmp/sharegpt.json --max-tokens 512 \
          --max-prompt-chars 600 --seed 0 --no-progress "$@"; }
 for c in ${CONC:-1 16 64}; do
