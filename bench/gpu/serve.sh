@@ -76,4 +76,5 @@ for c in ${CONC:-1 4 16 64}; do
   done
 done
 kill "${pids[@]}"; wait 2>/dev/null
+save_caches
 [ -n "${OUT:-}" ] && tar -C "$out" -cf "$OUT/serve-records.tar" . && rm -rf "$out"

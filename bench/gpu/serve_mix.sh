@@ -28,4 +28,5 @@ for c in ${CONC:-1 16 64}; do
   done
 done
 kill $pid; wait 2>/dev/null
+save_caches
 [ -n "${OUT:-}" ] && tar -C "$out" -cf "$OUT/serve-mix-records.tar" . && rm -rf "$out"
