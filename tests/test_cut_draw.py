@@ -126,3 +126,34 @@ def test_calls_of_few_rows_keep_the_sort(monkeypatch):
     rs.pick(torch.randn(2, 8, 300, device=DEV), nodes(8), DRAW)
     assert calls == [(2, 8, 300)]
 
+
+
+if cut_draw.triton is not None:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kth_kernel(x_ptr, n, k_ptr, out_ptr, LEVELS: tl.constexpr, BLOCK: tl.constexpr):
+        r = tl.program_id(0)
+        tl.store(out_ptr + r, cut_draw.kth_value(x_ptr + r * n, n, tl.load(k_ptr + r), LEVELS, BLOCK))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_radix_select_finds_the_kth_largest(dtype):
+    """kth_value, top-k's threshold, equals torch.topk's k-th value over rows of many ties, both
+    signs, -0.0, -inf and a row length that is not a multiple of the chunk (float32: values that
+    differ in their lowest byte)."""
+    gen = torch.Generator().manual_seed(7)
+    n, block = 700, 256
+    x = (torch.randn(6, n, generator=gen) * 4).to(dtype).float()
+    x[1] = (x[1] * 2).round() / 2  # many ties
+    x[2, ::3] = -float("inf")
+    x[3, :350] = -0.0
+    x[3, 350:] = -x[3, 350:].abs()  # all negative
+    x[4] = 1.0 + torch.arange(n) * 2.0 ** -23 if dtype == torch.float32 else x[4]
+    x = x.to(dtype)
+    ks = torch.tensor([1, 37, 300, 400, n // 2, n])
+    want = torch.stack([x[r].float().topk(int(ks[r])).values[-1] for r in range(6)])
+    out = torch.empty(6, device=DEV)
+    kth_kernel[(6,)](x.to(DEV), n, ks.to(DEV), out, LEVELS=cut_draw.LEVELS[dtype], BLOCK=block)
+    assert torch.equal(out.cpu(), want), (out, want)

@@ -100,7 +100,7 @@ def cases():
     draw = {"x_ptr": "*bf16", "t_ptr": "*fp32", "k_ptr": "*i64", "p_ptr": "*fp32", "seed_ptr": "*i64", "ids_ptr": "*i64",
             "out_ptr": "*i64"}
     yield "sampled draw under top-k / top-p", lambda: compile_for_h200(
-        cut_draw.cut_draw_kernel, dict(BLOCK=cut_draw.BLOCK), 8, 3, draw)
+        cut_draw.cut_draw_kernel, dict(LEVELS=2, BLOCK=cut_draw.BLOCK), cut_draw.WARPS, 3, draw)
 
 
 def main() -> int:

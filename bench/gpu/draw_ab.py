@@ -1,11 +1,16 @@
-"""The sampled draw under top-k / top-p on the GPU: the package's path (cut_draw.py's kernel from
-cut_draw.MIN_ROWS rows, the sort below), cut_draw.py's one program a row at any row count, and the
-torch path (a sort of each row's vocabulary, then the compiled Gumbel-max), each captured in a CUDA
-graph and timed by CUDA events, for the logits a plain step (B, V) and a tree verify (B, 16, V) draw
-from; and how many draws the package's path shares with the sort. Random logits, nothing to stage.
+"""The sampled draw under top-k / top-p on the GPU: cut_draw.py's kernel (one program a row, at any
+row count) at each tile in TILES against the torch path (a sort of each row's vocabulary, then the
+compiled Gumbel-max), each captured in a CUDA graph and timed by CUDA events, for the logits a plain
+step (B, V) and a tree verify (B, 16, V) draw from; and how many draws the kernel shares with the
+sort. Random logits, nothing to stage. `--pick` reads a record and prints the tile whose times sum
+least and the fewest rows from which that tile beat the sort at every setting: `BLOCK WARPS MIN_ROWS`.
 
-  python3 bench/gpu/draw_ab.py OUT_DIR [VOCAB ...]      # default 49152 (SmolLM2) and 128256 (Llama 3)
+  [TILES="2048x8 4096x16"] python3 bench/gpu/draw_ab.py OUT_DIR [VOCAB ...]  # default 49152 (SmolLM2), 128256
+  python3 bench/gpu/draw_ab.py --pick RECORD
 """
+import json
+import math
+import os
 import statistics
 import sys
 
@@ -45,6 +50,9 @@ def main(out_dir: str, vocabs: list[int]) -> None:
     dev = torch.device("cuda")
     fast = Kernels.choose(dev)
     slow = Kernels.choose(dev, disable=("draw",))
+    own = f"{cut_draw.BLOCK}x{getattr(cut_draw, 'WARPS', 8)}"
+    tiles = os.environ.get("TILES", own).split()
+    cut_draw.MIN_ROWS = 1  # the kernel at every row count
     results = {}
     for v in vocabs:
         for shape in SHAPES:
@@ -55,23 +63,33 @@ def main(out_dir: str, vocabs: list[int]) -> None:
                 rs.choose_mode(range(b))
                 logits = (torch.randn(*shape, v, device=dev) * 3).to(torch.bfloat16)
                 offset = 1 if len(shape) == 1 else torch.arange(shape[1], device=dev).expand(b, -1)
-                agree = lambda: float((rs.pick(logits, offset, fast) == rs.pick(logits, offset, slow)).float().mean())  # noqa: E731
-                ms = {k: graphed_ms(lambda kern=kern: rs.pick(logits, offset, kern)) for k, kern in
-                      (("kernel", fast), ("sort", slow))}
-                ms["agree"] = agree()  # the package's path and the sort: the same draws but for float near-ties
-                saved, cut_draw.MIN_ROWS = cut_draw.MIN_ROWS, 1
-                try:
-                    ms["one_program"] = graphed_ms(lambda: rs.pick(logits, offset, fast))
-                finally:
-                    cut_draw.MIN_ROWS = saved
-                key = f"{v} {'x'.join(map(str, shape))} {name}"
-                results[key] = {**ms, "speedup": ms["sort"] / ms["kernel"]}
-                print(f"V {v:6d}  rows {'x'.join(map(str, shape)):6s} {name:22s} package {ms['kernel'] * 1e3:7.1f} µs"
-                      f"  one program a row {ms['one_program'] * 1e3:7.1f}  sort {ms['sort'] * 1e3:7.1f}"
-                      f"  agree {ms['agree']:.3f}", flush=True)
-    print("record:", write_record("draw-ab", {"vocabs": vocabs, "replays": REPLAYS, "repeats": REPEATS}, results,
-                                  out_dir))
+                row = {"rows": math.prod(shape), "sort": graphed_ms(lambda: rs.pick(logits, offset, slow)), "tiles": {}}
+                for tile in tiles:
+                    cut_draw.BLOCK, cut_draw.WARPS = map(int, tile.split("x"))
+                    row["tiles"][tile] = graphed_ms(lambda: rs.pick(logits, offset, fast))
+                    # the kernel and the sort: the same draws but for float near-ties
+                    row.setdefault("agree", float((rs.pick(logits, offset, fast) == rs.pick(logits, offset, slow)).float().mean()))
+                results[f"{v} {'x'.join(map(str, shape))} {name}"] = row
+                print(f"V {v:6d}  rows {'x'.join(map(str, shape)):6s} {name:22s} sort {row['sort'] * 1e3:7.1f} µs  "
+                      + "  ".join(f"{t} {ms * 1e3:7.1f}" for t, ms in row["tiles"].items()) + f"  agree {row['agree']:.3f}",
+                      flush=True)
+    print("record:", write_record("draw-ab", {"vocabs": vocabs, "tiles": tiles, "replays": REPLAYS, "repeats": REPEATS},
+                                  results, out_dir))
+
+
+def pick(path: str) -> str:
+    """`BLOCK WARPS MIN_ROWS` from a record: the tile of least summed time, and the fewest rows from
+    which it was faster than the sort for every setting and shape (no such count: 0, i.e. never)."""
+    rows = {k: r for k, r in json.load(open(path))["results"].items() if isinstance(r, dict) and "tiles" in r}
+    tiles = next(iter(rows.values()))["tiles"]
+    best = min(tiles, key=lambda t: sum(r["tiles"][t] for r in rows.values()))
+    counts = sorted({r["rows"] for r in rows.values()})
+    wins = [c for c in counts if all(r["tiles"][best] <= r["sort"] for r in rows.values() if r["rows"] >= c)]
+    return f"{best.replace('x', ' ')} {wins[0] if wins else 0}"
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], [int(x) for x in sys.argv[2:]] or [49152, 128256])
+    if sys.argv[1] == "--pick":
+        print(pick(sys.argv[2]))
+    else:
+        main(sys.argv[1], [int(x) for x in sys.argv[2:]] or [49152, 128256])
