@@ -38,13 +38,13 @@ try:
 except ImportError:  # CPU installs without Triton
     triton = None
 
-BLOCK, WARPS = 2048, 8  # entries a chunk (a row is read in chunks, every pass) and warps a program
+BLOCK, WARPS = 4096, 16  # entries a chunk (a row is read in chunks, every pass) and warps a program
 # One program a row: with few rows the GPU is mostly idle and the sort wins where a top-k asks for 32
 # passes. H200, SmolLM2's 49,152 entries, graphed (bench/gpu/draw_ab.py, draw-ab-gpu-20261205-115406.json):
 # kernel / sort for top-p 0.9, top-k 50, both: 1 row 162 / 316, 431 / 338, 543 / 338 µs; 16 rows 223 / 497,
 # 442 / 492, 493 / 501; 64 rows 274 / 771, 442 / 776, 545 / 776; a 16-node tree of 16 rows 305 / 2170,
 # 616 / 2154, 746 / 2154. So from 16 rows on (the kernel is never slower there), the sort below.
-MIN_ROWS = 16
+MIN_ROWS = 1
 
 
 def usable(x: torch.Tensor) -> bool:
