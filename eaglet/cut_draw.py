@@ -39,12 +39,12 @@ except ImportError:  # CPU installs without Triton
     triton = None
 
 BLOCK, WARPS = 4096, 16  # entries a chunk (a row is read in chunks, every pass) and warps a program
-# One program a row: with few rows the GPU is mostly idle and the sort wins where a top-k asks for 32
-# passes. H200, SmolLM2's 49,152 entries, graphed (bench/gpu/draw_ab.py, draw-ab-gpu-20261205-115406.json):
-# kernel / sort for top-p 0.9, top-k 50, both: 1 row 162 / 316, 431 / 338, 543 / 338 µs; 16 rows 223 / 497,
-# 442 / 492, 493 / 501; 64 rows 274 / 771, 442 / 776, 545 / 776; a 16-node tree of 16 rows 305 / 2170,
-# 616 / 2154, 746 / 2154. So from 16 rows on (the kernel is never slower there), the sort below.
+# H100, SmolLM2's 49,152 entries, graphed (bench/gpu/draw_ab.py, draw-ab-gpu-20261206-004011.json; the
+# tile of least total time of five, `--pick`): kernel / sort for top-p 0.9, top-k 50, both: 1 row 114 /
+# 317, 157 / 340, 183 / 340 µs; 16 rows 150 / 506, 158 / 512, 209 / 512; a 16-node tree of 16 rows 217 /
+# 2473, 250 / 2440, 327 / 2442. Faster than the sort at every row count measured, so from one row.
 MIN_ROWS = 1
+LEVELS = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 4}  # radix passes: the float32 bytes a dtype sets
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -52,9 +52,6 @@ def usable(x: torch.Tensor) -> bool:
     MIN_ROWS rows (positions) of them."""
     return (triton is not None and (x.is_cuda or INTERPRET) and x.dtype in LEVELS and x.shape[-1] < (1 << 31)
             and x.numel() >= MIN_ROWS * x.shape[-1])
-
-
-LEVELS = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 4}  # radix passes: the float32 bytes a dtype sets
 
 
 def cut_draw(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
