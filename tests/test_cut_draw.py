@@ -18,10 +18,12 @@ SETTINGS = [SamplingParams(0.8, top_p=0.9), SamplingParams(1.0, top_k=20), Sampl
             SamplingParams(0.9, top_k=1), SamplingParams(1.0, top_k=5000, top_p=0.95), SamplingParams(1.0)]
 
 
-@pytest.fixture(autouse=True)
-def every_row_count(monkeypatch):
-    """The kernel for calls of any size (in the package: from cut_draw.MIN_ROWS rows)."""
+@pytest.fixture(autouse=True, params=[False, True], ids=["one program a row", "over slices"])
+def every_row_count(monkeypatch, request):
+    """The kernels for calls of any size (in the package: from cut_draw.MIN_ROWS rows), one program
+    a row and over slices."""
     monkeypatch.setattr(cut_draw, "MIN_ROWS", 1)
+    monkeypatch.setattr(cut_draw, "SPLIT", request.param)
 
 
 def rows_of(settings, keys=None) -> RowSampling:
@@ -133,27 +135,50 @@ if cut_draw.triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def kth_kernel(x_ptr, n, k_ptr, out_ptr, LEVELS: tl.constexpr, BLOCK: tl.constexpr):
+    def kth_kernel(x_ptr, n, hist_ptr, k_ptr, out_ptr, NR, NS, S_POW: tl.constexpr, LEVELS: tl.constexpr,
+                   SLICES: tl.constexpr):
         r = tl.program_id(0)
-        tl.store(out_ptr + r, cut_draw.kth_value(x_ptr + r * n, n, tl.load(k_ptr + r), LEVELS, BLOCK))
+        k = tl.load(k_ptr + r)
+        if SLICES:
+            value = cut_draw.key_value(cut_draw.radix_prefix(hist_ptr, r, NR, NS, S_POW, k, LEVELS), LEVELS)
+        else:
+            value = cut_draw.kth_value(x_ptr + r * n, n, k, LEVELS, 256)
+        tl.store(out_ptr + r, value)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_radix_select_finds_the_kth_largest(dtype):
-    """kth_value, top-k's threshold, equals torch.topk's k-th value over rows of many ties, both
-    signs, -0.0, -inf and a row length that is not a multiple of the chunk (float32: values that
-    differ in their lowest byte)."""
+    """Top-k's threshold, the radix select (in one program a row, and over slices' histograms),
+    equals torch.topk's k-th value over rows of many ties, both signs, -0.0, -inf and a row length
+    that is not a multiple of the chunk (float32: values that differ in their lowest byte)."""
     gen = torch.Generator().manual_seed(7)
-    n, block = 700, 256
-    x = (torch.randn(6, n, generator=gen) * 4).to(dtype).float()
+    n, r, s_len = 700, 6, 256
+    x = (torch.randn(r, n, generator=gen) * 4).to(dtype).float()
     x[1] = (x[1] * 2).round() / 2  # many ties
     x[2, ::3] = -float("inf")
     x[3, :350] = -0.0
     x[3, 350:] = -x[3, 350:].abs()  # all negative
     x[4] = 1.0 + torch.arange(n) * 2.0 ** -23 if dtype == torch.float32 else x[4]
-    x = x.to(dtype)
-    ks = torch.tensor([1, 37, 300, 400, n // 2, n])
-    want = torch.stack([x[r].float().topk(int(ks[r])).values[-1] for r in range(6)])
-    out = torch.empty(6, device=DEV)
-    kth_kernel[(6,)](x.to(DEV), n, ks.to(DEV), out, LEVELS=cut_draw.LEVELS[dtype], BLOCK=block)
-    assert torch.equal(out.cpu(), want), (out, want)
+    x = x.to(dtype).to(DEV)
+    ks = torch.tensor([1, 37, 300, 400, n // 2, n - 1]).to(DEV)
+    want = torch.stack([x[i].float().cpu().topk(int(ks[i])).values[-1] for i in range(r)])
+    levels, s = cut_draw.LEVELS[dtype], triton.cdiv(n, s_len)
+    hist = torch.empty(levels, r, s, 256, dtype=torch.int32, device=DEV)
+    ones = torch.ones(r, device=DEV)
+    for level in range(levels):
+        cut_draw.kth_part_kernel[(r, s)](x, n, n, 1, ones, ks, hist, r, s, S_POW=4, LEVEL=level, SLICE=s_len)
+    for slices in (False, True):
+        out = torch.empty(r, device=DEV)
+        kth_kernel[(r,)](x, n, hist, ks, out, r, s, S_POW=4, LEVELS=levels, SLICES=slices)
+        assert torch.equal(out.cpu(), want), (slices, out, want)
+
+
+def test_rows_the_launched_checks_leave_undecided_finish_alike(monkeypatch):
+    """With no nucleus check launched over slices, every top-p row finishes its walk in one program:
+    the same draws as the sort."""
+    monkeypatch.setattr(cut_draw, "SPLIT", True)
+    monkeypatch.setattr(cut_draw, "ROUNDS", 0)
+    gen = torch.Generator().manual_seed(11)
+    rs = rows_of(SETTINGS)
+    logits = (torch.randn(len(SETTINGS), 3000, generator=gen) * 3).to(torch.bfloat16).to(DEV)
+    assert torch.equal(rs.pick(logits, 2, DRAW), rs.pick(logits, 2))

@@ -98,9 +98,20 @@ def cases():
         yield f"top-{k} merge", lambda k=k, ls=ls, off=off: compile_for_h200(
             topk.merge_topk_kernel, dict(K=k, BLOCK=max(16, ca.pow2(16 * k)), CB=16, LOG_SOFTMAX=ls, OFFSET=off), 1)
     draw = {"x_ptr": "*bf16", "t_ptr": "*fp32", "k_ptr": "*i64", "p_ptr": "*fp32", "seed_ptr": "*i64", "ids_ptr": "*i64",
-            "out_ptr": "*i64"}
+            "out_ptr": "*i64", "hist_ptr": "*i32", "floor_ptr": "*i32", "part_ptr": "*fp32"}
     yield "sampled draw under top-k / top-p", lambda: compile_for_h200(
         cut_draw.cut_draw_kernel, dict(LEVELS=2, BLOCK=cut_draw.BLOCK), cut_draw.WARPS, 3, draw)
+    tile = dict(S_POW=16, SLICE=cut_draw.SLICE)
+    for level in range(2):
+        yield f"sampled draw over slices: radix byte {level}", lambda level=level: compile_for_h200(
+            cut_draw.kth_part_kernel, dict(tile, LEVEL=level), cut_draw.SLICE_WARPS, 3, draw)
+    yield "sampled draw over slices: best", lambda: compile_for_h200(
+        cut_draw.best_part_kernel, dict(tile, LEVELS=2), cut_draw.SLICE_WARPS, 3, draw)
+    for round_ in range(cut_draw.ROUNDS):
+        yield f"sampled draw over slices: nucleus check {round_}", lambda round_=round_: compile_for_h200(
+            cut_draw.nucleus_part_kernel, dict(tile, ROUND=round_), cut_draw.SLICE_WARPS, 3, draw)
+    yield "sampled draw over slices: finish", lambda: compile_for_h200(
+        cut_draw.finish_kernel, dict(S_POW=16, ROUNDS=cut_draw.ROUNDS, BLOCK=cut_draw.BLOCK), cut_draw.WARPS, 3, draw)
 
 
 def main() -> int:

@@ -1,11 +1,11 @@
-"""The sampled draw under top-k / top-p on the GPU: cut_draw.py's kernel (one program a row, at any
-row count) at each tile in TILES against the torch path (a sort of each row's vocabulary, then the
-compiled Gumbel-max), each captured in a CUDA graph and timed by CUDA events, for the logits a plain
+"""The sampled draw under top-k / top-p on the GPU: cut_draw.py's kernels at each tile in TILES
+(BLOCKxWARPS: one program a row; sSLICExWARPS[rROUNDS]: over slices, cut_draw.SPLIT) against the
+torch path (a sort of each row's vocabulary, then the compiled Gumbel-max), each captured in a CUDA graph and timed by CUDA events, for the logits a plain
 step (B, V) and a tree verify (B, 16, V) draw from; and how many draws the kernel shares with the
 sort. Random logits, nothing to stage. `--pick` reads a record and prints the tile whose times sum
-least and the fewest rows from which that tile beat the sort at every setting: `BLOCK WARPS MIN_ROWS`.
+least and the fewest rows from which that tile beat the sort at every setting: `TILE MIN_ROWS`.
 
-  [TILES="2048x8 4096x16"] python3 bench/gpu/draw_ab.py OUT_DIR [VOCAB ...]  # default 49152 (SmolLM2), 128256
+  [TILES="4096x16 s4096x8 s2048x4r3"] python3 bench/gpu/draw_ab.py OUT_DIR [VOCAB ...]  # default 49152 (SmolLM2), 128256
   python3 bench/gpu/draw_ab.py --pick RECORD
 """
 import json
@@ -46,11 +46,26 @@ def graphed_ms(fn) -> float:
     return statistics.median(times)
 
 
+def set_tile(tile: str) -> None:
+    """cut_draw's path and tile from a TILES entry."""
+    dims, _, rounds = tile.lstrip("s").partition("r")
+    size, warps = map(int, dims.split("x"))
+    if tile.startswith("s"):
+        cut_draw.SPLIT, cut_draw.SLICE, cut_draw.SLICE_WARPS = True, size, warps
+        cut_draw.ROUNDS = int(rounds or 2)
+    else:
+        if hasattr(cut_draw, "SPLIT"):
+            cut_draw.SPLIT = False
+        cut_draw.BLOCK, cut_draw.WARPS = size, warps
+
+
 def main(out_dir: str, vocabs: list[int]) -> None:
     dev = torch.device("cuda")
     fast = Kernels.choose(dev)
     slow = Kernels.choose(dev, disable=("draw",))
-    own = f"{cut_draw.BLOCK}x{getattr(cut_draw, 'WARPS', 8)}"
+    own = f"{cut_draw.BLOCK}x{getattr(cut_draw, 'WARPS', 8)}"  # an older package: one program a row alone
+    if getattr(cut_draw, "SPLIT", False):
+        own = f"s{cut_draw.SLICE}x{cut_draw.SLICE_WARPS}r{cut_draw.ROUNDS}"
     tiles = os.environ.get("TILES", own).split()
     cut_draw.MIN_ROWS = 1  # the kernel at every row count
     results = {}
@@ -65,7 +80,7 @@ def main(out_dir: str, vocabs: list[int]) -> None:
                 offset = 1 if len(shape) == 1 else torch.arange(shape[1], device=dev).expand(b, -1)
                 row = {"rows": math.prod(shape), "sort": graphed_ms(lambda: rs.pick(logits, offset, slow)), "tiles": {}}
                 for tile in tiles:
-                    cut_draw.BLOCK, cut_draw.WARPS = map(int, tile.split("x"))
+                    set_tile(tile)
                     row["tiles"][tile] = graphed_ms(lambda: rs.pick(logits, offset, fast))
                     # the kernel and the sort: the same draws but for float near-ties
                     row.setdefault("agree", float((rs.pick(logits, offset, fast) == rs.pick(logits, offset, slow)).float().mean()))
@@ -85,7 +100,7 @@ def pick(path: str) -> str:
     best = min(tiles, key=lambda t: sum(r["tiles"][t] for r in rows.values()))
     counts = sorted({r["rows"] for r in rows.values()})
     wins = [c for c in counts if all(r["tiles"][best] <= r["sort"] for r in rows.values() if r["rows"] >= c)]
-    return f"{best.replace('x', ' ')} {wins[0] if wins else 0}"
+    return f"{best} {wins[0] if wins else 0}"
 
 
 if __name__ == "__main__":
