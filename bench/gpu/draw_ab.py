@@ -2,8 +2,9 @@
 (BLOCKxWARPS: one program a row; sSLICExWARPS[rROUNDS]: over slices, cut_draw.SPLIT) against the
 torch path (a sort of each row's vocabulary, then the compiled Gumbel-max), each captured in a CUDA
 graph and timed by CUDA events, for the logits a plain step (B, V) and a tree verify (B, 16, V) draw
-from; and how many draws the kernel shares with the sort. Random logits, nothing to stage. `--pick` reads a record and prints the tile whose times sum
-least and the fewest rows from which that tile beat the sort at every setting: `TILE MIN_ROWS`.
+from; and how many draws the kernel shares with the sort. Random logits, nothing to stage. `--pick`
+reads a record and prints the tile whose times sum least and the fewest rows from which that tile
+beat the sort at every setting: `TILE MIN_ROWS`.
 
   [TILES="4096x16 s4096x8 s2048x4r3"] python3 bench/gpu/draw_ab.py OUT_DIR [VOCAB ...]  # default 49152 (SmolLM2), 128256
   python3 bench/gpu/draw_ab.py --pick RECORD
