@@ -47,13 +47,16 @@ def graphed_ms(fn) -> float:
     return statistics.median(times)
 
 
+ROUNDS = getattr(cut_draw, "ROUNDS", None)  # the package's own, for an s-tile that names none
+
+
 def set_tile(tile: str) -> None:
     """cut_draw's path and tile from a TILES entry."""
     dims, _, rounds = tile.lstrip("s").partition("r")
     size, warps = map(int, dims.split("x"))
     if tile.startswith("s"):
         cut_draw.SPLIT, cut_draw.SLICE, cut_draw.SLICE_WARPS = True, size, warps
-        cut_draw.ROUNDS = int(rounds or 2)
+        cut_draw.ROUNDS = int(rounds or ROUNDS)
     else:
         if hasattr(cut_draw, "SPLIT"):
             cut_draw.SPLIT = False
@@ -79,22 +82,24 @@ def main(out_dir: str, vocabs: list[int]) -> None:
                 rs.choose_mode(range(b))
                 logits = (torch.randn(*shape, v, device=dev) * 3).to(torch.bfloat16)
                 offset = 1 if len(shape) == 1 else torch.arange(shape[1], device=dev).expand(b, -1)
-                row = {"rows": math.prod(shape), "sort": graphed_ms(lambda: rs.pick(logits, offset, slow)), "tiles": {}}
+                sort = rs.pick(logits, offset, slow)
+                row = {"rows": math.prod(shape), "sort": graphed_ms(lambda: rs.pick(logits, offset, slow)), "tiles": {},
+                       "agree": {}}
                 for tile in tiles:
                     set_tile(tile)
                     row["tiles"][tile] = graphed_ms(lambda: rs.pick(logits, offset, fast))
-                    # the kernel and the sort: the same draws but for float near-ties
-                    row.setdefault("agree", float((rs.pick(logits, offset, fast) == rs.pick(logits, offset, slow)).float().mean()))
+                    # each tile's draws against the sort's: the same but for float near-ties
+                    row["agree"][tile] = float((rs.pick(logits, offset, fast) == sort).float().mean())
                 results[f"{v} {'x'.join(map(str, shape))} {name}"] = row
                 print(f"V {v:6d}  rows {'x'.join(map(str, shape)):6s} {name:22s} sort {row['sort'] * 1e3:7.1f} µs  "
-                      + "  ".join(f"{t} {ms * 1e3:7.1f}" for t, ms in row["tiles"].items()) + f"  agree {row['agree']:.3f}",
+                      + "  ".join(f"{t} {ms * 1e3:7.1f}" for t, ms in row["tiles"].items()) + f"  agree {min(row['agree'].values()):.3f}",
                       flush=True)
     print("record:", write_record("draw-ab", {"vocabs": vocabs, "tiles": tiles, "replays": REPLAYS, "repeats": REPEATS},
                                   results, out_dir))
 
 
 def pick(path: str) -> str:
-    """`BLOCK WARPS MIN_ROWS` from a record: the tile of least summed time, and the fewest rows from
+    """`TILE MIN_ROWS` from a record: the tile of least summed time, and the fewest rows from
     which it was faster than the sort for every setting and shape (no such count: 0, i.e. never)."""
     rows = {k: r for k, r in json.load(open(path))["results"].items() if isinstance(r, dict) and "tiles" in r}
     tiles = next(iter(rows.values()))["tiles"]
