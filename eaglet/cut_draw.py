@@ -51,8 +51,8 @@ BLOCK, WARPS = 4096, 16  # one program a row: entries a chunk (a row is read in 
 # 317, 157 / 340, 183 / 340 µs; 16 rows 150 / 506, 158 / 512, 209 / 512; a 16-node tree of 16 rows 217 /
 # 2473, 250 / 2440, 327 / 2442. Faster than the sort at every row count measured, so from one row.
 MIN_ROWS = 1
-SPLIT = False  # the passes over slices instead (off until measured against one program a row)
-SLICE, SLICE_WARPS, ROUNDS = 4096, 8, 2  # over slices: entries and warps a program, nucleus checks launched
+SPLIT = True  # the passes over slices (H200: faster than one program a row up to 64 rows, see draw_ab)
+SLICE, SLICE_WARPS, ROUNDS = 2048, 4, 2  # over slices: entries and warps a program, nucleus checks launched
 LEVELS = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 4}  # radix passes: the float32 bytes a dtype sets
 
 
