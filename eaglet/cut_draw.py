@@ -15,16 +15,16 @@ sorted order, only a threshold, and the threshold need not be found in full:
   nucleus: one or two passes. The largest x is always kept (nothing lies above it), so the loop ends.
 
 Two ways to run the passes; each row's result depends on that row alone, the same at any row count
-(what --exact asks of the step's kernels):
-- one program a row (the default, measured): it reads its row a few times, from L2, in chunks; each
-  lane keeps its own running best and sums across the chunks, reduced once a pass (a reduction is a
-  block-wide barrier: once a chunk they were most of a pass's time);
-- over slices (SPLIT; not yet measured on a GPU): a pass is a launch over (rows, slices of SLICE
+(what --exact asks of the step's kernels), and both give the same draws:
+- over slices (calls of up to SPLIT_ROWS rows): a pass is a launch over (rows, slices of SLICE
   entries), so a few rows still fill the GPU (one program a row leaves 16 rows on 16 of 132 SMs, each
   pass compute-bound there: a hash and two logarithms an entry). A program writes its slice's partial
   (a histogram; the best score, its index and key; the row's max; masses) and the next launch combines
   the row's partials in slice order; the slices follow the vocabulary alone. ROUNDS nucleus checks
   run as launches; a row still undecided after them (rare) finishes its walk in one program.
+- one program a row (larger calls): it reads its row a few times, from L2, in chunks; each lane keeps
+  its own running best and sums across the chunks, reduced once a pass (a reduction is a block-wide
+  barrier: once a chunk they were most of a pass's time).
 
 A full sort of the vocabulary, with the softmax, cumulative sum, masks and scatter around it, cost a
 sampled step about 0.25 ms over 16 rows of SmolLM2 on the H200 (BENCHMARKS.md, Serving).
@@ -46,13 +46,15 @@ except ImportError:  # CPU installs without Triton
     triton = None
 
 BLOCK, WARPS = 4096, 16  # one program a row: entries a chunk (a row is read in chunks, every pass), warps
-# H100, SmolLM2's 49,152 entries, graphed (bench/gpu/draw_ab.py, draw-ab-gpu-20261206-004011.json; the
-# tile of least total time of five, `--pick`): kernel / sort for top-p 0.9, top-k 50, both: 1 row 114 /
-# 317, 157 / 340, 183 / 340 µs; 16 rows 150 / 506, 158 / 512, 209 / 512; a 16-node tree of 16 rows 217 /
-# 2473, 250 / 2440, 327 / 2442. Faster than the sort at every row count measured, so from one row.
-MIN_ROWS = 1
-SPLIT = True  # the passes over slices (H200: faster than one program a row up to 64 rows, see draw_ab)
 SLICE, SLICE_WARPS, ROUNDS = 2048, 4, 2  # over slices: entries and warps a program, nucleus checks launched
+# H200, SmolLM2's 49,152 entries, graphed (bench/gpu/draw_ab.py, draw-ab-gpu-20261206-023042.json; the
+# tiles of least total time of six, `--pick`), µs for top-p 0.9 / top-k 50 / both: over slices 85 / 90 /
+# 92 at one row, 90 / 97 / 103 at 16, 94 / 99 / 103 for a 16-node tree, 116 / 141 / 159 at 64 rows, and
+# 241 / 322 / 397 for 16 trees of 16 nodes; one program a row 105 / 155 / 177, 116 / 157 / 178, 139 /
+# 157 / 180, 138 / 157 / 200 and 215 / 251 / 319; the sort 312-335, 495-503, 496-502, 767-774 and
+# 2142-2159. So slices up to 64 rows, one program a row above, the kernels from one row.
+MIN_ROWS = 1
+SPLIT, SPLIT_ROWS = True, 64  # the passes over slices, for calls of up to SPLIT_ROWS rows (positions)
 LEVELS = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 4}  # radix passes: the float32 bytes a dtype sets
 
 
@@ -80,7 +82,7 @@ def cut_draw(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, to
     r, levels = rows.shape[0], LEVELS[x.dtype]
     out = torch.empty(r, dtype=torch.long, device=x.device)
     head = (rows, rows.stride(0), v, per, temperature)
-    if not SPLIT:
+    if not SPLIT or r > SPLIT_ROWS:
         cut_draw_kernel[(r,)](*head, top_k, top_p, seed, ids, out, LEVELS=levels, BLOCK=BLOCK, num_warps=WARPS)
         return out.view(x.shape[:-1])
     s = triton.cdiv(v, SLICE)

@@ -21,9 +21,10 @@ SETTINGS = [SamplingParams(0.8, top_p=0.9), SamplingParams(1.0, top_k=20), Sampl
 @pytest.fixture(autouse=True, params=[False, True], ids=["one program a row", "over slices"])
 def every_row_count(monkeypatch, request):
     """The kernels for calls of any size (in the package: from cut_draw.MIN_ROWS rows), one program
-    a row and over slices."""
+    a row and over slices (at every row count)."""
     monkeypatch.setattr(cut_draw, "MIN_ROWS", 1)
     monkeypatch.setattr(cut_draw, "SPLIT", request.param)
+    monkeypatch.setattr(cut_draw, "SPLIT_ROWS", 1 << 30)
 
 
 def rows_of(settings, keys=None) -> RowSampling:
@@ -128,6 +129,54 @@ def test_calls_of_few_rows_keep_the_sort(monkeypatch):
     rs.pick(torch.randn(2, 8, 300, device=DEV), nodes(8), DRAW)
     assert calls == [(2, 8, 300)]
 
+
+def test_calls_of_many_rows_take_one_program_a_row(monkeypatch):
+    """Over slices up to SPLIT_ROWS rows (positions), one program a row above: the same draws."""
+    monkeypatch.setattr(cut_draw, "SPLIT", True)
+    monkeypatch.setattr(cut_draw, "SPLIT_ROWS", 2)
+    launched = []
+
+    class Seen:  # a kernel that notes its launches
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.kernel[grid]
+
+    for name in ("cut_draw_kernel", "finish_kernel"):
+        monkeypatch.setattr(cut_draw, name, Seen(name, getattr(cut_draw, name)))
+    logits = (torch.randn(4, 2, 3000, generator=torch.Generator().manual_seed(5)) * 3).to(DEV)
+    rs = rows_of(SETTINGS[:4])
+    offsets = torch.arange(8, device=DEV).view(4, 2)
+    for rows, path in ((1, "finish_kernel"), (2, "cut_draw_kernel")):  # 2 and 4 positions
+        launched.clear()
+        got = rs.rows(rows).pick(logits[:rows], offsets[:rows], DRAW)
+        assert launched == [path]
+        assert torch.equal(got, rs.rows(rows).pick(logits[:rows], offsets[:rows]))
+
+
+def test_a_prefills_first_tokens_are_drawn_by_the_kernels(monkeypatch):
+    """A prefill's first tokens (runtime.plain.first_tokens, the general path for any row) go
+    through cut_draw where the model's kernels draw, and equal the sort's."""
+    from types import SimpleNamespace
+
+    from eaglet.runtime.plain import first_tokens
+
+    calls = []
+    real = cut_draw.cut_draw
+    monkeypatch.setattr(cut_draw, "cut_draw", lambda *a: calls.append(a[0].shape) or real(*a))
+    rs = rows_of(SETTINGS)
+    rs.mode.general()
+    logits = (torch.randn(3, 700, generator=torch.Generator().manual_seed(6)) * 3).to(torch.bfloat16).to(DEV)
+    batch = SimpleNamespace(rows=torch.tensor([1, 4, 5], device=DEV))
+    firsts = []
+    for kernels in (DRAW, None):
+        slots = SimpleNamespace(sampling=rs, last=torch.zeros(len(SETTINGS), dtype=torch.long, device=DEV))
+        firsts.append(first_tokens(logits, slots, batch, kernels))
+        assert torch.equal(slots.last[batch.rows], firsts[-1])
+    assert calls == [(3, 700)]
+    assert torch.equal(*firsts)
 
 
 if cut_draw.triton is not None:

@@ -1,12 +1,13 @@
 """The sampled draw under top-k / top-p on the GPU: cut_draw.py's kernels at each tile in TILES
-(BLOCKxWARPS: one program a row; sSLICExWARPS[rROUNDS]: over slices, cut_draw.SPLIT) against the
-torch path (a sort of each row's vocabulary, then the compiled Gumbel-max), each captured in a CUDA
-graph and timed by CUDA events, for the logits a plain step (B, V) and a tree verify (B, 16, V) draw
-from; and how many draws the kernel shares with the sort. Random logits, nothing to stage. `--pick`
-reads a record and prints the tile whose times sum least and the fewest rows from which that tile
-beat the sort at every setting: `TILE MIN_ROWS`.
+(BLOCKxWARPS: one program a row; sSLICExWARPS[rROUNDS]: over slices at every row count; package, the
+default: the package's own choice at each row count) against the torch path (a sort of each row's
+vocabulary, then the compiled Gumbel-max), each captured in a CUDA graph and timed by CUDA events,
+for the logits a plain step (B, V) and a tree verify (B, 16, V) draw from; and how many draws the
+kernel shares with the sort. Random logits, nothing to stage. `--pick` reads a record and prints the
+tile whose times sum least and the fewest rows from which that tile beat the sort at every setting:
+`TILE MIN_ROWS`.
 
-  [TILES="4096x16 s4096x8 s2048x4r3"] python3 bench/gpu/draw_ab.py OUT_DIR [VOCAB ...]  # default 49152 (SmolLM2), 128256
+  [TILES="package 4096x16 s4096x8 s2048x4r3"] python3 bench/gpu/draw_ab.py OUT_DIR [VOCAB ...]  # default 49152 (SmolLM2), 128256
   python3 bench/gpu/draw_ab.py --pick RECORD
 """
 import json
@@ -48,14 +49,21 @@ def graphed_ms(fn) -> float:
 
 
 ROUNDS = getattr(cut_draw, "ROUNDS", None)  # the package's own, for an s-tile that names none
+PACKAGE = {k: getattr(cut_draw, k) for k in ("SPLIT", "SPLIT_ROWS", "SLICE", "SLICE_WARPS", "ROUNDS", "BLOCK", "WARPS")
+           if hasattr(cut_draw, k)}  # the tile "package": cut_draw's own choice at each row count
 
 
 def set_tile(tile: str) -> None:
-    """cut_draw's path and tile from a TILES entry."""
+    """cut_draw's path and tile from a TILES entry (an s-tile at every row count)."""
+    for k, v in PACKAGE.items():
+        setattr(cut_draw, k, v)
+    if tile == "package":
+        return
     dims, _, rounds = tile.lstrip("s").partition("r")
     size, warps = map(int, dims.split("x"))
     if tile.startswith("s"):
         cut_draw.SPLIT, cut_draw.SLICE, cut_draw.SLICE_WARPS = True, size, warps
+        cut_draw.SPLIT_ROWS = 1 << 30
         cut_draw.ROUNDS = int(rounds or ROUNDS)
     else:
         if hasattr(cut_draw, "SPLIT"):
@@ -67,10 +75,7 @@ def main(out_dir: str, vocabs: list[int]) -> None:
     dev = torch.device("cuda")
     fast = Kernels.choose(dev)
     slow = Kernels.choose(dev, disable=("draw",))
-    own = f"{cut_draw.BLOCK}x{getattr(cut_draw, 'WARPS', 8)}"  # an older package: one program a row alone
-    if getattr(cut_draw, "SPLIT", False):
-        own = f"s{cut_draw.SLICE}x{cut_draw.SLICE_WARPS}r{cut_draw.ROUNDS}"
-    tiles = os.environ.get("TILES", own).split()
+    tiles = os.environ.get("TILES", "package").split()
     cut_draw.MIN_ROWS = 1  # the kernel at every row count
     results = {}
     for v in vocabs:

@@ -28,11 +28,12 @@ def eos_reach(tokens: torch.Tensor, eos: torch.Tensor, stops: torch.Tensor) -> t
     return torch.where(hit.any(1), hit.int().argmax(1) + 1, m + 1)
 
 
-def first_tokens(logits: torch.Tensor, slots: "Slots", batch: PromptBatch) -> torch.Tensor:
+def first_tokens(logits: torch.Tensor, slots: "Slots", batch: PromptBatch, kernels=None) -> torch.Tensor:
     """The first token of each admitted prompt (b,) from its last position's logits (b, V), drawn
-    with its row's settings at the position after the prompt (the cache's length once prefilled);
-    it becomes the row's last token (graph-safe)."""
-    first = slots.sampling.select(batch.rows).pick(logits, 0)
+    with its row's settings at the position after the prompt (the cache's length once prefilled)
+    by the model's kernels (a prefill's draw is on the general path, cut_draw's where it is on,
+    not a sort of the vocabulary); it becomes the row's last token (graph-safe)."""
+    first = slots.sampling.select(batch.rows).pick(logits, 0, kernels)
     slots.last.index_copy_(0, batch.rows, first)
     return first
 
@@ -53,7 +54,7 @@ class PlainStep:
 
     def prefill(self, batch: PromptBatch) -> torch.Tensor:
         h, _ = prefill(self.model, self.slots.cache, batch)  # (b, H)
-        return first_tokens(self.model.logits(h), self.slots, batch)
+        return first_tokens(self.model.logits(h), self.slots, batch, self.model.kernels)
 
     def admitted(self, rows: list[int], prompts: list[list[int]], first: list[int]) -> None:
         pass

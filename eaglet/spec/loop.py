@@ -115,7 +115,7 @@ class SpecStep:
 
     def prefill(self, batch):
         h, taps = prefill(self.model, self.slots.cache, batch, capture=self.drafter.taps)  # (b, H)
-        first = first_tokens(self.model.logits(h), self.slots, batch)
+        first = first_tokens(self.model.logits(h), self.slots, batch, self.model.kernels)
         self.drafter.start(batch, taps, first)
         return first
 
