@@ -9,6 +9,7 @@ tile whose times sum least and the fewest rows from which that tile beat the sor
 
   [TILES="package 4096x16 s4096x8 s2048x4r3"] python3 bench/gpu/draw_ab.py OUT_DIR [VOCAB ...]  # default 49152 (SmolLM2), 128256
   python3 bench/gpu/draw_ab.py --pick RECORD
+  [TILES=...] python3 bench/gpu/draw_ab.py --profile OUT_DIR [VOCAB]  # each kernel of a graphed draw, µs
 """
 import json
 import math
@@ -103,6 +104,46 @@ def main(out_dir: str, vocabs: list[int]) -> None:
                                   results, out_dir))
 
 
+def profile_kernels(out_dir: str, v: int) -> None:
+    """Every kernel of one graphed draw (top-k 40 and top-p 0.95, the slowest setting) per tile and
+    shape, from torch.profiler over REPLAYS replays: µs each and the span of a replay (first kernel's
+    start to last one's end), so a launch's own time shows beside its work."""
+    from step_profile import busy_and_launches, kernel_table  # noqa: E402 (bench/gpu is the script's path)
+    from torch.profiler import ProfilerActivity, profile
+
+    dev, fast = torch.device("cuda"), Kernels.choose(torch.device("cuda"))
+    cut_draw.MIN_ROWS = 1
+    p, results = SETTINGS["top-k 40, top-p 0.95"], {}
+    for tile in os.environ.get("TILES", "package").split():
+        set_tile(tile)
+        for shape in SHAPES:
+            b = shape[0]
+            rs = RowSampling(b, dev)
+            rs.set(list(range(b)), [p] * b, [p.stream(i) for i in range(b)])
+            rs.choose_mode(range(b))
+            logits = (torch.randn(*shape, v, device=dev) * 3).to(torch.bfloat16)
+            offset = 1 if len(shape) == 1 else torch.arange(shape[1], device=dev).expand(b, -1)
+            for _ in range(2):
+                rs.pick(logits, offset, fast)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                rs.pick(logits, offset, fast)
+            g.replay()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(REPLAYS):
+                    g.replay()
+                    torch.cuda.synchronize()  # replays apart, so the span is one replay's
+            busy, _, _, _ = busy_and_launches(prof)
+            rows = kernel_table(prof, REPLAYS)
+            name = f"{tile} {'x'.join(map(str, shape))}"
+            results[name] = {"kernels_us": sum(r[2] for r in rows), "busy_us": busy / REPLAYS,
+                             "all": [{"name": n[:120], "count": c, "us": us} for n, c, us in rows]}
+            print(f"{name:24s} kernels {results[name]['kernels_us']:7.1f} µs a replay: "
+                  + "  ".join(f"{n[:28]} {c:g}x{us / c:.1f}" for n, c, us in rows), flush=True)
+    print("record:", write_record("draw-profile", {"vocab": v, "replays": REPLAYS}, results, out_dir))
+
+
 def pick(path: str) -> str:
     """`TILE MIN_ROWS` from a record: the tile of least summed time, and the fewest rows from
     which it was faster than the sort for every setting and shape (no such count: 0, i.e. never)."""
@@ -117,5 +158,7 @@ def pick(path: str) -> str:
 if __name__ == "__main__":
     if sys.argv[1] == "--pick":
         print(pick(sys.argv[2]))
+    elif sys.argv[1] == "--profile":
+        profile_kernels(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 49152)
     else:
         main(sys.argv[1], [int(x) for x in sys.argv[2:]] or [49152, 128256])
