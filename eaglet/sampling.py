@@ -99,6 +99,15 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 @fusable
+def position_seeds(key: torch.Tensor, base: torch.Tensor, offset) -> torch.Tensor:
+    """(B, ...) the noise key of each row at position base + offset: key (B,) the rows' streams
+    (62-bit), base (B,) their positions, offset an int or (B, ...)."""
+    h = mix32(mix32(key & _MASK) ^ ((key >> 32) & _MASK))  # (B,)
+    pos = base.view(-1, *([1] * (offset.dim() - 1))) + offset if torch.is_tensor(offset) else base + offset
+    return mix32(h.view(pos.shape[:1] + (1,) * (pos.dim() - 1)) ^ mix32(pos & _MASK))
+
+
+@fusable
 def gumbel_argmax(x: torch.Tensor, seed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """argmax(x + Gumbel noise) over the last dimension: x (..., V) scaled logits, seed (...) the
     noise's key per row and position, ids (V,) each entry's hashed token id. The noise of token v is
@@ -232,12 +241,12 @@ class RowSampling:
             x = torch.empty_like(x).scatter_(-1, order, sx)
         return x
 
-    def seeds(self, offset) -> torch.Tensor:
-        """(B, ...) the noise key of each row at position base + offset (offset an int or (B, ...))."""
-        k = self.key
-        h = mix32(mix32(k & _MASK) ^ ((k >> 32) & _MASK))  # (B,)
-        pos = self.base.view(-1, *([1] * (offset.dim() - 1))) + offset if torch.is_tensor(offset) else self.base + offset
-        return mix32(h.view(pos.shape[:1] + (1,) * (pos.dim() - 1)) ^ mix32(pos & _MASK))
+    def seeds(self, offset, kernels=None) -> torch.Tensor:
+        """(B, ...) the noise key of each row at position base + offset (offset an int or (B, ...)),
+        in one compiled kernel where `kernels` compile (eager, it is ~48 tiny ones: a step's graph
+        replays each)."""
+        fn = position_seeds if kernels is None else kernels.fuse(position_seeds)
+        return fn(self.key, self.base, offset)
 
     def vocab_ids(self, v: int, vocab: torch.Tensor | None = None) -> torch.Tensor:
         """(v,) the hashed token id of each logit: index i is token i, or vocab[i] (a drafter's own
@@ -255,7 +264,7 @@ class RowSampling:
         draft tree's guesses at the draw, for one fused kernel instead of a sort of the vocabulary."""
         if not self.mode.sampled:
             return logits.float()
-        seed = self.seeds(offset)
+        seed = self.seeds(offset, kernels)
         fn = tempered_noise if kernels is None else kernels.fuse(tempered_noise)
         return fn(logits, self.temperature.view((-1,) + (1,) * (logits.dim() - 1)),
                   seed.view(seed.shape + (1,) * (logits.dim() - 2)), self.vocab_ids(logits.shape[-1], vocab))
@@ -268,9 +277,9 @@ class RowSampling:
             return best
         ids = self.vocab_ids(logits.shape[-1], vocab)
         if self.mode.filtered and kernels is not None and kernels.draw and cut_draw.usable(logits):
-            drawn = cut_draw.cut_draw(logits, self.temperature, self.top_k, self.top_p, self.seeds(offset), ids)
+            drawn = cut_draw.cut_draw(logits, self.temperature, self.top_k, self.top_p, self.seeds(offset, kernels), ids)
         else:  # the cut by a sort of each row's vocabulary, then one fused pass
             fn = gumbel_argmax if kernels is None else kernels.fuse(gumbel_argmax)
-            drawn = fn(self.scaled(logits), self.seeds(offset), ids)
+            drawn = fn(self.scaled(logits), self.seeds(offset, kernels), ids)
         greedy = (self.temperature == 0).view((-1,) + (1,) * (best.dim() - 1))
         return torch.where(greedy, best, drawn)

@@ -235,6 +235,23 @@ def test_gumbel_argmax_compiled_equals_eager():
         assert torch.equal(compiled(gumbel_argmax)(logits, seed, ids), gumbel_argmax(logits, seed, ids))
 
 
+def test_position_seeds_compiled_equal_eager():
+    """Each row's noise key at its positions (sampling.position_seeds), compiled as the GPU's steps
+    run it: the same keys for int offsets (0 and 1, which the compiler specializes, and others) and
+    (B, N) ones, 62-bit stream keys included."""
+    from eaglet.sampling import RowSampling, SamplingParams, position_seeds
+
+    rs = RowSampling(3, "cpu")
+    rs.set([0, 1, 2], [SamplingParams(1.0)] * 3, [5, (1 << 62) - 3, 123456789012345])
+    rs.base[:] = torch.tensor([4, 9, 2])
+    fn = compiled(position_seeds)
+    for offset in (0, 1, 6, torch.arange(4).expand(3, 4), torch.arange(12).view(3, 4) % 5):
+        want = position_seeds(rs.key, rs.base, offset)
+        assert torch.equal(fn(rs.key, rs.base, offset), want)
+        assert torch.equal(rs.seeds(offset), want)
+    assert len(set(fn(rs.key, rs.base, 6).tolist())) == 3  # rows keyed apart
+
+
 def test_mla_rope_entry_and_latent_softmax_compiled_equal_eager():
     """MLA's fusable parts: the rotation of q's rotary part with the cache entry (interleaved pairs or
     not), and the attention weights from the latent and rotary scores with the mask."""

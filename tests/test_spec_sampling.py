@@ -164,10 +164,10 @@ def always_accept(prop, target, max_depth, kernels=None):
 _seeds = RowSampling.seeds
 
 
-def same_noise_everywhere(self, offset):
+def same_noise_everywhere(self, offset, kernels=None):
     """Wrong: noise keyed by the row's stream alone, the same at every position."""
     return _seeds(self, 0 * offset - self.base.view(-1, *([1] * (offset.dim() - 1))) if torch.is_tensor(offset)
-                  else -self.base)
+                  else -self.base, kernels)
 
 
 @pytest.mark.parametrize("rule,name", [("accept", "tree-eagle3"), ("noise", "tree-eagle3"), ("noise", "chain-draft")])
