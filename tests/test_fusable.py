@@ -94,6 +94,25 @@ def test_settle_compiled_equals_eager_in_place_updates_included():
     assert roots[:3].tolist() == [7, tokens[1, 0], tokens[2, 0]] and roots[3] == 0
 
 
+def test_plain_advance_compiled_equals_eager_in_place_updates_included():
+    """A plain step's bookkeeping (runtime.plain.advance), compiled, through views of larger buffers:
+    row 0 draws the EOS it stops at (limit to 0), row 1 the EOS it does not stop at, row 2 is frozen
+    (limit 0: its last token and length stay), row 3 takes its token."""
+    from eaglet.runtime.plain import advance
+
+    tok, eos, stops = torch.tensor([7, 7, 5, 6]), torch.tensor([7, 99]), torch.tensor([True, False, True, True])
+    state = {}
+    for name, f in (("eager", advance), ("compiled", compiled(advance))):
+        last, lens, limit = torch.tensor([1, 2, 3, 4, 0]), torch.tensor([10, 20, 30, 40, 0]), torch.tensor([9, 3, 0, 2, 0])
+        out = f(tok, last[:4], lens[:4], limit[:4], eos, stops)
+        state[name] = (out, last, lens, limit)
+    assert all(torch.equal(a, b) for a, b in zip(state["compiled"], state["eager"]))
+    out, last, lens, limit = state["eager"]
+    assert out.tolist() == [[7, 1], [7, 1], [3, 0], [6, 1]]
+    assert last.tolist() == [7, 7, 3, 6, 0] and lens.tolist() == [11, 21, 30, 41, 0]
+    assert limit.tolist() == [0, 2, 0, 1, 0]
+
+
 def test_rope_module_compiled_equals_eager():
     """RoPE as compile_elementwise compiles it on the GPU (dynamic shapes, one graph): at one token its
     q and kv are views of one buffer; at several, the grouped relayout. Both as written."""

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ..kernels import fusable
 from ..models.attention import AttnMeta
 from ..models.llama import CausalLM
 from ..models.prefill import PromptBatch, prefill
@@ -26,6 +27,23 @@ def eos_reach(tokens: torch.Tensor, eos: torch.Tensor, stops: torch.Tensor) -> t
     m = tokens.shape[1]
     hit = (tokens[..., None] == eos).any(-1) & stops[:, None]  # (B, M)
     return torch.where(hit.any(1), hit.int().argmax(1) + 1, m + 1)
+
+
+@fusable
+def advance(tok: torch.Tensor, last: torch.Tensor, lens: torch.Tensor, limit: torch.Tensor, eos: torch.Tensor,
+            stops: torch.Tensor) -> torch.Tensor:
+    """A plain step's bookkeeping after its draw, one compiled region on the GPU (about twenty small
+    kernels otherwise): rows with tokens left (limit > 0) take `tok` as their last token, and their
+    cache length and limit move by one; a row that stops at EOS and drew it gets limit 0 (the device
+    stops it). Updates last, lens and limit in place; returns (B, 2): each row's token and whether it
+    emitted one."""
+    on = limit > 0
+    active = on.long()
+    last.copy_(torch.where(on, tok, last))
+    lens.add_(active)
+    limit.sub_(active)
+    limit.masked_fill_(on & (eos_reach(tok[:, None], eos, stops) == 1), 0)
+    return torch.stack([last, active], 1)
 
 
 def first_tokens(logits: torch.Tensor, slots: "Slots", batch: PromptBatch, kernels=None) -> torch.Tensor:
@@ -72,13 +90,7 @@ class PlainStep:
                               kernels=model.kernels)
         hidden, _ = model(last[:, None], positions, c, meta)
         tok = self.slots.sampling.pick(model.logits(hidden[:, -1]), 1, model.kernels)  # (B,) after `last`
-        on = limit > 0
-        active = on.long()
-        last.copy_(torch.where(on, tok, last))
-        c.lens += active
-        limit -= active
-        limit.masked_fill_(on & (eos_reach(tok[:, None], self.slots.eos, self.slots.stops) == 1), 0)
-        return torch.stack([last, active], 1)
+        return model.kernels.fuse(advance)(tok, last, c.lens, limit, self.slots.eos, self.slots.stops)
 
     def collect(self, rows: list[list[int]], same: list[bool], live: np.ndarray,
                 observer: "StepObserver") -> list[list[int]]:
