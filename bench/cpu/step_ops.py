@@ -4,9 +4,11 @@ switched on under Triton's interpreter (cache attention, the few-row matmuls, th
 Triton kernel, each `@fusable` function and each module models/llama.py's compile_elementwise compiles (RMSNorm, RoPE,
 MLP) counted once, and operators that only make views left out. An estimate of the graphs' kernel
 counts (step_profile.py gives the real ones on the H200), grouped by the line that launched them:
-which code to fuse next. A probe, CPU (SmolLM2 in float16; a few minutes under the interpreter).
+which code to fuse next. `--sampled` counts a step of a row sampling under top-p (the noise, the draw
+under the cut; cut_draw counted once, though over slices it is six launches). A probe, CPU (SmolLM2
+in float16; a few minutes under the interpreter).
 
-  TRITON_INTERPRET=1 .venv/bin/python bench/cpu/step_ops.py [--tree 5,4,16] [--out bench/results]
+  TRITON_INTERPRET=1 .venv/bin/python bench/cpu/step_ops.py [--tree 5,4,16] [--sampled] [--out bench/results]
 """
 import argparse
 import collections
@@ -16,11 +18,14 @@ import traceback
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from eaglet import cut_draw
 from eaglet.config import SpecConfig
 from eaglet.default_model import default_model_path
 from eaglet.generate import GenerationConfig, Generator
-from eaglet.models import attention, cache_attention, gemv, llama
+from eaglet.kernels import Kernels
+from eaglet.models import attention, cache_attention, llama
 from eaglet.perf.record import write_record
+from eaglet.sampling import SamplingParams
 from eaglet.spec import loop as loop_mod
 from eaglet.spec import topk as topk_mod
 from eaglet.spec import tree as tree_mod
@@ -69,6 +74,9 @@ def caller() -> str:
 
 def instrument(counter: Counter) -> None:
     """Count each Triton kernel, fusable function and compiled module once, where it is called."""
+    fuse = Kernels.fuse
+    Kernels.fuse = lambda self, fn: counter.region(fn.__name__, fuse(self, fn))  # every @fusable call
+    cut_draw.cut_draw = counter.region("cut_draw", cut_draw.cut_draw)
     for mod, names in ((attention, ["slots_and_rows", "attention_mask", "additive_bias"]),
                        (tree_mod, ["ancestor_mask", "kept_tree", "topk"]), (verify_mod, ["greedy_accept"]),
                        (llama, ["rope_cos_sin"]), (eagle3_head, ["rope_cos_sin"]), (cache_attention, ["cache_attention"]),
@@ -91,20 +99,20 @@ def instrument(counter: Counter) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tree", default="5,4,16", help="STEPS,TOPK,TOKENS; 5,1,6 for the chain of 5")
+    ap.add_argument("--sampled", action="store_true", help="the row samples: temperature 0.7, top-p 0.9")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     steps, k, n = map(int, args.tree.split(","))
     path = str(default_model_path())
-    loaded = load_model(path, "float16", "cpu")  # the cache-attention kernel takes half precision
-    cache_attention.enable(True)
-    gemv.enable(True)
-    topk_mod.enable()
+    kernels = Kernels(gemv=True, cache_attention=True, topk=True, draw=True, compile=False)  # the GPU's, interpreted
+    loaded = load_model(path, "float16", "cpu", kernels=kernels)  # the cache-attention kernel takes half precision
     counter = Counter()
     instrument(counter)
     spec = SpecConfig("eagle3", str(bundled_drafter()), steps=steps, topk=k, draft_tokens=n)
     gen = Generator(loaded.model, loaded.tokenizer, load_speculator(spec, loaded.model, path))
     ids = loaded.tokenizer.apply_chat([{"role": "user", "content": "Explain why the sky is blue."}])
-    gen.generate([ids], GenerationConfig(max_new_tokens=8, ignore_eos=True))  # decoders made, caches warm
+    sampling = SamplingParams(0.7, top_p=0.9, seed=1) if args.sampled else SamplingParams()
+    gen.generate([ids], GenerationConfig(max_new_tokens=8, ignore_eos=True, sampling=sampling))  # decoders made, caches warm
     step = gen.decoder_in_use().current  # the speculative step
     counts = {}
     for phase in ("draft", "verify", "accept"):
@@ -117,14 +125,14 @@ def main() -> None:
             counts[phase] = collections.Counter(w for _, w in counter.ops)
             return out
         setattr(type(step), phase, counted)
-    gen.generate([ids], GenerationConfig(max_new_tokens=3, ignore_eos=True))  # one step, the last one counted
+    gen.generate([ids], GenerationConfig(max_new_tokens=3, ignore_eos=True, sampling=sampling))  # one step, the last one counted
     results = {}
     for phase, c in counts.items():
         results[phase] = {"kernels": sum(c.values()), "by_line": dict(c.most_common())}
         print(f"{phase}: ~{sum(c.values())} kernels")
         for line, m in c.most_common(12):
             print(f"  {m:4d}  {line}")
-    print("record:", write_record("step-ops", {"tree": args.tree}, results, args.out))
+    print("record:", write_record("step-ops", {"tree": args.tree, "sampled": args.sampled}, results, args.out))
 
 
 if __name__ == "__main__":
