@@ -47,12 +47,12 @@ except ImportError:  # CPU installs without Triton
 
 BLOCK, WARPS = 4096, 16  # one program a row: entries a chunk (a row is read in chunks, every pass), warps
 SLICE, SLICE_WARPS, ROUNDS = 2048, 4, 2  # over slices: entries and warps a program, nucleus checks launched
-# H200, SmolLM2's 49,152 entries, graphed (bench/gpu/draw_ab.py, draw-ab-gpu-20261206-023042.json; the
-# tiles of least total time of six, `--pick`), µs for top-p 0.9 / top-k 50 / both: over slices 85 / 90 /
-# 92 at one row, 90 / 97 / 103 at 16, 94 / 99 / 103 for a 16-node tree, 116 / 141 / 159 at 64 rows, and
-# 241 / 322 / 397 for 16 trees of 16 nodes; one program a row 105 / 155 / 177, 116 / 157 / 178, 139 /
-# 157 / 180, 138 / 157 / 200 and 215 / 251 / 319; the sort 312-335, 495-503, 496-502, 767-774 and
-# 2142-2159. So slices up to 64 rows, one program a row above, the kernels from one row.
+# H200, SmolLM2's 49,152 entries, graphed (bench/gpu/draw_ab.py, draw-ab-gpu-20261206-023042.json;
+# slices of 2,048 x 4 warps, `--pick`'s choice of six tiles), µs for top-p 0.9 / top-k 50 / both: over
+# slices 85 / 90 / 92 at one row, 90 / 97 / 103 at 16, 94 / 99 / 103 for a 16-node tree, 116 / 141 / 159
+# at 64 rows and 241 / 322 / 397 for 16 trees of 16 nodes; one program a row 105 / 155 / 177, 116 / 157 /
+# 178, 139 / 157 / 180, 138 / 157 / 200 and 215 / 251 / 319; the sort 312-335, 495-503, 496-502, 767-774
+# and 2142-2159. So slices up to 64 rows, one program a row above, the kernels from one row.
 MIN_ROWS = 1
 SPLIT, SPLIT_ROWS = True, 64  # the passes over slices, for calls of up to SPLIT_ROWS rows (positions)
 LEVELS = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 4}  # radix passes: the float32 bytes a dtype sets

@@ -106,8 +106,8 @@ def main(out_dir: str, vocabs: list[int]) -> None:
 
 def profile_kernels(out_dir: str, v: int) -> None:
     """Every kernel of one graphed draw (top-k 40 and top-p 0.95, the slowest setting) per tile and
-    shape, from torch.profiler over REPLAYS replays: µs each and the span of a replay (first kernel's
-    start to last one's end), so a launch's own time shows beside its work."""
+    shape, from torch.profiler over REPLAYS replays: µs each and the GPU's busy time a replay, to set
+    beside draw_ab's graphed time (the rest is launches and gaps)."""
     from step_profile import busy_and_launches, kernel_table  # noqa: E402 (bench/gpu is the script's path)
     from torch.profiler import ProfilerActivity, profile
 
@@ -133,7 +133,7 @@ def profile_kernels(out_dir: str, v: int) -> None:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(REPLAYS):
                     g.replay()
-                    torch.cuda.synchronize()  # replays apart, so the span is one replay's
+                    torch.cuda.synchronize()  # replays apart: no overlap between them
             busy, _, _, _ = busy_and_launches(prof)
             rows = kernel_table(prof, REPLAYS)
             name = f"{tile} {'x'.join(map(str, shape))}"
