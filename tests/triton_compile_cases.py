@@ -101,7 +101,8 @@ def cases():
             "out_ptr": "*i64", "hist_ptr": "*i32", "floor_ptr": "*i32", "part_ptr": "*fp32"}
     yield "sampled draw under top-k / top-p", lambda: compile_for_h200(
         cut_draw.cut_draw_kernel, dict(LEVELS=2, BLOCK=cut_draw.BLOCK), cut_draw.WARPS, 3, draw)
-    tile = dict(S_POW=16, SLICE=cut_draw.SLICE)
+    s_pow = ca.pow2(-(-49152 // cut_draw.SLICE))  # SmolLM2's vocabulary in slices, as the package runs it
+    tile = dict(S_POW=s_pow, SLICE=cut_draw.SLICE)
     for level in range(2):
         yield f"sampled draw over slices: radix byte {level}", lambda level=level: compile_for_h200(
             cut_draw.kth_part_kernel, dict(tile, LEVEL=level), cut_draw.SLICE_WARPS, 3, draw)
@@ -111,7 +112,7 @@ def cases():
         yield f"sampled draw over slices: nucleus check {round_}", lambda round_=round_: compile_for_h200(
             cut_draw.nucleus_part_kernel, dict(tile, ROUND=round_), cut_draw.SLICE_WARPS, 3, draw)
     yield "sampled draw over slices: finish", lambda: compile_for_h200(
-        cut_draw.finish_kernel, dict(S_POW=16, ROUNDS=cut_draw.ROUNDS, BLOCK=cut_draw.BLOCK), cut_draw.WARPS, 3, draw)
+        cut_draw.finish_kernel, dict(S_POW=s_pow, ROUNDS=cut_draw.ROUNDS, BLOCK=cut_draw.BLOCK), cut_draw.WARPS, 3, draw)
 
 
 def main() -> int:
