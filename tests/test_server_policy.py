@@ -56,8 +56,9 @@ def serve_app(monkeypatch, flags: list[str]):
 
 
 def test_the_profile_policy(policy_record):
-    table, _ = load_profile_policy(str(policy_record))
+    table, speedups, _ = load_profile_policy(str(policy_record))
     assert table == {1: "chain:2", 4: None}
+    assert speedups[1]["chain:2"] > 1.0 > speedups[4]["chain:2"]  # the planner's predictions behind the table
     p = SpecPolicy(Speculator(SpecConfig("ngram", steps=3)), table)
     assert [p.choose(n) for n in (1, 2, 3, 4, 5, 16)] == ["chain:2"] * 3 + [None] * 3
     assert p.speculator("chain:2").spec == SpecConfig("ngram", steps=2) and p.speculator(None) is None
@@ -139,13 +140,13 @@ def test_a_speculating_batch_that_grows_turns_plain(tiny, drafter_dir, policy_re
     where it stands and takes in the 3 that fit at once (the 4th joins when a row frees). The first request speculated before the switch and
     decodes plain after it; every text is the greedy reference."""
     sp = speculator(tiny, drafter_dir, "eagle3")  # chain:3; the policy picks chain:2 at 1
-    table, _ = load_profile_policy(str(policy_record))
+    table, speedups, _ = load_profile_policy(str(policy_record))
     gate = threading.Event()
     held = gate_steps(monkeypatch, gate, sampled_only=False)
     caplog.set_level("INFO", logger="eaglet.server")
     want = {p: reference(tiny, None, p, 12, chat=False) for p in PROMPTS[:5]}
     with LiveServer(Generator(tiny.model, tiny.tokenizer, sp), max_batch=4,
-                    policy=SpecPolicy(sp, table, None, "profile.json")) as srv:
+                    policy=SpecPolicy(sp, table, None, "profile.json", speedups)) as srv:
         async def go():
             async with srv.async_client() as ac:
                 return await go_with(ac)
@@ -174,7 +175,8 @@ def test_a_speculating_batch_that_grows_turns_plain(tiny, drafter_dir, policy_re
     assert "starts plain" not in caplog.text
 
 
-@pytest.mark.parametrize("case", ["missing", "not json", "not a profile", "no costs", "no drafter", "negative cap"])
+@pytest.mark.parametrize("case", ["missing", "not json", "not a profile", "no costs", "no drafter", "negative cap",
+                                  "negative keep"])
 def test_spec_policy_flags_are_checked(tmp_path, case, capsys):
     """Each mistake is one `eaglet: error:` line, before any model is loaded."""
     path = {"missing": tmp_path / "nope.json",
@@ -185,13 +187,14 @@ def test_spec_policy_flags_are_checked(tmp_path, case, capsys):
     if case == "not json":
         path.write_text("{not json")
     flags = ["serve", "--model", str(tmp_path / "no-model"), "--spec", "none" if case == "no drafter" else "ngram",
-             "--spec-policy", str(path)] + (["--spec-max-batch", "-1"] if case == "negative cap" else [])
+             "--spec-policy", str(path)] + {"negative cap": ["--spec-max-batch", "-1"],
+                                            "negative keep": ["--spec-keep-over", "-0.5"]}.get(case, [])
     assert main(flags) == 1
     err = capsys.readouterr().err
     assert err.startswith("eaglet: error: ") and err.count("\n") == 1, err
     assert {"missing": "does not exist", "not json": "not JSON", "not a profile": "not a profile record",
             "no costs": "without the costs and acceptance", "no drafter": "none is configured",
-            "negative cap": "--spec-max-batch must be >= 0"}[case] in err
+            "negative cap": "--spec-max-batch must be >= 0", "negative keep": "--spec-keep-over must be >= 0"}[case] in err
 
 
 WINDOW = 1.0
@@ -222,12 +225,46 @@ def test_reach_is_the_largest_batch_a_setting_is_chosen_for():
     assert p.reach("tree:4,4,12", 16) == 16 and SpecPolicy(p.base, None, 3).reach("chain:3", 64) == 3
 
 
-@pytest.mark.parametrize("joining, plain", [(6, False), (7, True)])
-def test_a_batch_grown_past_its_settings_reach_turns_plain(joining, plain):
+def sharegpt_speedups() -> dict[int, dict[str, float]]:
+    """The committed H200 ShareGPT profile's predicted speedups, per batch size and setting."""
+    from pathlib import Path
+
+    _, speedups, _ = load_profile_policy(str(Path(__file__).parents[1] / "bench/results/profile-gpu-20261130-225722.json"))
+    return speedups
+
+
+def test_a_setting_reaches_on_while_the_profile_says_it_beats_plain():
+    """With the profile's predictions a setting reaches past the sizes it is chosen for while it is
+    predicted KEEP_OVER_PLAIN faster than plain at each: on the H200 ShareGPT profile every setting
+    is 1.25-1.64x plain at 16-64 requests, so each reaches the whole batch (a batch that started
+    alone keeps speculating under a steady load of 16 instead of turning plain for the load's life).
+    A setting predicted below the margin at a size stops before it, and so does a size decoded plain."""
+    from eaglet.server import KEEP_OVER_PLAIN
+
+    base = Speculator(SpecConfig("ngram", steps=3))
+    speedups = sharegpt_speedups()
+    assert SpecPolicy(base, SHAREGPT_POLICY, speedups=speedups).choose(16) == "tree:4,4,12"
+    assert all(speedups[b][s] >= KEEP_OVER_PLAIN for b in (16, 32, 64) for s in SHAREGPT_POLICY.values())
+    p = SpecPolicy(base, SHAREGPT_POLICY, speedups=speedups)
+    assert [p.reach(s, 64) for s in ("tree:4,4,16", "tree:4,4,12", "tree:5,4,24", "chain:4", "chain:9")] \
+        == [64, 64, 64, 64, 0]
+    weak = {b: dict(v) for b, v in speedups.items()}
+    weak[32]["tree:4,4,16"] = KEEP_OVER_PLAIN - 0.01  # predicted too close to plain at 32-63 requests
+    assert SpecPolicy(base, SHAREGPT_POLICY, speedups=weak).reach("tree:4,4,16", 64) == 31
+    capped = SpecPolicy(base, SHAREGPT_POLICY, 24, speedups=speedups)  # --spec-max-batch 24: plain above
+    assert capped.reach("tree:4,4,16", 64) == 24 and not capped.keeps("tree:4,4,16", 25)
+    strict = SpecPolicy(base, SHAREGPT_POLICY, speedups=speedups, keep_over=1.55)  # 1.54x and 1.52x at 16
+    assert [strict.reach(s, 64) for s in ("tree:4,4,16", "tree:5,4,24")] == [15, 15]
+
+
+@pytest.mark.parametrize("joining, plain, predicted", [(6, False, False), (7, True, False), (15, False, True)])
+def test_a_batch_grown_past_its_settings_reach_turns_plain(joining, plain, predicted):
     """A batch that started speculating with tree 4,4,16 (chosen for 1 and 4-7 requests) keeps it
     while it grows to 7 requests (tree 4,4,12 is chosen at 2: still within its reach, and warmed),
-    and turns plain when it would hold 8 (the policy chose tree 5,4,24 there; the engine does not
-    run a setting at a size it was not chosen, nor warmed, for)."""
+    and without the profile's predictions turns plain when it would hold 8 (the policy chose tree
+    5,4,24 there; the engine does not run a setting at a size it was not chosen, nor warmed, for).
+    With the profile's predictions (`predicted`) it keeps speculating at 16 requests: its reach is
+    the whole batch."""
     from collections import deque
 
     from eaglet.sampling import SamplingParams
@@ -241,7 +278,8 @@ def test_a_batch_grown_past_its_settings_reach_turns_plain(joining, plain):
         sampling, running, speculative = SamplingParams(), 1, True
         free_rows = list(range(1, 64))
 
-    eng = Engine(Gen(), 64, 256, 512, ServerMetrics("reach"), SpecPolicy(Gen.speculator, SHAREGPT_POLICY))
+    eng = Engine(Gen(), 64, 256, 512, ServerMetrics("reach"),
+                 SpecPolicy(Gen.speculator, SHAREGPT_POLICY, speedups=sharegpt_speedups() if predicted else None))
     eng.batcher, eng.setting, eng.chosen = Running(), "tree:4,4,16", True
     eng.waiting = deque(Request([1, 2], 4, SamplingParams()) for _ in range(joining))
     new, admit, setting, n = eng.next_admission()

@@ -110,6 +110,11 @@ def choose(profile: dict, batch: int = 1) -> tuple[Candidate | None, list[Candid
     return best, cands
 
 
+def batch_speedups(profile: dict) -> dict[int, dict[str, float]]:
+    """Per measured batch size: every setting's predicted speedup over plain decoding."""
+    return {c["batch"]: {k.name: k.speedup for k in candidates(profile, c["batch"])} for c in profile["costs"]}
+
+
 def batch_policy(profile: dict) -> dict[int, str | None]:
     """Per measured batch size: the setting to use, or None for plain decoding (the server's rule)."""
     policy = {}

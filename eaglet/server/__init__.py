@@ -6,3 +6,4 @@ load it reads), metrics.py
 
 MAX_BODY = 8 << 20  # request body limit (bytes, `serve --max-body-bytes`): a 128k-token context is ~0.5 MB of text
 MULTI_STEP = 4  # plain decoding steps a host round trip on the GPU (serve --multi-step; engine.py)
+KEEP_OVER_PLAIN = 1.1  # serve --spec-keep-over: a setting keeps a grown batch while predicted this much faster than plain

@@ -13,7 +13,7 @@ from pathlib import Path
 from ..args import add_model_args, add_spec_args, model_kernels, spec_config
 from ..dist.launch import add_tp_args, shard
 from ..errors import EagletError
-from . import MAX_BODY, MULTI_STEP
+from . import KEEP_OVER_PLAIN, MAX_BODY, MULTI_STEP
 
 FAILED_GRACE_S = 3.0  # a tensor-parallel server answers 503 this long after a rank fails, then exits
 
@@ -43,6 +43,10 @@ def add_serve_parsers(sub) -> None:
                          "plain above (default 1 without --spec-policy: one setting does not fit every batch "
                          "size; no cap with a profile, whose per-size choice applies when a batch starts; "
                          "0: never speculate)")
+    sv.add_argument("--spec-keep-over", type=float, default=KEEP_OVER_PLAIN, metavar="RATIO",
+                    help="with --spec-policy: a speculating batch that grows past the sizes its setting is chosen "
+                         "for keeps it while the profile predicts it at least RATIO times as fast as plain at each "
+                         f"size, and turns plain beyond (default {KEEP_OVER_PLAIN}; 0: it turns plain past them)")
     sv.add_argument("--api-key", default=os.environ.get("EAGLET_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on /v1 routes (401 without it; /health and /metrics "
                          "stay open); default: $EAGLET_API_KEY")
@@ -111,6 +115,8 @@ def cmd_serve(args) -> int:
         raise InvalidInput(f"--spec-multi-step must be >= 1, got {args.spec_multi_step}")
     if args.max_body_bytes < 1024:
         raise InvalidInput(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
+    if args.spec_keep_over < 0:
+        raise InvalidInput(f"--spec-keep-over must be >= 0, got {args.spec_keep_over}")
     if args.spec_max_batch is not None and args.spec_max_batch < 0:
         raise InvalidInput(f"--spec-max-batch must be >= 0, got {args.spec_max_batch}")
     tp = shard(args)
@@ -148,23 +154,23 @@ def cmd_serve(args) -> int:
 
 
 def serving_policy(args, warn: bool = False):
-    """The speculation configured (or None) and --spec-policy's table (or None); `warn`: say when the
-    profile was taken of another drafter."""
+    """The speculation configured (or None), --spec-policy's table and predicted speedups (or None,
+    None); `warn`: say when the profile was taken of another drafter."""
     from ..errors import InvalidInput
     from .policy import load_profile_policy
 
     spec = spec_config(args, args.model)
     if not args.spec_policy:
-        return spec, None
+        return spec, None, None
     if spec is None:
         raise InvalidInput("--spec-policy chooses among settings of a drafter, but none is configured "
                            "(give --spec/--draft, or drop --spec-policy)")
-    table, rec = load_profile_policy(args.spec_policy)
+    table, speedups, rec = load_profile_policy(args.spec_policy)
     profiled = (rec.get("flags") or {}).get("spec")
     if warn and profiled and profiled != spec.method:
         print(f"[eaglet] warning: {args.spec_policy} profiled the {profiled} drafter; serving {spec.method}",
               file=sys.stderr)
-    return spec, table
+    return spec, table, speedups
 
 
 def serving_engine(args, channel=None):
@@ -177,7 +183,7 @@ def serving_engine(args, channel=None):
 
     # here, not in cmd_serve: an engine process (spawned) starts with no logging configured
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    spec, table = serving_policy(args)
+    spec, table, speedups = serving_policy(args)
     max_spec = args.spec_max_batch if args.spec_max_batch is not None or table else 1
     loaded = load_model(args.model, args.dtype, args.device, kernels=model_kernels(args), tp=shard(args))
     if loaded.tokenizer is None:
@@ -190,7 +196,8 @@ def serving_engine(args, channel=None):
     path = Path(args.model) if args.model else None
     name = args.served_model_name or ("SmolLM2-135M-Instruct" if path is None else
                                       path.stem if path.is_file() else path.resolve().name)
-    policy = SpecPolicy(speculator, table, max_spec, args.spec_policy)
+    policy = SpecPolicy(speculator, table, max_spec, args.spec_policy, speedups if args.spec_keep_over else None,
+                        args.spec_keep_over)
     return make_engine(Generator(loaded.model, loaded.tokenizer, speculator, graphs=not args.eager), name,
                        args.max_batch, args.max_queue, args.max_model_len, policy, args.multi_step,
                        args.spec_multi_step, channel)

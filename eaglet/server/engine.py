@@ -21,8 +21,8 @@ the last one ends leave moments with few requests between batches, where the ins
 would start a batch speculating; 30 s spans the gap between one load run and the next. An idle
 batch whose choice would now differ is replaced by a new one. When requests wait to join a
 speculating batch and the grown batch (running + waiting, capped) is one the policy decodes plain,
-or larger than any batch the policy chooses the batch's setting for (SpecPolicy.reach, as far as
-warm-up captures that setting's graphs), the batch turns plain where it stands (Batcher.to_plain,
+or past the setting's reach (SpecPolicy.reach: the sizes it is chosen for, and on while the profile
+predicts it beats plain; warm-up captures its graphs that far), the batch turns plain where it stands (Batcher.to_plain,
 on the same cache) and takes them in: nobody waits for the speculating requests to finish (moving
 them to a new batch, each prefilled again, loses far more: docs/notebook.md). One decoder, and so
 one KV cache of --max-batch rows, serves every batch whatever its setting: plain batches run its
@@ -365,7 +365,7 @@ class Engine:
             reach = self.policy.reach(self.setting, self.slots) if self.setting is not None else self.slots
             if self.setting is not None and (choice is None or load > reach):
                 why = ("a size the policy decodes plain" if choice is None
-                       else f"more than the policy chooses it for (at most {reach})")
+                       else f"past the setting's reach ({reach})")
                 log.info("the speculating batch (%s) grows to %d requests, %s: it turns plain", self.setting, load, why)
                 self.switch, self.setting = True, None
                 self.metrics.policy(None, load)

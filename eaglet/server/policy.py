@@ -2,10 +2,15 @@
 chosen from how many requests the batch holds when it starts.
 
 The engine asks when it starts a batch, and for a speculating batch whenever requests wait to
-join it: if the grown batch is one the policy decodes plain, or larger than any it chooses the
-batch's setting for (`reach`), the batch turns plain where it stands (a speculative decoder decodes
-plain on its own cache; the way back needs a new batch, since the drafter has missed the plain
-steps).
+join it: if the grown batch is one the policy decodes plain, or past the batch's setting's `reach`,
+the batch turns plain where it stands (a speculative decoder decodes plain on its own cache; the
+way back needs a new batch, since the drafter has missed the plain steps, and moving requests to a
+batch of another setting, each prefilled again, lost: docs/notebook.md). A setting reaches the
+largest batch it is chosen for and, with a profile, on past it while the profile predicts it still
+beats plain decoding by KEEP_OVER_PLAIN (--spec-keep-over) at every measured size: settings chosen for neighbouring
+sizes are often within a few percent of each other (the H200 ShareGPT profile: 1.40-1.64x plain
+for each of its four settings at 16-64 requests), so a batch that started small under a steady
+load keeps speculating instead of turning plain for as long as the load lasts.
 
 - With a profile (`eaglet serve --spec-policy RECORD`): the planner's batch_policy, per measured
   batch size; a batch of n requests follows the largest measured size <= n (the smallest measured
@@ -22,6 +27,7 @@ import dataclasses
 from ..config import SpecConfig
 from ..errors import InvalidInput
 from ..spec.speculator import Speculator
+from . import KEEP_OVER_PLAIN
 
 PLAIN = "plain"  # the name shown for plain decoding (a setting of None)
 
@@ -41,18 +47,18 @@ def setting_spec(name: str, base: SpecConfig) -> SpecConfig:
     return dataclasses.replace(base, steps=s.steps, topk=s.topk, draft_tokens=s.draft_tokens)
 
 
-def load_profile_policy(path: str) -> tuple[dict[int, str | None], dict]:
-    """The per-batch-size policy of an `eaglet profile` record, and the record; InvalidInput when
-    the file is not such a record."""
+def load_profile_policy(path: str) -> tuple[dict[int, str | None], dict[int, dict[str, float]], dict]:
+    """The per-batch-size policy of an `eaglet profile` record, every setting's predicted speedup
+    per batch size, and the record; InvalidInput when the file is not such a record."""
     from ..perf.compare import load_record
-    from ..perf.planner import batch_policy
+    from ..perf.planner import batch_policy, batch_speedups
 
     rec = load_record(path)
     if rec.get("kind") != "profile":
         raise InvalidInput(f"{path}: not a profile record (kind {rec.get('kind')!r}); --spec-policy takes the "
                            "record `eaglet profile` writes")
     try:
-        table = batch_policy(rec["results"])
+        table, speedups = batch_policy(rec["results"]), batch_speedups(rec["results"])
         for name in table.values():
             if name is not None:
                 setting_spec(name, SpecConfig("ngram"))
@@ -61,17 +67,22 @@ def load_profile_policy(path: str) -> tuple[dict[int, str | None], dict]:
                            f"({type(e).__name__}: {e})") from None
     if not table:
         raise InvalidInput(f"{path}: the profile measured no batch sizes")
-    return table, rec
+    return table, speedups, rec
 
 
 class SpecPolicy:
     def __init__(self, base: Speculator | None, table: dict[int, str | None] | None = None,
-                 max_batch: int | None = None, source: str | None = None):
+                 max_batch: int | None = None, source: str | None = None,
+                 speedups: dict[int, dict[str, float]] | None = None, keep_over: float = KEEP_OVER_PLAIN):
+        """table: per measured batch size, its setting (None: plain); speedups: per measured size,
+        each setting's predicted speedup over plain (load_profile_policy), which lets a setting
+        keep a batch grown past the sizes it is chosen for while at least `keep_over` (--spec-keep-over)."""
         if max_batch is not None and max_batch < 0:
             raise InvalidInput(f"--spec-max-batch must be >= 0, got {max_batch}")
         self.base, self.max_batch, self.source = base, max_batch, source
         self.table = dict(sorted(table.items())) if table else None
         self._sizes = list(self.table) if self.table else []
+        self.speedups, self.keep_over = speedups or {}, keep_over
         self._reach: dict[tuple[str, int], int] = {}
 
     def choose(self, n: int) -> str | None:
@@ -80,17 +91,31 @@ class SpecPolicy:
             return None
         if self.table is None:
             return setting_name(self.base.spec)
-        i = bisect.bisect_right(self._sizes, n) - 1
-        return self.table[self._sizes[max(i, 0)]]
+        return self.table[self.measured(n)]
+
+    def measured(self, n: int) -> int:
+        """The measured batch size a batch of `n` requests follows: the largest <= n (the smallest one
+        when all are larger)."""
+        return self._sizes[max(bisect.bisect_right(self._sizes, n) - 1, 0)]
+
+    def keeps(self, setting: str, n: int) -> bool:
+        """Whether a batch speculating with `setting` may hold `n` requests: the policy speculates at
+        n and chooses this setting there, or the profile predicts it `keep_over` times as fast as plain."""
+        choice = self.choose(n)
+        if choice is None:
+            return False
+        return choice == setting or self.speedups.get(self.measured(n), {}).get(setting, 0.0) >= self.keep_over
 
     def reach(self, setting: str, slots: int) -> int:
-        """The largest batch (of at most `slots` requests) the policy chooses `setting` for: how far a
-        batch that speculates with it may grow (the engine warms its graphs that far; past it, the
-        batch turns plain: running a setting at a size the policy chose another for loses to
-        `--spec none`, docs/notebook.md, "a growing batch's setting")."""
+        """How far (at most `slots` requests) a batch that speculates with `setting` may grow: the
+        largest batch the policy chooses it for, then on while it `keeps` each larger size. The
+        engine warms its graphs that far; past it, the batch turns plain."""
         key = (setting, slots)
         if key not in self._reach:
-            self._reach[key] = max((n for n in range(1, slots + 1) if self.choose(n) == setting), default=0)
+            n = max((n for n in range(1, slots + 1) if self.choose(n) == setting), default=0)
+            while 0 < n < slots and self.keeps(setting, n + 1):
+                n += 1
+            self._reach[key] = n
         return self._reach[key]
 
     def speculator(self, name: str | None) -> Speculator | None:
