@@ -40,8 +40,9 @@ PY
 fi
 source "$(dirname "$0")/setup.sh"
 set +e
-out=${OUT:-/tmp}/records
-mkdir -p "$out"
+out=/tmp/serve-records  # records here, packed into $OUT/serve-records.tar after every round: a call cut
+rm -rf "$out"; mkdir -p "$out"  # short by its limit still brings back what it measured (a call returns 8 files)
+keep() { [ -z "${OUT:-}" ] || tar -C "$out" -cf "$OUT/serve-records.tar" .; }
 gunzip -c /tmp/stage/sharegpt_first_turns.json.gz > /tmp/sharegpt.json
 declare -A PORT=([eagle3]=8031 [none]=8032 [alt]=8033 [altnone]=8034)
 servers="eagle3 none"; [ -n "${ALT:-}" ] && servers="eagle3 alt none"; [ -n "${ALT_NONE:-}" ] && servers="$servers altnone"
@@ -73,8 +74,9 @@ for c in ${CONC:-1 4 16 64}; do
       echo "== spec $spec, concurrency $c, round $round"
       bs $spec --num-requests $n --concurrency $c --out "$out" | grep -E "throughput|TTFT|TPOT|engine|gc pauses|accept|record"
     done
+    keep
   done
 done
 kill "${pids[@]}"; wait 2>/dev/null
 save_caches
-[ -n "${OUT:-}" ] && tar -C "$out" -cf "$OUT/serve-records.tar" . && rm -rf "$out"
+keep; echo "records: $out"

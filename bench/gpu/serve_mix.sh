@@ -8,8 +8,9 @@
 # the server and client wheels in .whl). With $OUT set the records come back as $OUT/serve-mix-records.tar.
 source "$(dirname "$0")/setup.sh"
 set +e
-out=${OUT:-/tmp}/records
-mkdir -p "$out"
+out=/tmp/serve-mix-records  # records here, packed into $OUT/serve-mix-records.tar after every round: a call cut
+rm -rf "$out"; mkdir -p "$out"  # short by its limit still brings back what it measured (a call returns 8 files)
+keep() { [ -z "${OUT:-}" ] || tar -C "$out" -cf "$OUT/serve-mix-records.tar" .; }
 gunzip -c /tmp/stage/sharegpt_first_turns.json.gz > /tmp/sharegpt.json
 python3 -m eaglet serve --model $GGUF --port 8041 --max-batch 64 --max-model-len 1024 \
   --draft $PWD/eaglet/drafters/smollm2-135m-instruct-eagle3 --log-level warning &
@@ -25,8 +26,9 @@ for c in ${CONC:-1 16 64}; do
       echo "== --mix $mix, concurrency $c, round $round"
       bs --num-requests $n --concurrency $c --mix $mix --out "$out" | grep -E "requests|throughput|TTFT|TPOT|mix|memory|record"
     done
+    keep
   done
 done
 kill $pid; wait 2>/dev/null
 save_caches
-[ -n "${OUT:-}" ] && tar -C "$out" -cf "$OUT/serve-mix-records.tar" . && rm -rf "$out"
+keep; echo "records: $out"
