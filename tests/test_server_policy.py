@@ -255,6 +255,8 @@ def test_a_setting_reaches_on_while_the_profile_says_it_beats_plain():
     assert capped.reach("tree:4,4,16", 64) == 24 and not capped.keeps("tree:4,4,16", 25)
     strict = SpecPolicy(base, SHAREGPT_POLICY, speedups=speedups, keep_over=1.55)  # 1.54x and 1.52x at 16
     assert [strict.reach(s, 64) for s in ("tree:4,4,16", "tree:5,4,24")] == [15, 15]
+    off = SpecPolicy(base, SHAREGPT_POLICY, speedups=speedups, keep_over=0)  # --spec-keep-over 0: the sizes chosen
+    assert [off.reach(s, 64) for s in ("tree:4,4,16", "tree:4,4,12", "tree:5,4,24")] == [7, 63, 15]
 
 
 @pytest.mark.parametrize("joining, plain, predicted", [(6, False, False), (7, True, False), (15, False, True)])

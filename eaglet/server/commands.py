@@ -196,8 +196,7 @@ def serving_engine(args, channel=None):
     path = Path(args.model) if args.model else None
     name = args.served_model_name or ("SmolLM2-135M-Instruct" if path is None else
                                       path.stem if path.is_file() else path.resolve().name)
-    policy = SpecPolicy(speculator, table, max_spec, args.spec_policy, speedups if args.spec_keep_over else None,
-                        args.spec_keep_over)
+    policy = SpecPolicy(speculator, table, max_spec, args.spec_policy, speedups, args.spec_keep_over)
     return make_engine(Generator(loaded.model, loaded.tokenizer, speculator, graphs=not args.eager), name,
                        args.max_batch, args.max_queue, args.max_model_len, policy, args.multi_step,
                        args.spec_multi_step, channel)

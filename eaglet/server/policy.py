@@ -7,8 +7,8 @@ the batch turns plain where it stands (a speculative decoder decodes plain on it
 way back needs a new batch, since the drafter has missed the plain steps, and moving requests to a
 batch of another setting, each prefilled again, lost: docs/notebook.md). A setting reaches the
 largest batch it is chosen for and, with a profile, on past it while the profile predicts it still
-beats plain decoding by KEEP_OVER_PLAIN (--spec-keep-over) at every measured size: settings chosen for neighbouring
-sizes are often within a few percent of each other (the H200 ShareGPT profile: 1.40-1.64x plain
+beats plain decoding by KEEP_OVER_PLAIN (--spec-keep-over; 0: never) at every measured size: settings chosen for neighbouring
+sizes are often within a few percent of each other (the H200 ShareGPT profile: 1.25-1.64x plain
 for each of its four settings at 16-64 requests), so a batch that started small under a steady
 load keeps speculating instead of turning plain for as long as the load lasts.
 
@@ -104,7 +104,8 @@ class SpecPolicy:
         choice = self.choose(n)
         if choice is None:
             return False
-        return choice == setting or self.speedups.get(self.measured(n), {}).get(setting, 0.0) >= self.keep_over
+        return choice == setting or (self.keep_over > 0 and
+                                     self.speedups.get(self.measured(n), {}).get(setting, 0.0) >= self.keep_over)
 
     def reach(self, setting: str, slots: int) -> int:
         """How far (at most `slots` requests) a batch that speculates with `setting` may grow: the
