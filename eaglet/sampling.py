@@ -20,6 +20,7 @@ import torch
 from . import cut_draw
 from .errors import InvalidInput
 from .kernels import fusable
+from .spec import topk
 
 _fresh = random.Random(secrets.randbits(128))  # unseeded streams' keys: one OS draw per process, not per request
 
@@ -89,6 +90,17 @@ def nucleus_cut(sx: torch.Tensor, sp: torch.Tensor, top_p) -> torch.Tensor:
 _MASK = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # a 32-bit integer hash's multiplier; below 2**27, so products stay inside int64
 _VOCAB_SALT = 0x632BE5AB
+
+
+def argmax(logits: torch.Tensor, kernels=None) -> torch.Tensor:
+    """(..., V) -> (...): each row's largest entry, the lowest index on ties (torch.argmax's). Rows of
+    topk.SPLIT_WIDTH or more go through the split top-k kernels with k = 1 where the model's kernels
+    take top-k (`--disable-kernels topk` turns it off): torch's reduction reads a 49,152-wide row in
+    one block, 12-13 µs graphed at 1 to 64 rows, where the split kernels took 2.8-5.4 µs on the H200
+    with the same picks (the argmax probe, notebook, nineteenth session)."""
+    if kernels is not None and kernels.topk and logits.shape[-1] >= topk.SPLIT_WIDTH and topk.usable(logits, 1):
+        return topk.topk(logits, 1, kernel=True)[1][..., 0]
+    return logits.argmax(-1)
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
@@ -272,7 +284,7 @@ class RowSampling:
     def pick(self, logits: torch.Tensor, offset, kernels=None, vocab: torch.Tensor | None = None) -> torch.Tensor:
         """(B, ..., V) logits of the tokens at positions base + offset (offset an int or (B, ...))
         -> (B, ...) each row's token: greedy rows the argmax, sampled rows their draw there."""
-        best = logits.argmax(-1)
+        best = argmax(logits, kernels)
         if not self.mode.sampled:
             return best
         ids = self.vocab_ids(logits.shape[-1], vocab)

@@ -135,3 +135,38 @@ def with_kernels(model: CausalLM, kernels: Kernels) -> CausalLM:
     other.load_state_dict(model.state_dict())
     other.fuse_projections()
     return other.eval().requires_grad_(False)
+
+
+def test_argmax_through_the_split_kernels_is_torchs():
+    """sampling.argmax: rows of SPLIT_WIDTH or more take the split top-k kernels with k = 1 where
+    the model's kernels take top-k; the picks are torch.argmax's, the lowest index among equal
+    maxima included (within a piece and across pieces), in bfloat16 as the target's logits come,
+    and for (B, N, V) verify logits; narrower rows and EAGER keep torch.argmax."""
+    from eaglet.sampling import argmax
+
+    g = torch.Generator().manual_seed(5)
+    n = 2 * topk_mod.SPLIT_WIDTH + 17
+    x = torch.randint(0, 6, (5, n), generator=g).float()  # many equal maxima
+    x[1, 3000] = x[1, 5000] = 7.0  # the maximum twice, in two pieces
+    x[2] = float("-inf")
+    x[2, n - 1] = 0.0  # the only finite entry, in the short last piece
+    x[3, topk_mod.CHUNK:] = 9.0  # equal maxima from a piece boundary on
+    kernels = Kernels(topk=True)
+    for y in (x, x.bfloat16(), x.view(5, 1, n).expand(5, 3, n).bfloat16()):
+        y = y.to(DEV)
+        assert topk_mod.usable(y, 1)
+        got = argmax(y, kernels)
+        assert got.shape == y.shape[:-1] and got.dtype == torch.long
+        assert torch.equal(got.cpu(), y.cpu().float().argmax(-1))
+    assert argmax(x[:, :100].to(DEV), kernels).tolist() == x[:, :100].argmax(-1).tolist()  # narrow: torch's
+    calls = []
+    real = topk_mod.topk
+    topk_mod.topk = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        argmax(x.to(DEV), EAGER)  # the kernels off: torch.argmax
+        argmax(x[:, :100].to(DEV), kernels)
+        assert not calls
+        argmax(x.to(DEV), kernels)
+        assert calls
+    finally:
+        topk_mod.topk = real

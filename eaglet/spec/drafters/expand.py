@@ -26,7 +26,7 @@ from ...kvcache import KVCache
 from ...models.attention import AttnMeta
 from ...models.prefill import FreshRows, PromptBatch, fresh_meta
 from ...kernels import EAGER, fusable
-from ...sampling import RowSampling
+from ...sampling import RowSampling, argmax
 from ...transfer import zero_rows
 from ..topk import topk
 from .base import row_view
@@ -151,7 +151,7 @@ class NeuralDrafter:
         draw from the drafter's logits with the noise the target draws the same position with
         (RowSampling.pick), so that it proposes what the target will draw when the two agree."""
         if not rs.mode.sampled:
-            return logits.argmax(-1)
+            return argmax(logits, self.kernels)
         return rs.pick(logits, depth + 1, self.kernels, self._target_ids(logits))
 
     def _guesses(self, logits: torch.Tensor, rs: RowSampling, depth: int) -> torch.Tensor:
