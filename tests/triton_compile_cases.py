@@ -92,11 +92,13 @@ def cases():
         block = max(16, ca.pow2(width))
         yield f"row top-{k} of {width}", lambda k=k, b=block, ls=ls, off=off: compile_for_h200(
             topk.row_topk_kernel, dict(K=k, BLOCK=b, LOG_SOFTMAX=ls, OFFSET=off), min(16, max(1, b // 1024)))
-    for k, ls, off in [(4, True, True), (8, True, False), (4, False, False)]:  # a 16,384-wide row in 16 pieces
+    # a 16,384-wide row in 16 pieces; sampling.argmax: k = 1 over SmolLM2's 49,152 in 48
+    for k, ls, off, pieces in [(4, True, True, 16), (8, True, False, 16), (4, False, False, 16), (1, False, False, 48)]:
         yield f"top-{k} of pieces", lambda k=k, ls=ls: compile_for_h200(
             topk.chunk_topk_kernel, dict(K=k, CHUNK=topk.CHUNK, LOG_SOFTMAX=ls))
-        yield f"top-{k} merge", lambda k=k, ls=ls, off=off: compile_for_h200(
-            topk.merge_topk_kernel, dict(K=k, BLOCK=max(16, ca.pow2(16 * k)), CB=16, LOG_SOFTMAX=ls, OFFSET=off), 1)
+        yield f"top-{k} merge of {pieces}", lambda k=k, ls=ls, off=off, n=pieces: compile_for_h200(
+            topk.merge_topk_kernel, dict(K=k, BLOCK=max(16, ca.pow2(n * k)), CB=max(16, ca.pow2(n)), LOG_SOFTMAX=ls,
+                                         OFFSET=off), 1)
     draw = {"x_ptr": "*bf16", "t_ptr": "*fp32", "k_ptr": "*i64", "p_ptr": "*fp32", "seed_ptr": "*i64", "ids_ptr": "*i64",
             "out_ptr": "*i64", "hist_ptr": "*i32", "floor_ptr": "*i32", "part_ptr": "*fp32"}
     yield "sampled draw under top-k / top-p", lambda: compile_for_h200(
