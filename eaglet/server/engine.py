@@ -22,9 +22,10 @@ would start a batch speculating; 30 s spans the gap between one load run and the
 batch whose choice would now differ is replaced by a new one. When requests wait to join a
 speculating batch and the grown batch (running + waiting, capped) is one the policy decodes plain,
 or past the setting's reach (SpecPolicy.reach: the sizes it is chosen for, and on while the profile
-predicts it beats plain; warm-up captures its graphs that far), the batch turns plain where it stands (Batcher.to_plain,
-on the same cache) and takes them in: nobody waits for the speculating requests to finish (moving
-them to a new batch, each prefilled again, loses far more: docs/notebook.md). One decoder, and so
+predicts it beats plain; warm-up captures its graphs that far), the batch turns plain where it
+stands (Batcher.to_plain, on the same cache) and takes them in: nobody waits for the speculating
+requests to finish (moving them to a new batch, each prefilled again, loses far more:
+docs/notebook.md). One decoder, and so
 one KV cache of --max-batch rows, serves every batch whatever its setting: plain batches run its
 plain step, each speculation setting a step of its own on the same rows (its drafter and the
 drafter's cache made the first time the setting is chosen, then kept with its CUDA graphs).

@@ -7,10 +7,11 @@ the batch turns plain where it stands (a speculative decoder decodes plain on it
 way back needs a new batch, since the drafter has missed the plain steps, and moving requests to a
 batch of another setting, each prefilled again, lost: docs/notebook.md). A setting reaches the
 largest batch it is chosen for and, with a profile, on past it while the profile predicts it still
-beats plain decoding by KEEP_OVER_PLAIN (--spec-keep-over; 0: never) at every measured size: settings chosen for neighbouring
-sizes are often within a few percent of each other (the H200 ShareGPT profile: 1.25-1.64x plain
-for each of its four settings at 16-64 requests), so a batch that started small under a steady
-load keeps speculating instead of turning plain for as long as the load lasts.
+beats plain decoding by KEEP_OVER_PLAIN (--spec-keep-over; 0: never) at every measured size:
+settings chosen for neighbouring sizes are often within a few percent of each other (the H200
+ShareGPT profile: 1.25-1.64x plain for each of its four settings at 16-64 requests), so a batch
+that started small under a steady load keeps speculating instead of turning plain for as long as
+the load lasts.
 
 - With a profile (`eaglet serve --spec-policy RECORD`): the planner's batch_policy, per measured
   batch size; a batch of n requests follows the largest measured size <= n (the smallest measured
