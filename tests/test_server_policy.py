@@ -80,8 +80,8 @@ def test_spec_policy_speculates_alone_and_serves_a_burst_plain(tiny, model_dir, 
     flags += ["--spec-policy", str(policy_record)] if mode == "--spec-policy" else ["--spec-steps", "2",
                                                                                     "--spec-max-batch", "3"]
     app = serve_app(monkeypatch, flags)
-    assert ("(1: chain:2, 4: plain)" if mode == "--spec-policy" else "chain:2 for batches of up to 3, plain above"
-            ) in capsys.readouterr().err
+    assert ("(1: chain:2, 4: plain; a batch keeps its setting up to chain:2 3)" if mode == "--spec-policy"
+            else "chain:2 for batches of up to 3, plain above") in capsys.readouterr().err
     gate = threading.Event()
     held = gate_steps(monkeypatch, gate, sampled_only=True)
     caplog.set_level("INFO", logger="eaglet.server")
@@ -257,6 +257,9 @@ def test_a_setting_reaches_on_while_the_profile_says_it_beats_plain():
     assert [strict.reach(s, 64) for s in ("tree:4,4,16", "tree:5,4,24")] == [15, 15]
     off = SpecPolicy(base, SHAREGPT_POLICY, speedups=speedups, keep_over=0)  # --spec-keep-over 0: the sizes chosen
     assert [off.reach(s, 64) for s in ("tree:4,4,16", "tree:4,4,12", "tree:5,4,24")] == [7, 63, 15]
+    assert p.describe(64).endswith("; a batch keeps its setting up to tree:4,4,16 64, tree:4,4,12 64, tree:5,4,24 64, "
+                                   "chain:4 64)")
+    assert off.describe(16).endswith("up to tree:4,4,16 7, tree:4,4,12 16, tree:5,4,24 15)")  # chain:4: not at 16
 
 
 @pytest.mark.parametrize("joining, plain, predicted", [(6, False, False), (7, True, False), (15, False, True)])

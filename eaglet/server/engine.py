@@ -114,7 +114,7 @@ class Engine:
         self.name = metrics.name  # the served model's
 
     def describe(self) -> str:
-        return self.policy.describe()
+        return self.policy.describe(self.slots)
 
     # what the HTTP side needs besides the engine (an engine process sends it: remote.py)
     tokenizer = property(lambda self: self.generator.tokenizer)

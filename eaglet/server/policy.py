@@ -127,7 +127,9 @@ class SpecPolicy:
         spec = setting_spec(name, self.base.spec)
         return self.base if spec == self.base.spec else dataclasses.replace(self.base, spec=spec)
 
-    def describe(self) -> str:
+    def describe(self, slots: int | None = None) -> str:
+        """One line for the server's start: what it decodes with, and with a profile and `slots` rows
+        how far each setting keeps a growing batch."""
         if self.base is None:
             return "plain decoding"
         method = self.base.spec.method
@@ -138,4 +140,6 @@ class SpecPolicy:
             return f"{method} speculation, {setting_name(self.base.spec)}{cap}"
         per = ", ".join(f"{b}: {s or PLAIN}" for b, s in self.table.items())
         cap = "" if self.max_batch is None else f", plain above {self.max_batch}"
-        return f"{method} speculation per batch size from {self.source or 'a profile'} ({per}{cap})"
+        kept = "" if slots is None else "; a batch keeps its setting up to " + ", ".join(
+            f"{s} {self.reach(s, slots)}" for s in dict.fromkeys(self.table.values()) if s and self.reach(s, slots))
+        return f"{method} speculation per batch size from {self.source or 'a profile'} ({per}{cap}{kept})"
