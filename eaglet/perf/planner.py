@@ -111,17 +111,16 @@ def choose(profile: dict, batch: int = 1) -> tuple[Candidate | None, list[Candid
 
 
 def batch_speedups(profile: dict) -> dict[int, dict[str, float]]:
-    """Per measured batch size: every setting's predicted speedup over plain decoding."""
+    """Per measured batch size: every setting's predicted speedup over plain decoding, best first."""
     return {c["batch"]: {k.name: k.speedup for k in candidates(profile, c["batch"])} for c in profile["costs"]}
 
 
-def batch_policy(profile: dict) -> dict[int, str | None]:
-    """Per measured batch size: the setting to use, or None for plain decoding (the server's rule)."""
-    policy = {}
-    for c in profile["costs"]:
-        best, _ = choose(profile, c["batch"])
-        policy[c["batch"]] = best.name if best else None
-    return policy
+def batch_policy(profile: dict, speedups: dict[int, dict[str, float]] | None = None) -> dict[int, str | None]:
+    """Per measured batch size: the setting to use (choose's: the best, where it beats plain), or None
+    for plain decoding (the server's rule); from `speedups` (batch_speedups) when given."""
+    speedups = batch_speedups(profile) if speedups is None else speedups
+    best = {b: next(iter(s), None) for b, s in speedups.items()}  # each dict is best first
+    return {b: name if name is not None and speedups[b][name] > 1.0 else None for b, name in best.items()}
 
 
 def plot(profile: dict, cands: list[Candidate], path) -> None:

@@ -59,7 +59,8 @@ def load_profile_policy(path: str) -> tuple[dict[int, str | None], dict[int, dic
         raise InvalidInput(f"{path}: not a profile record (kind {rec.get('kind')!r}); --spec-policy takes the "
                            "record `eaglet profile` writes")
     try:
-        table, speedups = batch_policy(rec["results"]), batch_speedups(rec["results"])
+        speedups = batch_speedups(rec["results"])
+        table = batch_policy(rec["results"], speedups)
         for name in table.values():
             if name is not None:
                 setting_spec(name, SpecConfig("ngram"))
