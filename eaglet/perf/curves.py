@@ -13,6 +13,7 @@ from ..models.attention import AttnMeta
 from ..models.llama import CausalLM
 from ..models.moe import SparseMoE
 from ..runtime.graphs import GraphRunner, graphable, span
+from ..sampling import argmax
 
 
 def time_ms(fn, device, repeats: int) -> float:
@@ -56,7 +57,7 @@ def forward_steps(model: CausalLM, tokens: tuple[int, ...], context: int, graphs
 
         def body(x=x, pos=pos, t=t):
             h, _ = model(x, pos, cache, AttnMeta.build(cache.lens, pos, cache.kv_len(t), kernels=model.kernels))
-            return model.logits(h).argmax(-1)  # (B, T): what greedy verify reads
+            return argmax(model.logits(h), model.kernels)  # (B, T): what greedy verify reads (its pick)
 
         step = lambda body=body, t=t: runner.run(("fwd", t), body)  # noqa: E731
         for _ in range(3):  # eager warm-up, capture, first replay
