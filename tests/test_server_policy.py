@@ -356,3 +356,50 @@ def test_one_cache_for_the_servers_life(tiny, drafter_dir, monkeypatch):
         for kw in settings:
             c.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=6, **kw)
     assert made == [4, 4]
+
+
+# as POLICY_PROFILE, but a batch of 4 verifies two tokens cheaply: chain:2 alone, chain:1 at 4 requests
+SWITCH_PROFILE = {**POLICY_PROFILE, "costs": [
+    POLICY_PROFILE["costs"][0],
+    {"batch": 4, "context": 64, "decode_ms": 10.0, "verify_ms": {"1": 10.0, "2": 11.0, "3": 40.0}, "draft_ms": {"1": 2.0}}]}
+
+
+def test_a_growing_batch_moves_to_the_setting_of_its_size(tiny, drafter_dir, tmp_path, monkeypatch, caplog):
+    """--spec-switch: one request starts a batch speculating with chain:2; 4 more arrive (load 4:
+    chain:1), and the batch moves to chain:1 where it stands, no prefill, the drafter the same
+    (made as wide as chain:2). Every text is the greedy reference, and the first request's draft
+    counters span both settings."""
+    sp = speculator(tiny, drafter_dir, "eagle3")
+    table, speedups, _ = load_profile_policy(str(write_record(tmp_path / "p.json", "profile", SWITCH_PROFILE)))
+    assert (table[1], table[4]) == ("chain:2", "chain:1")
+    gate = threading.Event()
+    held = gate_steps(monkeypatch, gate, sampled_only=False)
+    caplog.set_level("INFO", logger="eaglet.server")
+    want = {p: reference(tiny, None, p, 12, chat=False) for p in PROMPTS[:5]}
+    policy = SpecPolicy(sp, table, None, "p.json", speedups, switch=True)
+    with LiveServer(Generator(tiny.model, tiny.tokenizer, sp), max_batch=4, policy=policy) as srv:
+        async def go():
+            async with srv.async_client() as ac:
+                def send(p):
+                    return asyncio.ensure_future(ac.completions.create(model="tiny", prompt=p, max_tokens=12,
+                                                                       temperature=0))
+                first = send(PROMPTS[4])
+                assert await asyncio.to_thread(held.wait, 10)
+                rest = [send(p) for p in PROMPTS[:4]]
+                await asyncio.to_thread(wait_for, lambda: srv.metrics()["eaglet:num_requests_waiting"] == 4, 10)
+                gate.set()
+                return await first, await asyncio.gather(*rest)
+
+        first, rest = asyncio.run(go())
+        assert first.choices[0].text == want[PROMPTS[4]]
+        assert [r.choices[0].text for r in rest] == [want[p] for p in PROMPTS[:4]]
+        assert first.usage.spec_decode["num_drafts"] > 1  # chain:2's held step, then chain:1's
+        assert all(r.usage.accept_length is not None for r in rest)  # they speculated too
+        steps = srv.engine.steps
+        assert set(steps) == {"chain:2", "chain:1"}
+        a, b = steps["chain:2"], steps["chain:1"]
+        assert a.drafter.cache is b.drafter.cache and a.counters is b.counters
+        assert b.drafter.pend_ids.data_ptr() == a.drafter.pend_ids.data_ptr() and a.drafter.pend_ids.shape[1] == 3
+        assert srv.metrics()["eaglet:spec_policy_speculating"] == 1
+    assert "the speculating batch (chain:2) grows to 4 requests: it moves to chain:1" in caplog.text
+    assert "turns plain" not in caplog.text

@@ -110,8 +110,15 @@ class Batcher:
         """Decode the running rows and those that join plain from now on, on the same cache (a
         speculating batch, which has no way back until it ends); the tokens of the steps that were
         in flight."""
+        return self.use(self.dec.plain)
+
+    def use(self, step: Step) -> list[Output]:
+        """Run `step` on the running rows from now on (plain, or another speculation setting over the
+        same drafter state); the tokens of the steps that were in flight."""
+        if step is not self.dec.plain:
+            self.spec = step  # the same draft counters as the step before it (Engine.step)
         merged: dict[int, list[int]] = {}
-        for new in self.dec.use(self.dec.plain):
+        for new in self.dec.use(step):
             for r, toks in enumerate(new):
                 if toks and self.rows[r] is not None:
                     merged.setdefault(r, []).extend(toks)

@@ -47,6 +47,10 @@ def add_serve_parsers(sub) -> None:
                     help="with --spec-policy: a speculating batch that grows past the sizes its setting is chosen "
                          "for keeps it while the profile predicts it at least RATIO times as fast as plain at each "
                          f"size, and turns plain beyond (default {KEEP_OVER_PLAIN}; 0: it turns plain past them)")
+    sv.add_argument("--spec-switch", action="store_true",
+                    help="with --spec-policy: one drafter serves every setting, and a speculating batch that grows "
+                         "into a size the policy gives another setting moves to it in place, with no prefill "
+                         "(default: it keeps its setting or turns plain; see --spec-keep-over)")
     sv.add_argument("--api-key", default=os.environ.get("EAGLET_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on /v1 routes (401 without it; /health and /metrics "
                          "stay open); default: $EAGLET_API_KEY")
@@ -196,7 +200,7 @@ def serving_engine(args, channel=None):
     path = Path(args.model) if args.model else None
     name = args.served_model_name or ("SmolLM2-135M-Instruct" if path is None else
                                       path.stem if path.is_file() else path.resolve().name)
-    policy = SpecPolicy(speculator, table, max_spec, args.spec_policy, speedups, args.spec_keep_over)
+    policy = SpecPolicy(speculator, table, max_spec, args.spec_policy, speedups, args.spec_keep_over, args.spec_switch)
     return make_engine(Generator(loaded.model, loaded.tokenizer, speculator, graphs=not args.eager), name,
                        args.max_batch, args.max_queue, args.max_model_len, policy, args.multi_step,
                        args.spec_multi_step, channel)

@@ -21,14 +21,12 @@ the last one ends leave moments with few requests between batches, where the ins
 would start a batch speculating; 30 s spans the gap between one load run and the next. An idle
 batch whose choice would now differ is replaced by a new one. When requests wait to join a
 speculating batch and the grown batch (running + waiting, capped) is one the policy decodes plain,
-or past the setting's reach (SpecPolicy.reach: the sizes it is chosen for, and on while the profile
-predicts it beats plain; warm-up captures its graphs that far), the batch turns plain where it
-stands (Batcher.to_plain, on the same cache) and takes them in: nobody waits for the speculating
-requests to finish (moving them to a new batch, each prefilled again, loses far more:
-docs/notebook.md). One decoder, and so
-one KV cache of --max-batch rows, serves every batch whatever its setting: plain batches run its
-plain step, each speculation setting a step of its own on the same rows (its drafter and the
-drafter's cache made the first time the setting is chosen, then kept with its CUDA graphs).
+or past the setting's reach (SpecPolicy.reach; warm-up captures its graphs that far), the batch turns
+plain where it stands (Batcher.to_plain, on the same cache) and takes them in. With --spec-switch one
+drafter, as wide as the widest setting, serves every setting (Engine.step), and a batch that grows
+into a size the policy gives another setting moves to it in place (Batcher.use), with no prefill
+(moving requests to a new batch, each prefilled again, lost: docs/notebook.md). One decoder, and so
+one KV cache of --max-batch rows, serves every batch whatever its setting.
 
 Admissions into a running batch come in groups: each is a prefill and a sync that stalls the
 pipelined steps (~6 ms on the H200 at 64 speculating rows), and speculating rows finish at
@@ -58,7 +56,6 @@ import torch
 
 from ..generate import Generator
 from ..runtime.decoder import Decoder, Step
-from ..spec.loop import SpecStep
 from ..spec.metrics import SpecMetrics
 from . import MULTI_STEP
 from .batcher import Batcher, Output
@@ -67,6 +64,7 @@ from .metrics import ENGINE_PARTS, ServerMetrics
 from .policy import PLAIN, SpecPolicy, setting_name
 from .protocol import APIError
 from .request import Chunk, Request, put_all
+from .steps import setting_step
 
 log = logging.getLogger("eaglet.server")
 ADMIT_SHARE = 8  # a running batch admits once 1/ADMIT_SHARE of its running count waits (or free rows' worth),
@@ -98,7 +96,7 @@ class Engine:
         self.steps: dict[str, Step] = {}  # speculation setting -> its step on self.dec
         self.setting: str | None = None  # the current batch's setting
         self.chosen = False  # a batch has started (self.setting means something)
-        self.switch = False  # the speculating batch turns plain before the next admission
+        self.switch = False  # the speculating batch moves to self.setting (None: plain) before the next admission
         self.cond = threading.Condition()
         self.waiting: deque[Request] = deque()
         self.cancels: list[Request] = []
@@ -157,16 +155,18 @@ class Engine:
         return self.dec
 
     def step(self, setting: str | None) -> Step:
-        """The step of a setting on the one decoder (None: its plain step); a speculation setting's
-        drafter is made the first time it is chosen."""
+        """The step of a setting on the one decoder (None: its plain step), made when first chosen."""
         dec = self.decoder()
         if setting is None:
             return dec.plain
         if setting not in self.steps:
-            sp, model = self.policy.speculator(setting), self.generator.model
-            self.steps[setting] = SpecStep(model, dec.slots, sp.make(model, self.slots, self.max_len), sp.spec,
-                                           name="spec" if setting == self.home else f"spec {setting}")
+            name = "spec" if setting == self.home else f"spec {setting}"
+            self.steps[setting] = setting_step(self.policy, self.generator.model, dec.slots, self.max_len, setting, name,
+                                               self.steps, self.settings(), self.shared_drafter)
         return self.steps[setting]
+
+    # one drafter for every setting (--spec-switch), not across tensor-parallel ranks (their own steps)
+    shared_drafter = property(lambda self: self.policy.switch and self.channel is None)
 
     # ---- HTTP side (event loop) -----------------------------------------------------------------
 
@@ -283,7 +283,7 @@ class Engine:
                 self.batcher.release_rows([req.row for req in cancels if req.row is not None])
             if switch and self.batcher is not None:
                 running = [s.request for s in self.batcher.rows if s is not None]
-                self._guarded(self.batcher.to_plain, running, drop_batch=True)
+                self._guarded(partial(self.batcher.use, self.step(self.setting)), running, drop_batch=True)
             t = {"idle": idle, "admit": 0.0, "step": 0.0, "output": 0.0}
             if admit:
                 t0 = clock()
@@ -364,7 +364,11 @@ class Engine:
             load = min(self.slots, self.batcher.running + run)
             choice = self.policy.choose(load)
             reach = self.policy.reach(self.setting, self.slots) if self.setting is not None else self.slots
-            if self.setting is not None and (choice is None or load > reach):
+            if self.setting is not None and choice not in (None, self.setting) and self.shared_drafter:
+                log.info("the speculating batch (%s) grows to %d requests: it moves to %s", self.setting, load, choice)
+                self.switch, self.setting = True, choice
+                self.metrics.policy(choice, load)
+            elif self.setting is not None and (choice is None or load > reach):
                 why = ("a size the policy decodes plain" if choice is None
                        else f"past the setting's reach ({reach})")
                 log.info("the speculating batch (%s) grows to %d requests, %s: it turns plain", self.setting, load, why)

@@ -75,16 +75,21 @@ def load_profile_policy(path: str) -> tuple[dict[int, str | None], dict[int, dic
 class SpecPolicy:
     def __init__(self, base: Speculator | None, table: dict[int, str | None] | None = None,
                  max_batch: int | None = None, source: str | None = None,
-                 speedups: dict[int, dict[str, float]] | None = None, keep_over: float = KEEP_OVER_PLAIN):
+                 speedups: dict[int, dict[str, float]] | None = None, keep_over: float = KEEP_OVER_PLAIN,
+                 switch: bool = False):
         """table: per measured batch size, its setting (None: plain); speedups: per measured size,
         each setting's predicted speedup over plain (load_profile_policy), which lets a setting
-        keep a batch grown past the sizes it is chosen for while at least `keep_over` (--spec-keep-over)."""
+        keep a batch grown past the sizes it is chosen for while at least `keep_over` (--spec-keep-over).
+        switch (--spec-switch): a speculating batch that grows into a size the policy gives another
+        setting moves to it in place (one drafter serves every setting: Engine.step), so no setting
+        keeps a batch past the sizes it is chosen for."""
         if max_batch is not None and max_batch < 0:
             raise InvalidInput(f"--spec-max-batch must be >= 0, got {max_batch}")
         self.base, self.max_batch, self.source = base, max_batch, source
         self.table = dict(sorted(table.items())) if table else None
         self._sizes = list(self.table) if self.table else []
-        self.speedups, self.keep_over = speedups or {}, keep_over
+        self.speedups, self.switch = speedups or {}, switch
+        self.keep_over = 0.0 if switch else keep_over
         self._reach: dict[tuple[str, int], int] = {}
 
     def choose(self, n: int) -> str | None:
@@ -143,4 +148,5 @@ class SpecPolicy:
         cap = "" if self.max_batch is None else f", plain above {self.max_batch}"
         kept = "" if slots is None else "; a batch keeps its setting up to " + ", ".join(
             f"{s} {self.reach(s, slots)}" for s in dict.fromkeys(self.table.values()) if s and self.reach(s, slots))
-        return f"{method} speculation per batch size from {self.source or 'a profile'} ({per}{cap}{kept})"
+        moves = "; a growing batch moves to the setting of its size" if self.switch else ""
+        return f"{method} speculation per batch size from {self.source or 'a profile'} ({per}{cap}{kept}{moves})"

@@ -87,12 +87,14 @@ class Collected:
 
 
 class SpecStep:
-    def __init__(self, model: CausalLM, slots: Slots, drafter: Drafter, spec: SpecConfig, name: str = "spec"):
+    def __init__(self, model: CausalLM, slots: Slots, drafter: Drafter, spec: SpecConfig, name: str = "spec",
+                 counters: RowCounters | None = None):
         self.model, self.slots, self.drafter, self.spec, self.name = model, slots, drafter, spec, name
         self.kernels, self.settle = model.kernels, model.kernels.fuse(settle)
         self.tokens_per_step = spec.steps + 1
         self.pipelines = drafter.graphable  # a host drafter proposes from the emitted tokens
-        self.counters = RowCounters(slots.batch, spec.steps)  # each row's draft counters since its admission
+        # each row's draft counters since its admission (shared by the settings of one drafter: Engine.step)
+        self.counters = counters if counters is not None else RowCounters(slots.batch, spec.steps)
         self.prop: DraftProposal | None = None  # the verify graph's input
 
     @property

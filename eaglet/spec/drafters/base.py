@@ -52,6 +52,15 @@ class Drafter(Protocol):
         k rows of the batch proposes with and commits to."""
 
 
+def with_spec(drafter, spec):
+    """A shallow copy of a drafter that drafts with another setting (chain or tree shape) over the same
+    state: caches, pending block, token history. One drafter made with room for the widest of several
+    settings serves them all, so a batch moves between them without a prefill (Engine.step)."""
+    v = copy.copy(drafter)
+    v.spec = spec
+    return v
+
+
 def row_view(drafter, k: int):
     """A shallow copy of a drafter over rows 0..k-1 (what `rows(k)` gives): its `row_tensors` and
     its `cache` (if it has one) sliced (views: writes land in the original's storage)."""

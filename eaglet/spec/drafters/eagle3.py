@@ -55,7 +55,7 @@ class Eagle3Drafter(NeuralDrafter):
     def commit(self, prop, res, taps) -> None:
         super().commit(prop, res, taps)
         idx = res.path[..., None].expand(*res.path.shape, taps.shape[-1])
-        self.pend_feats.copy_(self.head.fc(taps.gather(1, idx)))  # (B, D+1, H)
+        self.pend_feats[:, :idx.shape[1]].copy_(self.head.fc(taps.gather(1, idx)))  # (B, D+1, H)
 
     def absorb(self, cache, ids, feats, positions, meta):
         return self.head(self.embed(ids), feats, positions, cache, meta)  # (B, T, H)

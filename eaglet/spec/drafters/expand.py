@@ -102,7 +102,7 @@ class NeuralDrafter:
         self.cache.host_lens[rows] = [len(p) + self.fed_past_prompt for p in prompts]
 
     def commit(self, prop, res, taps) -> None:
-        self.pend_ids.copy_(res.tokens)
+        self.pend_ids[:, :res.tokens.shape[1]].copy_(res.tokens)  # as wide as the widest setting sharing it
         self.pend_count.copy_(res.count)
 
     def commit_host(self, emitted) -> None:
