@@ -176,7 +176,7 @@ def test_a_speculating_batch_that_grows_turns_plain(tiny, drafter_dir, policy_re
 
 
 @pytest.mark.parametrize("case", ["missing", "not json", "not a profile", "no costs", "no drafter", "negative cap",
-                                  "negative keep"])
+                                  "negative keep", "switch without a profile"])
 def test_spec_policy_flags_are_checked(tmp_path, case, capsys):
     """Each mistake is one `eaglet: error:` line, before any model is loaded."""
     path = {"missing": tmp_path / "nope.json",
@@ -189,12 +189,15 @@ def test_spec_policy_flags_are_checked(tmp_path, case, capsys):
     flags = ["serve", "--model", str(tmp_path / "no-model"), "--spec", "none" if case == "no drafter" else "ngram",
              "--spec-policy", str(path)] + {"negative cap": ["--spec-max-batch", "-1"],
                                             "negative keep": ["--spec-keep-over", "-0.5"]}.get(case, [])
+    if case == "switch without a profile":
+        flags = flags[:-2] + ["--spec-switch"]
     assert main(flags) == 1
     err = capsys.readouterr().err
     assert err.startswith("eaglet: error: ") and err.count("\n") == 1, err
     assert {"missing": "does not exist", "not json": "not JSON", "not a profile": "not a profile record",
             "no costs": "without the costs and acceptance", "no drafter": "none is configured",
-            "negative cap": "--spec-max-batch must be >= 0", "negative keep": "--spec-keep-over must be >= 0"}[case] in err
+            "negative cap": "--spec-max-batch must be >= 0", "negative keep": "--spec-keep-over must be >= 0",
+            "switch without a profile": "--spec-switch moves a batch between the settings of a --spec-policy"}[case] in err
 
 
 WINDOW = 1.0

@@ -121,6 +121,8 @@ def cmd_serve(args) -> int:
         raise InvalidInput(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
     if args.spec_keep_over < 0:
         raise InvalidInput(f"--spec-keep-over must be >= 0, got {args.spec_keep_over}")
+    if args.spec_switch and not args.spec_policy:
+        raise InvalidInput("--spec-switch moves a batch between the settings of a --spec-policy profile; give one")
     if args.spec_max_batch is not None and args.spec_max_batch < 0:
         raise InvalidInput(f"--spec-max-batch must be >= 0, got {args.spec_max_batch}")
     tp = shard(args)
