@@ -129,6 +129,8 @@ def cmd_serve(args) -> int:
     if args.engine_process and tp is not None and tp.world > 1:
         raise InvalidInput("--engine-process does not combine with --tp: rank 0's engine leads the other ranks "
                            "from the process that joined them")
+    if args.spec_switch and tp is not None and tp.world > 1:
+        raise InvalidInput("--spec-switch does not combine with --tp: each rank makes its own drafter for each setting")
     if args.engine_process is None:
         args.engine_process = tp is None or tp.world == 1
     serving_policy(args, warn=True)  # checked before the (slow) model load
