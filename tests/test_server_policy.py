@@ -406,3 +406,23 @@ def test_a_growing_batch_moves_to_the_setting_of_its_size(tiny, drafter_dir, tmp
         assert srv.metrics()["eaglet:spec_policy_speculating"] == 1
     assert "the speculating batch (chain:2) grows to 4 requests: it moves to chain:1" in caplog.text
     assert "turns plain" not in caplog.text
+
+
+def test_with_switch_a_batch_moves_only_for_a_predicted_gain():
+    """--spec-switch on the H200 ShareGPT profile: the settings lie within 2% of each other at 2-32
+    requests, so a batch keeps its own there; at 64 chain:4 is predicted 1.08x tree 4,4,16 (it
+    moves) and 1.04x tree 4,4,12 (it stays, under MOVE_OVER). Without predictions it moves to
+    whatever is chosen; a size decoded plain is never a move."""
+    from eaglet.server import MOVE_OVER
+
+    base = Speculator(SpecConfig("ngram", steps=3))
+    p = SpecPolicy(base, SHAREGPT_POLICY, speedups=sharegpt_speedups(), switch=True)
+    assert [p.move("tree:4,4,16", n) for n in (2, 8, 16, 32, 63, 64)] == [None] * 5 + ["chain:4"]
+    assert p.move("tree:4,4,12", 64) is None  # 1.511 / 1.448 = 1.043: under MOVE_OVER
+    assert p.move("chain:4", 4) == "tree:4,4,16"  # 1.698 / 1.510 = 1.12
+    assert MOVE_OVER == 1.05 and p.keep_over == 0
+    assert [p.reach(s, 64) for s in ("tree:4,4,16", "tree:4,4,12", "tree:5,4,24", "chain:4")] == [63, 64, 63, 64]
+    bare = SpecPolicy(base, SHAREGPT_POLICY, switch=True)  # no predictions: the choice at each size
+    assert [bare.move("tree:4,4,16", n) for n in (1, 2, 8, 64)] == [None, "tree:4,4,12", "tree:5,4,24", "chain:4"]
+    assert SpecPolicy(base, {1: "chain:2", 4: None}, switch=True).move("chain:2", 4) is None
+    assert p.describe(64).endswith("chain:4 64; a growing batch moves to its size's setting where predicted 1.05x its own)")

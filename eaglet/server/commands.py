@@ -49,8 +49,9 @@ def add_serve_parsers(sub) -> None:
                          f"size, and turns plain beyond (default {KEEP_OVER_PLAIN}; 0: it turns plain past them)")
     sv.add_argument("--spec-switch", action="store_true",
                     help="with --spec-policy: one drafter serves every setting, and a speculating batch that grows "
-                         "into a size the policy gives another setting moves to it in place, with no prefill "
-                         "(default: it keeps its setting or turns plain; see --spec-keep-over)")
+                         "into a size the policy gives another setting moves to it in place, with no prefill, where "
+                         "the profile predicts that setting 1.05x its own (default: it keeps its setting or turns "
+                         "plain; see --spec-keep-over)")
     sv.add_argument("--api-key", default=os.environ.get("EAGLET_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on /v1 routes (401 without it; /health and /metrics "
                          "stay open); default: $EAGLET_API_KEY")

@@ -23,10 +23,9 @@ batch whose choice would now differ is replaced by a new one. When requests wait
 speculating batch and the grown batch (running + waiting, capped) is one the policy decodes plain,
 or past the setting's reach (SpecPolicy.reach; warm-up captures its graphs that far), the batch turns
 plain where it stands (Batcher.to_plain, on the same cache) and takes them in. With --spec-switch one
-drafter, as wide as the widest setting, serves every setting (Engine.step), and a batch that grows
-into a size the policy gives another setting moves to it in place (Batcher.use), with no prefill
-(moving requests to a new batch, each prefilled again, lost: docs/notebook.md). One decoder, and so
-one KV cache of --max-batch rows, serves every batch whatever its setting.
+drafter serves every setting (steps.py), and a batch that grows into a size the policy gives another
+setting predicted MOVE_OVER times as fast moves to it in place (Batcher.use), with no prefill (SpecPolicy.move).
+One decoder, and so one KV cache of --max-batch rows, serves every batch whatever its setting.
 
 Admissions into a running batch come in groups: each is a prefill and a sync that stalls the
 pipelined steps (~6 ms on the H200 at 64 speculating rows), and speculating rows finish at
@@ -364,10 +363,11 @@ class Engine:
             load = min(self.slots, self.batcher.running + run)
             choice = self.policy.choose(load)
             reach = self.policy.reach(self.setting, self.slots) if self.setting is not None else self.slots
-            if self.setting is not None and choice not in (None, self.setting) and self.shared_drafter:
-                log.info("the speculating batch (%s) grows to %d requests: it moves to %s", self.setting, load, choice)
-                self.switch, self.setting = True, choice
-                self.metrics.policy(choice, load)
+            target = choice if load > reach else self.policy.move(self.setting, load) if self.setting else None
+            if self.setting is not None and target not in (None, self.setting) and self.shared_drafter:
+                log.info("the speculating batch (%s) grows to %d requests: it moves to %s", self.setting, load, target)
+                self.switch, self.setting = True, target
+                self.metrics.policy(target, load)
             elif self.setting is not None and (choice is None or load > reach):
                 why = ("a size the policy decodes plain" if choice is None
                        else f"past the setting's reach ({reach})")

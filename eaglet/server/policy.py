@@ -11,7 +11,9 @@ beats plain decoding by KEEP_OVER_PLAIN (--spec-keep-over; 0: never) at every me
 settings chosen for neighbouring sizes are often within a few percent of each other (the H200
 ShareGPT profile: 1.25-1.64x plain for each of its four settings at 16-64 requests), so a batch
 that started small under a steady load keeps speculating instead of turning plain for as long as
-the load lasts.
+the load lasts. With --spec-switch (one drafter for every setting: steps.py) a growing batch moves
+instead to the setting chosen for its size where the profile predicts that MOVE_OVER times as fast
+as its own (`move`), and keeps its own where it does not (`keeps`).
 
 - With a profile (`eaglet serve --spec-policy RECORD`): the planner's batch_policy, per measured
   batch size; a batch of n requests follows the largest measured size <= n (the smallest measured
@@ -28,7 +30,7 @@ import dataclasses
 from ..config import SpecConfig
 from ..errors import InvalidInput
 from ..spec.speculator import Speculator
-from . import KEEP_OVER_PLAIN
+from . import KEEP_OVER_PLAIN, MOVE_OVER
 
 PLAIN = "plain"  # the name shown for plain decoding (a setting of None)
 
@@ -81,8 +83,7 @@ class SpecPolicy:
         each setting's predicted speedup over plain (load_profile_policy), which lets a setting
         keep a batch grown past the sizes it is chosen for while at least `keep_over` (--spec-keep-over).
         switch (--spec-switch): a speculating batch that grows into a size the policy gives another
-        setting moves to it in place (one drafter serves every setting: Engine.step), so no setting
-        keeps a batch past the sizes it is chosen for."""
+        setting moves to it in place where predicted MOVE_OVER times as fast (`move`; keep_over unused)."""
         if max_batch is not None and max_batch < 0:
             raise InvalidInput(f"--spec-max-batch must be >= 0, got {max_batch}")
         self.base, self.max_batch, self.source = base, max_batch, source
@@ -111,8 +112,20 @@ class SpecPolicy:
         choice = self.choose(n)
         if choice is None:
             return False
+        if self.switch:
+            return self.move(setting, n) is None
         return choice == setting or (self.keep_over > 0 and
                                      self.speedups.get(self.measured(n), {}).get(setting, 0.0) >= self.keep_over)
+
+    def move(self, setting: str, n: int) -> str | None:
+        """With `switch`: the setting a batch speculating with `setting` moves to at `n` requests (the
+        one chosen there, if the profile predicts it MOVE_OVER times as fast as `setting` at n), or
+        None to keep its own."""
+        choice = self.choose(n)
+        if not self.switch or choice is None or choice == setting:
+            return None
+        there = self.speedups.get(self.measured(n), {})
+        return choice if there.get(choice, 0.0) >= MOVE_OVER * there.get(setting, 0.0) else None
 
     def reach(self, setting: str, slots: int) -> int:
         """How far (at most `slots` requests) a batch that speculates with `setting` may grow: the
@@ -148,5 +161,5 @@ class SpecPolicy:
         cap = "" if self.max_batch is None else f", plain above {self.max_batch}"
         kept = "" if slots is None else "; a batch keeps its setting up to " + ", ".join(
             f"{s} {self.reach(s, slots)}" for s in dict.fromkeys(self.table.values()) if s and self.reach(s, slots))
-        moves = "; a growing batch moves to the setting of its size" if self.switch else ""
+        moves = f"; a growing batch moves to its size's setting where predicted {MOVE_OVER}x its own" if self.switch else ""
         return f"{method} speculation per batch size from {self.source or 'a profile'} ({per}{cap}{kept}{moves})"
