@@ -1,6 +1,6 @@
 """One drafter serving several speculation settings (serve --spec-switch, server/steps.py): a batch
 that moves between chains and trees in place, between any two steps and with steps in flight,
-emits exactly what plain greedy decoding does, for EAGLE-3 and n-gram drafters, and its draft
+emits exactly what plain greedy decoding does, for EAGLE-3, n-gram and draft-model drafters, and its draft
 counters run on across the moves."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from eaglet.generate import GenerationConfig, Generator
 from eaglet.runtime.decoder import Decoder
 from eaglet.server.policy import SpecPolicy
 from eaglet.server.steps import setting_step, widest
-from eaglet.spec.speculator import load_speculator
+from eaglet.spec.speculator import Speculator, load_speculator
 
 from .serving import PROMPTS
 
@@ -20,11 +20,12 @@ SETTINGS = ["tree:3,2,6", "chain:1", "chain:4", "tree:2,3,8"]
 NEW = 24
 
 
-@pytest.mark.parametrize("method", ["eagle3", "ngram"])
+@pytest.mark.parametrize("method", ["eagle3", "ngram", "draft"])
 @pytest.mark.parametrize("lookahead", [False, True])
 def test_moving_between_settings_keeps_greedy_output(tiny, drafter_dir, method, lookahead):
     spec = SpecConfig(method, draft=str(drafter_dir) if method == "eagle3" else None, steps=3)
-    sp = load_speculator(spec, tiny.model, tiny.path)
+    # the draft model: the target itself, whose drafts are all accepted
+    sp = Speculator(spec, draft_model=tiny.model) if method == "draft" else load_speculator(spec, tiny.model, tiny.path)
     policy = SpecPolicy(sp, {1: SETTINGS[0], 2: SETTINGS[1], 4: SETTINGS[2], 8: SETTINGS[3]}, switch=True)
     wide = widest(policy, SETTINGS)
     assert (wide.steps, wide.topk, wide.draft_tokens) == (4, 3, 8)
@@ -55,6 +56,9 @@ def test_moving_between_settings_keeps_greedy_output(tiny, drafter_dir, method, 
     assert all(m.drafts > 0 for m in drafts[:3])
     if method == "ngram":
         assert sum(m.accepted_tokens for m in drafts[:3]) > 0  # drafts were accepted across the moves
+    elif method == "draft":  # every draft accepted, whichever setting drafted it
+        # (but where the token budget cuts the last step)
+        assert all(sum(m.accepted_per_pos) >= sum(m.drafts_reaching_pos) - 1 and m.drafts >= 5 for m in drafts[:3])
     else:  # the drafter's cache holds what one setting alone would have absorbed (the committed positions)
         alone = Decoder(tiny.model, 3, max_len + wide.draft_tokens, graphs=False, lookahead=lookahead)
         one = setting_step(policy, tiny.model, alone.slots, max_len, "chain:1", "chain:1", {}, SETTINGS, shared=False)
