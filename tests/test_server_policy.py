@@ -135,6 +135,24 @@ def test_spec_policy_speculates_alone_and_serves_a_burst_plain(tiny, model_dir, 
     assert "a batch of 1 request starts speculating with chain:2 (was plain)" in caplog.text
 
 
+def one_then_four(srv, held, gate):
+    """PROMPTS[4] alone (its first step held at the gate), then PROMPTS[:4] queued behind it, then the gate
+    opened: the completions (greedy, 12 tokens), the first and the other four."""
+    async def go():
+        async with srv.async_client() as ac:
+            def send(p):
+                return asyncio.ensure_future(ac.completions.create(model="tiny", prompt=p, max_tokens=12,
+                                                                   temperature=0))
+            first = send(PROMPTS[4])
+            assert await asyncio.to_thread(held.wait, 10)
+            rest = [send(p) for p in PROMPTS[:4]]
+            await asyncio.to_thread(wait_for, lambda: srv.metrics()["eaglet:num_requests_waiting"] == 4, 10)
+            gate.set()
+            return await first, await asyncio.gather(*rest)
+
+    return asyncio.run(go())
+
+
 def test_a_speculating_batch_that_grows_turns_plain(tiny, drafter_dir, policy_record, monkeypatch, caplog):
     """One request starts a speculating batch; 4 more arrive (load 4: plain): the batch turns plain
     where it stands and takes in the 3 that fit at once (the 4th joins when a row frees). The first request speculated before the switch and
@@ -147,22 +165,7 @@ def test_a_speculating_batch_that_grows_turns_plain(tiny, drafter_dir, policy_re
     want = {p: reference(tiny, None, p, 12, chat=False) for p in PROMPTS[:5]}
     with LiveServer(Generator(tiny.model, tiny.tokenizer, sp), max_batch=4,
                     policy=SpecPolicy(sp, table, None, "profile.json", speedups)) as srv:
-        async def go():
-            async with srv.async_client() as ac:
-                return await go_with(ac)
-
-        async def go_with(ac):
-            def send(p):
-                return asyncio.ensure_future(ac.completions.create(model="tiny", prompt=p, max_tokens=12,
-                                                                   temperature=0))
-            first = send(PROMPTS[4])
-            assert await asyncio.to_thread(held.wait, 10)
-            rest = [send(p) for p in PROMPTS[:4]]
-            await asyncio.to_thread(wait_for, lambda: srv.metrics()["eaglet:num_requests_waiting"] == 4, 10)
-            gate.set()
-            return await first, await asyncio.gather(*rest)
-
-        first, rest = asyncio.run(go())
+        first, rest = one_then_four(srv, held, gate)
         assert first.choices[0].text == want[PROMPTS[4]] and first.usage.accept_length is not None
         assert [r.choices[0].text for r in rest] == [want[p] for p in PROMPTS[:4]]
         assert all(r.usage.accept_length is None for r in rest)
@@ -381,19 +384,7 @@ def test_a_growing_batch_moves_to_the_setting_of_its_size(tiny, drafter_dir, tmp
     want = {p: reference(tiny, None, p, 12, chat=False) for p in PROMPTS[:5]}
     policy = SpecPolicy(sp, table, None, "p.json", speedups, switch=True)
     with LiveServer(Generator(tiny.model, tiny.tokenizer, sp), max_batch=4, policy=policy) as srv:
-        async def go():
-            async with srv.async_client() as ac:
-                def send(p):
-                    return asyncio.ensure_future(ac.completions.create(model="tiny", prompt=p, max_tokens=12,
-                                                                       temperature=0))
-                first = send(PROMPTS[4])
-                assert await asyncio.to_thread(held.wait, 10)
-                rest = [send(p) for p in PROMPTS[:4]]
-                await asyncio.to_thread(wait_for, lambda: srv.metrics()["eaglet:num_requests_waiting"] == 4, 10)
-                gate.set()
-                return await first, await asyncio.gather(*rest)
-
-        first, rest = asyncio.run(go())
+        first, rest = one_then_four(srv, held, gate)
         assert first.choices[0].text == want[PROMPTS[4]]
         assert [r.choices[0].text for r in rest] == [want[p] for p in PROMPTS[:4]]
         assert first.usage.spec_decode["num_drafts"] > 1  # chain:2's held step, then chain:1's
