@@ -229,7 +229,7 @@ def test_batcher_turns_plain_mid_sequence(target, prompts, lookahead, monkeypatc
     spec = b.dec.current
     view = b.dec.prefix(2)  # the row view the speculative steps ran on
     drafts = spec.metrics[0].drafts
-    take(b.to_plain())
+    take(b.use(b.dec.plain))
     assert not b.dec.in_flight and spec.metrics[0].drafts == drafts + (1 if lookahead else 0)
     assert b.dec.current is b.dec.plain
     take(b.add(reqs[2:]))

@@ -106,15 +106,10 @@ class Batcher:
         new = self.dec.advance([s.remaining if s is not None else 0 for s in self.rows], trip) or []
         return self._emit({r: toks for r, toks in enumerate(new) if toks and self.rows[r] is not None})
 
-    def to_plain(self) -> list[Output]:
-        """Decode the running rows and those that join plain from now on, on the same cache (a
-        speculating batch, which has no way back until it ends); the tokens of the steps that were
-        in flight."""
-        return self.use(self.dec.plain)
-
     def use(self, step: Step) -> list[Output]:
-        """Run `step` on the running rows from now on (plain, or another speculation setting over the
-        same drafter state); the tokens of the steps that were in flight."""
+        """Run `step` on the running rows, and those that join, from now on, on the same cache: plain
+        (a speculating batch has no way back from it until it ends) or another speculation setting
+        over the same drafter state; the tokens of the steps that were in flight."""
         if step is not self.dec.plain:
             self.spec = step  # the same draft counters as the step before it (Engine.step)
         merged: dict[int, list[int]] = {}

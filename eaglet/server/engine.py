@@ -22,7 +22,7 @@ would start a batch speculating; 30 s spans the gap between one load run and the
 batch whose choice would now differ is replaced by a new one. When requests wait to join a
 speculating batch and the grown batch (running + waiting, capped) is one the policy decodes plain,
 or past the setting's reach (SpecPolicy.reach; warm-up captures its graphs that far), the batch turns
-plain where it stands (Batcher.to_plain, on the same cache) and takes them in. With --spec-switch one
+plain where it stands (Batcher.use, on the same cache) and takes them in. With --spec-switch one
 drafter serves every setting (steps.py), and a batch that grows into a size the policy gives another
 setting predicted MOVE_OVER times as fast moves to it in place (Batcher.use), with no prefill (SpecPolicy.move).
 One decoder, and so one KV cache of --max-batch rows, serves every batch whatever its setting.
@@ -364,7 +364,7 @@ class Engine:
             choice = self.policy.choose(load)
             reach = self.policy.reach(self.setting, self.slots) if self.setting is not None else self.slots
             target = choice if load > reach else self.policy.move(self.setting, load) if self.setting else None
-            if self.setting is not None and target not in (None, self.setting) and self.shared_drafter:
+            if target is not None and self.shared_drafter:
                 log.info("the speculating batch (%s) grows to %d requests: it moves to %s", self.setting, load, target)
                 self.switch, self.setting = True, target
                 self.metrics.policy(target, load)

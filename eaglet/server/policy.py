@@ -89,8 +89,7 @@ class SpecPolicy:
         self.base, self.max_batch, self.source = base, max_batch, source
         self.table = dict(sorted(table.items())) if table else None
         self._sizes = list(self.table) if self.table else []
-        self.speedups, self.switch = speedups or {}, switch
-        self.keep_over = 0.0 if switch else keep_over
+        self.speedups, self.keep_over, self.switch = speedups or {}, keep_over, switch
         self._reach: dict[tuple[str, int], int] = {}
 
     def choose(self, n: int) -> str | None:
