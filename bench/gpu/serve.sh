@@ -24,6 +24,7 @@
 # branch's eaglet/*.py, git-ignored and carried), beside it in every round: an A/B of two versions;
 # ALT_NONE=1 with ALT: a fourth, `--spec none` from DIR (flags: ALT_NONE_ARGS) (the side by side with a previous commit,
 # plain and speculating: `git archive SHA eaglet | tar -x -C .prev`, carry .prev, ALT=.prev ALT_NONE=1).
+# SWITCH=1: one more server, this checkout speculating with --spec-switch (moving among the policy's settings).
 # SERVE_ARGS: more flags for this checkout's servers (e.g. --multi-step 1); ALT_ARGS: for the ALT speculating
 # server (ALT=$PWD ALT_ARGS="--spec-multi-step 2": an A/B of one flag on this checkout).
 # With $OUT set (the GPU machine) the records come back as one tar, $OUT/serve-records.tar.
@@ -44,8 +45,9 @@ out=/tmp/serve-records  # records here, packed into $OUT/serve-records.tar after
 rm -rf "$out"; mkdir -p "$out"  # short by its limit still brings back what it measured (a call returns 8 files)
 keep() { [ -z "${OUT:-}" ] || tar -C "$out" -cf "$OUT/serve-records.tar" .; }
 gunzip -c /tmp/stage/sharegpt_first_turns.json.gz > /tmp/sharegpt.json
-declare -A PORT=([eagle3]=8031 [none]=8032 [alt]=8033 [altnone]=8034)
+declare -A PORT=([eagle3]=8031 [none]=8032 [alt]=8033 [altnone]=8034 [switch]=8035)
 servers="eagle3 none"; [ -n "${ALT:-}" ] && servers="eagle3 alt none"; [ -n "${ALT_NONE:-}" ] && servers="$servers altnone"
+[ -n "${SWITCH:-}" ] && servers="$servers switch"
 policy=${SPEC_POLICY-bench/results/profile-gpu-20261130-225722.json}
 if [ -n "${PROFILE:-}" ]; then  # profile this machine on the served prompts first (~2.5 min), and follow that
   python3 -m eaglet profile --model $GGUF --draft eaglet/drafters/smollm2-135m-instruct-eagle3 --prompts /tmp/sharegpt.json \
@@ -58,6 +60,7 @@ for name in $servers; do
   spec=$name draft= dir=$PWD extra=${SERVE_ARGS:-}
   [ $name = alt ] && spec=eagle3 dir=$ALT extra=${ALT_ARGS:-}  # python -m puts the working directory first on the path
   [ $name = altnone ] && spec=none dir=$ALT extra=${ALT_NONE_ARGS:-}
+  [ $name = switch ] && spec=eagle3 extra="${SERVE_ARGS:-} --spec-switch"
   [ $spec = eagle3 ] && draft="--draft $PWD/eaglet/drafters/smollm2-135m-instruct-eagle3 ${SPEC_MAX_BATCH:+--spec-max-batch $SPEC_MAX_BATCH} ${policy:+--spec-policy $(realpath $policy)} ${SPEC_ARGS:-}"
   (cd $dir && exec python3 -m eaglet serve --model $GGUF --port ${PORT[$name]} --max-batch ${MAX_BATCH:-64} --max-model-len 1024 \
     --spec $spec $draft $extra --log-level warning) &
