@@ -36,6 +36,7 @@ TOKENS = (1, 2, 4, 8, 16, 32, 64)
 L2_SAFE = 1 << 30  # bytes a replay reads at one token at least, copies of the layer included
 GATHER_LIMIT = 8 << 30  # the gathered path materializes every pair's weights: skipped above this
 SWEEP_COLS, SWEEP_STEPS, SWEEP_WARPS, SWEEP_STAGES = (16, 32, 64), (64, 128, 256), (4, 8), (2, 3, 4, 5)
+SWEEP_SPLITS = (1, 2, 4)  # gate-up's H reduction in parts (Tiles.gate_split)
 
 
 def add_parser(sub) -> None:
@@ -57,6 +58,9 @@ def add_parser(sub) -> None:
     p.add_argument("--tune-tokens", type=int, nargs="+", metavar="T",
                    help="the token counts --tune scores tiles on (default: every --tokens count)")
     p.add_argument("--tiles-out", default=str(fused_moe.TILES_FILE), help="where --tune writes the tiles")
+    p.add_argument("--tiles", nargs="+", default=[], metavar="FIELD=N",
+                   help="these tile fields instead of the tuned ones, e.g. gate_split=4 (an A/B of one field; "
+                        f"fields: {', '.join(f.name for f in dataclasses.fields(Tiles))})")
     p.add_argument("--repeats", type=int, default=15, help="timed repeats (median reported)")
     p.add_argument("--out", default="bench/results", help="directory for the JSON record")
 
@@ -66,7 +70,23 @@ def cmd_bench_moe(args) -> int:
     return 0
 
 
+def tile_fields(items: list[str]) -> dict[str, int]:
+    """--tiles FIELD=N ... as {field: N}; one error line for a field Tiles lacks or a value not a positive int."""
+    names, out = {f.name for f in dataclasses.fields(Tiles)}, {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in names:
+            raise InvalidInput(f"--tiles {item}: no tile field {name!r} (fields: {', '.join(sorted(names))})")
+        if not value.isdigit() or int(value) < 1:
+            raise InvalidInput(f"--tiles {item}: the value must be a positive integer")
+        out[name] = int(value)
+    return out
+
+
 def check_args(args) -> None:
+    tile_fields(args.tiles)
+    if args.tiles and args.tune:
+        raise InvalidInput("--tiles with --tune: the sweep chooses every field")
     for name in args.shape:
         if name not in SHAPES or SHAPES[name].moe is None:
             raise InvalidInput(f"--shape {name}: not an MoE shape (choose from "
@@ -185,7 +205,7 @@ def stored_bytes(w) -> int:
 
 def tune(layer: Layer, tokens: list[int], bandwidth: float, repeats: int) -> tuple[Tiles, list[dict]]:
     """The tiles with the least summed time over floor across `tokens`: gate-up and down swept apart,
-    then the pipeline depth."""
+    then the pipeline depth and gate-up's parts, the whole layer timed."""
     sweep, best = [], {}
     for which in ("gate", "down"):
         scores = {}
@@ -204,12 +224,12 @@ def tune(layer: Layer, tokens: list[int], bandwidth: float, repeats: int) -> tup
         best[which] = min(scores, key=scores.get)
     (gc, gs, gw), (dc, ds, dw) = best["gate"], best["down"]
     scores = {}
-    for stages in SWEEP_STAGES:  # then the pipeline depth of both, the whole layer timed
-        tiles = Tiles(gc, gs, gw, dc, ds, dw, stages)
+    for stages, split in itertools.product(SWEEP_STAGES, SWEEP_SPLITS):  # the whole layer timed
+        tiles = Tiles(gc, gs, gw, dc, ds, dw, stages, split)
         ms = fits(lambda t: time_ms(layer.run("fused", t, tiles), repeats) / layer.copies, tokens)
         if ms is None:
             continue
-        sweep.append({"kernel": "both", "stages": stages, "ms": ms})
+        sweep.append({"kernel": "both", "stages": stages, "gate_split": split, "ms": ms})
         scores[tiles] = sum(ms[t] / layer.floor_ms(t, bandwidth) for t in tokens)
     return min(scores, key=scores.get), sweep
 
@@ -220,7 +240,7 @@ def bench_shape(name: str, args, bandwidth: float, quant: str = "bf16") -> dict:
     key = fused_moe.shape_key(layer.e, layer.h, layer.i, layer.k, quant)
     out: dict = {"key": key, "quant": quant, "copies": layer.copies, "expert_bytes": layer.expert_bytes,
                  "tokens": {}}
-    tiles = fused_moe.tiles_for(layer.e, layer.h, layer.i, layer.k, quant)
+    tiles = replace(fused_moe.tiles_for(layer.e, layer.h, layer.i, layer.k, quant), **tile_fields(args.tiles))
     paths = args.paths if quant == "bf16" else ["fused"]  # the other paths read bfloat16 weights
     if args.tune:
         tiles, out["sweep"] = tune(layer, args.tune_tokens or args.tokens, bandwidth, args.repeats)
