@@ -220,29 +220,6 @@ def test_fused_kernels_equal_the_gathered_path(n):
     assert (fused_moe(x, experts, weights, gate_up, down) - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-@pytest.mark.parametrize("n, split", [(1, 2), (20, 3)])
-@torch.inference_mode()
-def test_split_gate_up_equals_the_gathered_path_and_each_row_alone(n, split):
-    """Tiles.gate_split: gate-up's H reduction in `split` parts (here 40 columns in steps of 16: parts
-    of 32 + 8 or 16 + 16 + 8), float32 partials the down kernel sums in order before SiLU·mul: the
-    gathered path's result, and each token's row bitwise the same computed alone."""
-    from eaglet.models.fused_moe import Tiles, fused_moe
-
-    g = torch.Generator().manual_seed(n)
-    e, k, h, i = 8, 3, 40, 24
-    gate_up, down = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
-    x = torch.randn(n, h, generator=g)
-    experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
-    weights = torch.rand(n, k, generator=g)
-    tiles = Tiles(gate_cols=16, gate_step=16, down_cols=16, down_step=16, gate_split=split)
-    want = gathered(x, experts, weights, gate_up, down)
-    got = fused_moe(x, experts, weights, gate_up, down, tiles=tiles)
-    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
-    for j in {0, n - 1}:
-        alone = fused_moe(x[j:j + 1], experts[j:j + 1], weights[j:j + 1], gate_up, down, tiles=tiles)
-        assert torch.equal(alone, got[j:j + 1])
-
-
 @torch.inference_mode()
 def test_a_model_with_the_fused_kernels_decodes_as_without(tiny_dirs, monkeypatch):
     """Kernels.moe on the tiny Qwen3-MoE: the same logits for a prefill, a decode step and a 5-token
@@ -308,12 +285,11 @@ def test_many_tokens_without_a_grouped_matmul_go_through_the_kernels_in_parts(ti
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("split", [1, 4])
 @torch.inference_mode()
-def test_fused_kernels_on_the_gpu_are_row_invariant(split):
+def test_fused_kernels_on_the_gpu_are_row_invariant():
     """On the GPU in bfloat16: the fused kernels agree with the grouped matmul, and each token's row
-    is bitwise the same computed alone, among 7 tokens or among 64; gate-up whole or in 4 parts."""
-    from eaglet.models.fused_moe import Tiles, fused_moe
+    is bitwise the same computed alone, among 7 tokens or among 64."""
+    from eaglet.models.fused_moe import fused_moe
 
     g = torch.Generator(device="cuda").manual_seed(0)
     e, k, h, i = 32, 4, 256, 96
@@ -322,12 +298,11 @@ def test_fused_kernels_on_the_gpu_are_row_invariant(split):
     x = torch.randn(64, h, device="cuda", generator=g).bfloat16()
     experts = torch.rand(64, e, device="cuda", generator=g).topk(k, -1).indices
     weights = torch.rand(64, k, device="cuda", generator=g).softmax(-1)
-    tiles = Tiles(gate_step=64, gate_split=split)
-    full = fused_moe(x, experts, weights, gate_up, down, tiles=tiles)
+    full = fused_moe(x, experts, weights, gate_up, down)
     want = grouped(x, experts, weights, gate_up, down)
     assert ((full.float() - want.float()).abs().max() / want.float().abs().max()).item() < 0.02
-    assert torch.equal(fused_moe(x[:7], experts[:7], weights[:7], gate_up, down, tiles=tiles), full[:7])
-    assert torch.equal(fused_moe(x[5:6], experts[5:6], weights[5:6], gate_up, down, tiles=tiles), full[5:6])
+    assert torch.equal(fused_moe(x[:7], experts[:7], weights[:7], gate_up, down), full[:7])
+    assert torch.equal(fused_moe(x[5:6], experts[5:6], weights[5:6], gate_up, down), full[5:6])
 
 
 @pytest.mark.parametrize("moe", [
@@ -405,10 +380,9 @@ def test_bench_moe_layers_and_their_checks(monkeypatch, quant):
                                   "fp8": dense // 2 + 2 * 4}[quant]  # fp8: one 128 x 128 block a stack here
     assert layer.copies == 8 and layer.distinct(1) == 4
     assert layer.floor_ms(8, 1e9) == layer.distinct(8) * layer.expert_bytes / 1e6
-    split = bench_moe.fused_moe.Tiles(gate_step=16, gate_split=2)  # 64 columns: parts of 32
-    for t, tiles in [(1, bench_moe.fused_moe.Tiles()), (8, bench_moe.fused_moe.Tiles()), (8, split)]:
-        got = bench_moe.check_fused(layer, t, tiles)
-        assert got["rows_bitwise_alone"] and got["rel_err_vs_grouped"] < 0.02, (t, tiles, got)
+    for t in (1, 8):
+        got = bench_moe.check_fused(layer, t, bench_moe.fused_moe.Tiles())
+        assert got["rows_bitwise_alone"] and got["rel_err_vs_grouped"] < 0.02, (t, got)
 
 
 @pytest.mark.parametrize("n", [1, 20])
@@ -432,13 +406,23 @@ def test_fused_kernels_read_fp8_blocks(n):
     assert (fused_moe(x, experts, weights, gate_up, down) - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+def test_bench_moe_tiles_override_the_tuned_fields():
+    """--tiles FIELD=N: those fields replace the tuned tiles' (the rest kept), for an A/B of one field."""
+    from dataclasses import replace
+
+    from eaglet.perf.bench_moe import Tiles, tile_fields
+
+    got = replace(Tiles(gate_cols=64, stages=4), **tile_fields(["gate_cols=32", "down_warps=8"]))
+    assert got == Tiles(gate_cols=32, down_warps=8, stages=4)
+
+
 @pytest.mark.parametrize("flags, said", [
     (["--tokens", "65"], "--tokens 65: must be 1 to 64"),
     (["--tokens", "1", "4", "--tune", "--tune-tokens", "16"], "--tune-tokens 16: not among --tokens 1 4"),
     (["--shape", "llama-3.1-8b"], "--shape llama-3.1-8b: not an MoE shape"),
-    (["--tiles", "gate_parts=2"], "--tiles gate_parts=2: no tile field 'gate_parts'"),
-    (["--tiles", "gate_split=0"], "--tiles gate_split=0: the value must be a positive integer"),
-    (["--tiles", "gate_split=2", "--tune"], "--tiles with --tune"),
+    (["--tiles", "gate_rows=32"], "--tiles gate_rows=32: no tile field 'gate_rows'"),
+    (["--tiles", "gate_cols=0"], "--tiles gate_cols=0: the value must be a positive integer"),
+    (["--tiles", "gate_cols=32", "--tune"], "--tiles with --tune"),
 ])
 def test_bench_moe_bad_input_is_one_error_line(flags, said, capsys, tmp_path):
     from eaglet.cli import main

@@ -76,20 +76,16 @@ def cases():
     yield "exact attention store", lambda: compile_for_h200(
         exact_attention.store_kernel, dict(H=32, HKV=4, TP=16, D=128, ROPE=True, QK_NORM=True))
     yield "exact attention combine", lambda: compile_for_h200(exact_attention.combine_kernel, dict(G=8, ROWS=16, D=128))
-    moe = {"K": "i32", "x": "*bf16", "act": "*bf16", "ref": "*bf16", "experts": "*i64", "touched": "*i32",
-           "forwards": "*i32", "wt": "*fp32", "y": "*fp32", "out": "*bf16", "add": "*bf16"}
+    moe = {"K": "i32", "x": "*bf16", "act": "*bf16", "experts": "*i64", "touched": "*i32", "forwards": "*i32", "wt": "*fp32",
+           "y": "*fp32", "out": "*bf16", "add": "*bf16"}
     for quant, w, ws, group in [(0, "*bf16", "*bf16", 1), (4, "*i32", "*bf16", 32), (8, "*fp8e4nv", "*fp32", 128)]:
         t = fused_moe.Tiles(gate_cols=32, gate_step=256, down_cols=64, down_step=256)  # Kimi-K2's, as tuned
-        for split in (1, 4):  # gate-up whole, or in parts summed by down (float32 partials)
-            acts = {"act": "*bf16" if split == 1 else "*fp32"}
-            yield f"fused MoE gate-up, quant {quant}, split {split}", lambda q=quant, w=w, ws=ws, g=group, sp=split, \
-                a=acts: compile_for_h200(fused_moe.gate_up_kernel, dict(
-                    QUANT=q, GROUP=g, PAIRS=128, BI=t.gate_cols, BH=t.gate_step, CHUNK=fused_moe.CHUNK, SPLIT=sp,
-                    COUNT=True, GDC=True), 4, 3, {**moe, **a, "w": w, "ws": ws})
-            yield f"fused MoE down, quant {quant}, split {split}", lambda q=quant, w=w, ws=ws, g=group, sp=split, \
-                a=acts: compile_for_h200(fused_moe.down_kernel, dict(
-                    QUANT=q, GROUP=g, PAIRS=128, BHO=t.down_cols, BI=t.down_step, CHUNK=fused_moe.CHUNK, SPLIT=sp,
-                    GDC=True), 4, 3, {**moe, **a, "w": w, "ws": ws})
+        yield f"fused MoE gate-up, quant {quant}", lambda q=quant, w=w, ws=ws, g=group: compile_for_h200(
+            fused_moe.gate_up_kernel, dict(QUANT=q, GROUP=g, PAIRS=128, BI=t.gate_cols, BH=t.gate_step,
+                                           CHUNK=fused_moe.CHUNK, COUNT=True, GDC=True), 4, 3, {**moe, "w": w, "ws": ws})
+        yield f"fused MoE down, quant {quant}", lambda q=quant, w=w, ws=ws, g=group: compile_for_h200(
+            fused_moe.down_kernel, dict(QUANT=q, GROUP=g, PAIRS=128, BHO=t.down_cols, BI=t.down_step,
+                                        CHUNK=fused_moe.CHUNK, GDC=True), 4, 3, {**moe, "w": w, "ws": ws})
     yield "fused MoE combine", lambda: compile_for_h200(fused_moe.combine_kernel, dict(K=8, BLOCK=1024, ADD=True,
                                                                                       GDC=True), 4, 3, moe)
     for k, width, ls, off in [(8, 16384, True, True), (4, 16, False, False), (31, 328, False, False)]:

@@ -10,10 +10,6 @@ chunks of CHUNK pairs:
 - `gate_up_kernel`: h = SiLU(x W_gate^T) * (x W_up^T) for each pair, (pairs, I);
 - `down_kernel`: y = (h W_down^T) * routing weight for each pair, (pairs, H);
 
-With `Tiles.gate_split` S > 1 the gate-up reduction over H is split in S parts, each its own program
-(S times as many programs: at one token Qwen3-30B-A3B's gate-up has 96 tiles for 132 SMs), writing
-float32 partial sums that the down kernel adds in split order and applies SiLU·mul to as it loads them.
-
 and `combine_kernel` sums each token's k rows in slot order. A token's result depends on its own routing
 only: the same tiles and the same reduction order whatever the other tokens in the call, and one
 tile configuration per layer shape (`Tiles`, chosen by `eaglet bench-moe --tune` and kept in
@@ -58,7 +54,6 @@ class Tiles:
     down_step: int = 128  # down: the I step of its reduction
     down_warps: int = 4
     stages: int = 3
-    gate_split: int = 1   # gate-up: parts of its H reduction, each a program (float32 partials to down)
 
 
 @dataclass(frozen=True)
@@ -155,42 +150,32 @@ def usable(x: torch.Tensor) -> bool:
 
 def gate_up_act(x: torch.Tensor, gate_up: Stack, experts: torch.Tensor, tiles: Tiles,
                 counts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """SiLU(x W_gate^T) * (x W_up^T) of each (token, slot) pair's token and expert: (N k, I), x's dtype;
-    with tiles.gate_split S > 1, the float32 partial sums instead, (N k, S, 2, I): gate, then up.
+    """SiLU(x W_gate^T) * (x W_up^T) of each (token, slot) pair's token and expert: (N k, I), x's dtype.
     With `counts` (touched, forwards), adds the call's distinct experts and one forward to them."""
     n, k = experts.shape
     h_dim, i_dim = x.shape[1], gate_up.shape[1] // 2
-    split = tiles.gate_split
-    act = (torch.empty(n * k, i_dim, dtype=x.dtype, device=x.device) if split == 1 else
-           torch.empty(n * k, split, 2, i_dim, dtype=torch.float32, device=x.device))
-    span = triton.cdiv(triton.cdiv(h_dim, split), tiles.gate_step) * tiles.gate_step  # H columns a part
+    act = torch.empty(n * k, i_dim, dtype=x.dtype, device=x.device)
     touched, forwards = counts if counts is not None else (experts, experts)
     w, ws, swe, swr, sse, ssr, quant, group = stack_args(gate_up)
-    gate_up_kernel[(n * k, triton.cdiv(i_dim, tiles.gate_cols), split)](
-        x, w, ws, experts, act, touched, forwards, n * k, k, h_dim, i_dim, span,
+    gate_up_kernel[(n * k, triton.cdiv(i_dim, tiles.gate_cols))](
+        x, w, ws, experts, act, touched, forwards, n * k, k, h_dim, i_dim,
         x.stride(0), swe, swr, sse, ssr, act.stride(0), QUANT=quant, GROUP=group,
         PAIRS=triton.next_power_of_2(n * k), BI=tiles.gate_cols, BH=tiles.gate_step, CHUNK=CHUNK,
-        SPLIT=split, COUNT=counts is not None, GDC=dependent_launch(x), num_warps=tiles.gate_warps,
-        num_stages=tiles.stages)
+        COUNT=counts is not None, GDC=dependent_launch(x), num_warps=tiles.gate_warps, num_stages=tiles.stages)
     return act
 
 
 def down_weighted(act: torch.Tensor, down: Stack, experts: torch.Tensor, weights: torch.Tensor,
-                  tiles: Tiles, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """(act W_down^T) times each pair's routing weight (float32, (N, k)): (N k, H) float32. `act` as
-    gate_up_act returns it for `tiles`; split partials are summed, activated and cast to `dtype` (the
-    input's) before the product, as gate_up_act casts an unsplit act."""
+                  tiles: Tiles) -> torch.Tensor:
+    """(act W_down^T) times each pair's routing weight (float32, (N, k)): (N k, H) float32."""
     pairs, h_dim, i_dim = experts.numel(), down.shape[1], down.shape[2]
-    split = tiles.gate_split
-    assert (act.dim() == 2) == (split == 1) and (split == 1 or dtype is not None)
-    ref = act if split == 1 else torch.empty(0, dtype=dtype, device=act.device)  # the product's dtype
     y = torch.empty(pairs, h_dim, dtype=torch.float32, device=act.device)
     gdc = dependent_launch(act)
     w, ws, swe, swr, sse, ssr, quant, group = stack_args(down)
     down_kernel[(pairs, triton.cdiv(h_dim, tiles.down_cols))](
-        act, ref, w, ws, experts, weights, y, pairs, h_dim, i_dim,
+        act, w, ws, experts, weights, y, pairs, h_dim, i_dim,
         act.stride(0), swe, swr, sse, ssr, y.stride(0), QUANT=quant, GROUP=group,
-        PAIRS=triton.next_power_of_2(pairs), BHO=tiles.down_cols, BI=tiles.down_step, CHUNK=CHUNK, SPLIT=split,
+        PAIRS=triton.next_power_of_2(pairs), BHO=tiles.down_cols, BI=tiles.down_step, CHUNK=CHUNK,
         GDC=gdc, num_warps=tiles.down_warps, num_stages=tiles.stages, **({"launch_pdl": True} if gdc else {}))
     return y
 
@@ -207,7 +192,7 @@ def fused_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gat
     tiles = tiles or tiles_for(gate_up.shape[0], x.shape[1], down.shape[2], k, quant_name(gate_up))
     experts = experts.contiguous()
     act = gate_up_act(x, gate_up, experts, tiles, counts)
-    y = down_weighted(act, down, experts, weights.float().contiguous(), tiles, x.dtype)
+    y = down_weighted(act, down, experts, weights.float().contiguous(), tiles)
     out = torch.empty_like(x)
     block = 1024
     gdc = dependent_launch(x)
@@ -278,15 +263,15 @@ if triton is not None:
                            other=0.0)
 
     @triton.jit
-    def gate_up_kernel(x, w, ws, experts, act, touched, forwards, pairs, K, H, I, span, sx, swe, swr, sse, ssr, sa,
+    def gate_up_kernel(x, w, ws, experts, act, touched, forwards, pairs, K, H, I, sx, swe, swr, sse, ssr, sa,
                        QUANT: tl.constexpr, GROUP: tl.constexpr,
                        PAIRS: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr, CHUNK: tl.constexpr,
-                       SPLIT: tl.constexpr, COUNT: tl.constexpr, GDC: tl.constexpr):
+                       COUNT: tl.constexpr, GDC: tl.constexpr):
         if GDC:  # the down kernel may launch now; it waits for these results before reading them
             tl.extra.cuda.gdc_launch_dependents()
         p = tl.program_id(0)
         e, head, length, same, rank = run_of(experts, p, pairs, PAIRS, CHUNK)
-        if COUNT and tl.program_id(1) == 0 and tl.program_id(2) == 0:  # one count an expert (its owner), one a call
+        if COUNT and tl.program_id(1) == 0:  # one count an expert (its owner), one forward a call
             if head:
                 tl.atomic_add(touched, 1)
             if p == 0:
@@ -294,15 +279,12 @@ if triton is not None:
         if head:
             e = e.to(tl.int64)
             cols = tl.program_id(1) * BI + tl.arange(0, BI)
-            part = tl.program_id(2)
-            h_lo = part * span
-            h_hi = tl.minimum(h_lo + span, H)
             for c in range(0, length, CHUNK):
                 rows, live = member(same, rank, c, PAIRS, CHUNK)
                 tok = rows // K
                 g = tl.zeros((CHUNK, BI), dtype=tl.float32)
                 u = tl.zeros((CHUNK, BI), dtype=tl.float32)
-                for h0 in range(h_lo, h_hi, BH):
+                for h0 in range(0, H, BH):
                     hs = h0 + tl.arange(0, BH)
                     xt = tl.load(x + tok[:, None] * sx + hs[None, :], mask=live[:, None] & (hs[None, :] < H),
                                  other=0.0)
@@ -311,20 +293,15 @@ if triton is not None:
                     wg, wu = wg.to(xt.dtype), wu.to(xt.dtype)
                     g += tl.dot(xt, tl.trans(wg))
                     u += tl.dot(xt, tl.trans(wu))
-                keep = live[:, None] & (cols[None, :] < I)
-                if SPLIT == 1:
-                    out = g / (1.0 + tl.exp(-g)) * u
-                    tl.store(act + rows[:, None] * sa + cols[None, :], out.to(act.dtype.element_ty), mask=keep)
-                else:  # this part's sums: (pair, part, gate | up, column)
-                    at = act + rows[:, None] * sa + part * 2 * I + cols[None, :]
-                    tl.store(at, g, mask=keep)
-                    tl.store(at + I, u, mask=keep)
+                out = g / (1.0 + tl.exp(-g)) * u
+                tl.store(act + rows[:, None] * sa + cols[None, :], out.to(act.dtype.element_ty),
+                         mask=live[:, None] & (cols[None, :] < I))
 
     @triton.jit
-    def down_kernel(act, ref, w, ws, experts, wt, y, pairs, H, I, sa, swe, swr, sse, ssr, sy,
+    def down_kernel(act, w, ws, experts, wt, y, pairs, H, I, sa, swe, swr, sse, ssr, sy,
                     QUANT: tl.constexpr, GROUP: tl.constexpr,
                     PAIRS: tl.constexpr, BHO: tl.constexpr, BI: tl.constexpr, CHUNK: tl.constexpr,
-                    SPLIT: tl.constexpr, GDC: tl.constexpr):
+                    GDC: tl.constexpr):
         if GDC:
             tl.extra.cuda.gdc_launch_dependents()
         p = tl.program_id(0)
@@ -339,17 +316,8 @@ if triton is not None:
                 acc = tl.zeros((CHUNK, BHO), dtype=tl.float32)
                 for i0 in range(0, I, BI):
                     js = i0 + tl.arange(0, BI)
-                    keep = live[:, None] & (js[None, :] < I)
-                    if SPLIT == 1:
-                        at = tl.load(act + rows[:, None] * sa + js[None, :], mask=keep, other=0.0)
-                    else:  # the gate-up parts summed in order, then SiLU(gate) * up as gate-up casts it
-                        src = act + rows[:, None] * sa + js[None, :]
-                        g = tl.load(src, mask=keep, other=0.0)
-                        u = tl.load(src + I, mask=keep, other=0.0)
-                        for q in tl.static_range(1, SPLIT):
-                            g += tl.load(src + q * 2 * I, mask=keep, other=0.0)
-                            u += tl.load(src + q * 2 * I + I, mask=keep, other=0.0)
-                        at = (g / (1.0 + tl.exp(-g)) * u).to(ref.dtype.element_ty)
+                    at = tl.load(act + rows[:, None] * sa + js[None, :], mask=live[:, None] & (js[None, :] < I),
+                                 other=0.0)
                     wd = weight_tile(w, ws, e, cols, cols < H, i0, I, swe, swr, sse, ssr, BHO, BI, QUANT,
                                      GROUP).to(at.dtype)
                     acc += tl.dot(at, tl.trans(wd))

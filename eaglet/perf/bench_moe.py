@@ -36,7 +36,6 @@ TOKENS = (1, 2, 4, 8, 16, 32, 64)
 L2_SAFE = 1 << 30  # bytes a replay reads at one token at least, copies of the layer included
 GATHER_LIMIT = 8 << 30  # the gathered path materializes every pair's weights: skipped above this
 SWEEP_COLS, SWEEP_STEPS, SWEEP_WARPS, SWEEP_STAGES = (16, 32, 64), (64, 128, 256), (4, 8), (2, 3, 4, 5)
-SWEEP_SPLITS = (1, 2, 4)  # gate-up's H reduction in parts (Tiles.gate_split)
 
 
 def add_parser(sub) -> None:
@@ -59,7 +58,7 @@ def add_parser(sub) -> None:
                    help="the token counts --tune scores tiles on (default: every --tokens count)")
     p.add_argument("--tiles-out", default=str(fused_moe.TILES_FILE), help="where --tune writes the tiles")
     p.add_argument("--tiles", nargs="+", default=[], metavar="FIELD=N",
-                   help="these tile fields instead of the tuned ones, e.g. gate_split=4 (an A/B of one field; "
+                   help="these tile fields instead of the tuned ones, e.g. gate_cols=32 (an A/B of one field; "
                         f"fields: {', '.join(f.name for f in dataclasses.fields(Tiles))})")
     p.add_argument("--repeats", type=int, default=15, help="timed repeats (median reported)")
     p.add_argument("--out", default="bench/results", help="directory for the JSON record")
@@ -205,7 +204,7 @@ def stored_bytes(w) -> int:
 
 def tune(layer: Layer, tokens: list[int], bandwidth: float, repeats: int) -> tuple[Tiles, list[dict]]:
     """The tiles with the least summed time over floor across `tokens`: gate-up and down swept apart,
-    then the pipeline depth and gate-up's parts, the whole layer timed."""
+    then the pipeline depth."""
     sweep, best = [], {}
     for which in ("gate", "down"):
         scores = {}
@@ -224,12 +223,12 @@ def tune(layer: Layer, tokens: list[int], bandwidth: float, repeats: int) -> tup
         best[which] = min(scores, key=scores.get)
     (gc, gs, gw), (dc, ds, dw) = best["gate"], best["down"]
     scores = {}
-    for stages, split in itertools.product(SWEEP_STAGES, SWEEP_SPLITS):  # the whole layer timed
-        tiles = Tiles(gc, gs, gw, dc, ds, dw, stages, split)
+    for stages in SWEEP_STAGES:  # then the pipeline depth of both, the whole layer timed
+        tiles = Tiles(gc, gs, gw, dc, ds, dw, stages)
         ms = fits(lambda t: time_ms(layer.run("fused", t, tiles), repeats) / layer.copies, tokens)
         if ms is None:
             continue
-        sweep.append({"kernel": "both", "stages": stages, "gate_split": split, "ms": ms})
+        sweep.append({"kernel": "both", "stages": stages, "ms": ms})
         scores[tiles] = sum(ms[t] / layer.floor_ms(t, bandwidth) for t in tokens)
     return min(scores, key=scores.get), sweep
 
