@@ -412,8 +412,8 @@ def test_bench_moe_tiles_override_the_tuned_fields():
 
     from eaglet.perf.bench_moe import Tiles, tile_fields
 
-    got = replace(Tiles(gate_cols=64, stages=4), **tile_fields(["gate_cols=32", "down_warps=8"]))
-    assert got == Tiles(gate_cols=32, down_warps=8, stages=4)
+    got = replace(Tiles(gate_cols=64, stages=4), **tile_fields(["gate_cols=32", "down_warps=8", "stages=5"]))
+    assert got == Tiles(gate_cols=32, down_warps=8, stages=5)
 
 
 @pytest.mark.parametrize("flags, said", [
@@ -422,6 +422,7 @@ def test_bench_moe_tiles_override_the_tuned_fields():
     (["--shape", "llama-3.1-8b"], "--shape llama-3.1-8b: not an MoE shape"),
     (["--tiles", "gate_rows=32"], "--tiles gate_rows=32: no tile field 'gate_rows'"),
     (["--tiles", "gate_cols=0"], "--tiles gate_cols=0: the value must be a positive integer"),
+    (["--tiles", "gate_cols=48"], "--tiles gate_cols=48: gate_cols must be a power of two"),
     (["--tiles", "gate_cols=32", "--tune"], "--tiles with --tune"),
 ])
 def test_bench_moe_bad_input_is_one_error_line(flags, said, capsys, tmp_path):

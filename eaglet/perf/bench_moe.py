@@ -70,7 +70,8 @@ def cmd_bench_moe(args) -> int:
 
 
 def tile_fields(items: list[str]) -> dict[str, int]:
-    """--tiles FIELD=N ... as {field: N}; one error line for a field Tiles lacks or a value not a positive int."""
+    """--tiles FIELD=N ... as {field: N}; one error line for a field Tiles lacks, a value not a positive
+    int, or a block size or warp count not a power of two (Triton's blocks and warps must be)."""
     names, out = {f.name for f in dataclasses.fields(Tiles)}, {}
     for item in items:
         name, _, value = item.partition("=")
@@ -78,7 +79,9 @@ def tile_fields(items: list[str]) -> dict[str, int]:
             raise InvalidInput(f"--tiles {item}: no tile field {name!r} (fields: {', '.join(sorted(names))})")
         if not value.isdigit() or int(value) < 1:
             raise InvalidInput(f"--tiles {item}: the value must be a positive integer")
-        out[name] = int(value)
+        n = out[name] = int(value)
+        if name != "stages" and n & (n - 1):
+            raise InvalidInput(f"--tiles {item}: {name} must be a power of two")
     return out
 
 
