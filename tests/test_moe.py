@@ -407,13 +407,19 @@ def test_fused_kernels_read_fp8_blocks(n):
 
 
 def test_bench_moe_tiles_override_the_tuned_fields():
-    """--tiles FIELD=N: those fields replace the tuned tiles' (the rest kept), for an A/B of one field."""
+    """--tiles FIELD=N: those fields replace the tuned tiles of the layer's shape (the rest kept from
+    moe_tiles.json), for an A/B of one field."""
     from dataclasses import replace
+    from types import SimpleNamespace
 
-    from eaglet.perf.bench_moe import Tiles, tile_fields
+    from eaglet.models.fused_moe import TUNED
+    from eaglet.perf.bench_moe import layer_tiles
 
-    got = replace(Tiles(gate_cols=64, stages=4), **tile_fields(["gate_cols=32", "down_warps=8", "stages=5"]))
-    assert got == Tiles(gate_cols=32, down_warps=8, stages=5)
+    layer = SimpleNamespace(e=128, h=2048, i=768, k=8, quant="bf16")  # Qwen3-30B-A3B's layer, as tuned
+    tuned = TUNED["E128-H2048-I768-k8"]
+    assert layer_tiles(layer, []) == tuned
+    got = layer_tiles(layer, ["gate_cols=16", "down_warps=8", "stages=5"])
+    assert got == replace(tuned, gate_cols=16, down_warps=8, stages=5) and got.down_cols == tuned.down_cols
 
 
 @pytest.mark.parametrize("flags, said", [

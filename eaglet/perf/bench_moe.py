@@ -85,6 +85,12 @@ def tile_fields(items: list[str]) -> dict[str, int]:
     return out
 
 
+def layer_tiles(layer: "Layer", items: list[str]) -> Tiles:
+    """The tiles a run times for `layer`: the tuned ones for its shape, with --tiles' fields instead."""
+    key = (layer.e, layer.h, layer.i, layer.k, layer.quant)
+    return replace(fused_moe.tiles_for(*key), **tile_fields(items))
+
+
 def check_args(args) -> None:
     tile_fields(args.tiles)
     if args.tiles and args.tune:
@@ -242,7 +248,7 @@ def bench_shape(name: str, args, bandwidth: float, quant: str = "bf16") -> dict:
     key = fused_moe.shape_key(layer.e, layer.h, layer.i, layer.k, quant)
     out: dict = {"key": key, "quant": quant, "copies": layer.copies, "expert_bytes": layer.expert_bytes,
                  "tokens": {}}
-    tiles = replace(fused_moe.tiles_for(layer.e, layer.h, layer.i, layer.k, quant), **tile_fields(args.tiles))
+    tiles = layer_tiles(layer, args.tiles)
     paths = args.paths if quant == "bf16" else ["fused"]  # the other paths read bfloat16 weights
     if args.tune:
         tiles, out["sweep"] = tune(layer, args.tune_tokens or args.tokens, bandwidth, args.repeats)
