@@ -220,6 +220,26 @@ def test_fused_kernels_equal_the_gathered_path(n):
     assert (fused_moe(x, experts, weights, gate_up, down) - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+@pytest.mark.parametrize("n", [1, 20])
+@torch.inference_mode()
+def test_fused_kernels_with_spans_narrower_than_their_tiles(n):
+    """Tiles.gate_span / down_span: a program covers fewer columns than its tile (here 10 of 16 and
+    12 of 16, neither dividing the width), the rest masked; the result is still the gathered path's."""
+    from eaglet.models.fused_moe import Tiles, fused_moe
+
+    g = torch.Generator().manual_seed(n)
+    e, k, h, i = 8, 3, 40, 24
+    gate_up, down = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
+    x = torch.randn(n, h, generator=g)
+    experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
+    weights = torch.rand(n, k, generator=g)
+    want = gathered(x, experts, weights, gate_up, down)
+    tiles = Tiles(gate_cols=16, gate_step=16, down_cols=16, down_step=16, gate_span=10, down_span=12)
+    assert tiles.spans() == (10, 12) and Tiles().spans() == (Tiles.gate_cols, Tiles.down_cols)
+    got = fused_moe(x, experts, weights, gate_up, down, tiles=tiles)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 @torch.inference_mode()
 def test_a_model_with_the_fused_kernels_decodes_as_without(tiny_dirs, monkeypatch):
     """Kernels.moe on the tiny Qwen3-MoE: the same logits for a prefill, a decode step and a 5-token
@@ -420,6 +440,7 @@ def test_bench_moe_tiles_override_the_tuned_fields():
     assert layer_tiles(layer, []) == tuned
     got = layer_tiles(layer, ["gate_cols=16", "down_warps=8", "stages=5"])
     assert got == replace(tuned, gate_cols=16, down_warps=8, stages=5) and got.down_cols == tuned.down_cols
+    assert layer_tiles(layer, ["gate_span=48"]).spans() == (48, tuned.down_cols)  # not a power of two
 
 
 @pytest.mark.parametrize("flags, said", [
@@ -430,6 +451,7 @@ def test_bench_moe_tiles_override_the_tuned_fields():
     (["--tiles", "gate_cols=0"], "--tiles gate_cols=0: the value must be a positive integer"),
     (["--tiles", "gate_cols=48"], "--tiles gate_cols=48: gate_cols must be a power of two"),
     (["--tiles", "gate_cols=32", "--tune"], "--tiles with --tune"),
+    (["--shape", "qwen3-30b-a3b", "--tiles", "gate_span=65"], "--tiles: gate_span 65 exceeds gate_cols 64"),
 ])
 def test_bench_moe_bad_input_is_one_error_line(flags, said, capsys, tmp_path):
     from eaglet.cli import main

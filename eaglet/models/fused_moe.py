@@ -54,6 +54,11 @@ class Tiles:
     down_step: int = 128  # down: the I step of its reduction
     down_warps: int = 4
     stages: int = 3
+    gate_span: int = 0  # gate-up: columns a program covers, <= gate_cols (0: gate_cols); one that is
+    down_span: int = 0  # not a power of two spreads a layer over more SMs without a narrower tile
+
+    def spans(self) -> tuple[int, int]:
+        return self.gate_span or self.gate_cols, self.down_span or self.down_cols
 
 
 @dataclass(frozen=True)
@@ -157,10 +162,11 @@ def gate_up_act(x: torch.Tensor, gate_up: Stack, experts: torch.Tensor, tiles: T
     act = torch.empty(n * k, i_dim, dtype=x.dtype, device=x.device)
     touched, forwards = counts if counts is not None else (experts, experts)
     w, ws, swe, swr, sse, ssr, quant, group = stack_args(gate_up)
-    gate_up_kernel[(n * k, triton.cdiv(i_dim, tiles.gate_cols))](
+    span = tiles.spans()[0]
+    gate_up_kernel[(n * k, triton.cdiv(i_dim, span))](
         x, w, ws, experts, act, touched, forwards, n * k, k, h_dim, i_dim,
         x.stride(0), swe, swr, sse, ssr, act.stride(0), QUANT=quant, GROUP=group,
-        PAIRS=triton.next_power_of_2(n * k), BI=tiles.gate_cols, BH=tiles.gate_step, CHUNK=CHUNK,
+        PAIRS=triton.next_power_of_2(n * k), BI=tiles.gate_cols, SPAN=span, BH=tiles.gate_step, CHUNK=CHUNK,
         COUNT=counts is not None, GDC=dependent_launch(x), num_warps=tiles.gate_warps, num_stages=tiles.stages)
     return act
 
@@ -172,10 +178,11 @@ def down_weighted(act: torch.Tensor, down: Stack, experts: torch.Tensor, weights
     y = torch.empty(pairs, h_dim, dtype=torch.float32, device=act.device)
     gdc = dependent_launch(act)
     w, ws, swe, swr, sse, ssr, quant, group = stack_args(down)
-    down_kernel[(pairs, triton.cdiv(h_dim, tiles.down_cols))](
+    span = tiles.spans()[1]
+    down_kernel[(pairs, triton.cdiv(h_dim, span))](
         act, w, ws, experts, weights, y, pairs, h_dim, i_dim,
         act.stride(0), swe, swr, sse, ssr, y.stride(0), QUANT=quant, GROUP=group,
-        PAIRS=triton.next_power_of_2(pairs), BHO=tiles.down_cols, BI=tiles.down_step, CHUNK=CHUNK,
+        PAIRS=triton.next_power_of_2(pairs), BHO=tiles.down_cols, SPAN=span, BI=tiles.down_step, CHUNK=CHUNK,
         GDC=gdc, num_warps=tiles.down_warps, num_stages=tiles.stages, **({"launch_pdl": True} if gdc else {}))
     return y
 
@@ -265,8 +272,8 @@ if triton is not None:
     @triton.jit
     def gate_up_kernel(x, w, ws, experts, act, touched, forwards, pairs, K, H, I, sx, swe, swr, sse, ssr, sa,
                        QUANT: tl.constexpr, GROUP: tl.constexpr,
-                       PAIRS: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr, CHUNK: tl.constexpr,
-                       COUNT: tl.constexpr, GDC: tl.constexpr):
+                       PAIRS: tl.constexpr, BI: tl.constexpr, SPAN: tl.constexpr, BH: tl.constexpr,
+                       CHUNK: tl.constexpr, COUNT: tl.constexpr, GDC: tl.constexpr):
         if GDC:  # the down kernel may launch now; it waits for these results before reading them
             tl.extra.cuda.gdc_launch_dependents()
         p = tl.program_id(0)
@@ -278,7 +285,8 @@ if triton is not None:
                 tl.atomic_add(forwards, 1)
         if head:
             e = e.to(tl.int64)
-            cols = tl.program_id(1) * BI + tl.arange(0, BI)
+            cols = tl.program_id(1) * SPAN + tl.arange(0, BI)
+            cm = (tl.arange(0, BI) < SPAN) & (cols < I)  # masked columns cost no bytes
             for c in range(0, length, CHUNK):
                 rows, live = member(same, rank, c, PAIRS, CHUNK)
                 tok = rows // K
@@ -288,20 +296,20 @@ if triton is not None:
                     hs = h0 + tl.arange(0, BH)
                     xt = tl.load(x + tok[:, None] * sx + hs[None, :], mask=live[:, None] & (hs[None, :] < H),
                                  other=0.0)
-                    wg = weight_tile(w, ws, e, cols, cols < I, h0, H, swe, swr, sse, ssr, BI, BH, QUANT, GROUP)
-                    wu = weight_tile(w, ws, e, cols + I, cols < I, h0, H, swe, swr, sse, ssr, BI, BH, QUANT, GROUP)
+                    wg = weight_tile(w, ws, e, cols, cm, h0, H, swe, swr, sse, ssr, BI, BH, QUANT, GROUP)
+                    wu = weight_tile(w, ws, e, cols + I, cm, h0, H, swe, swr, sse, ssr, BI, BH, QUANT, GROUP)
                     wg, wu = wg.to(xt.dtype), wu.to(xt.dtype)
                     g += tl.dot(xt, tl.trans(wg))
                     u += tl.dot(xt, tl.trans(wu))
                 out = g / (1.0 + tl.exp(-g)) * u
                 tl.store(act + rows[:, None] * sa + cols[None, :], out.to(act.dtype.element_ty),
-                         mask=live[:, None] & (cols[None, :] < I))
+                         mask=live[:, None] & cm[None, :])
 
     @triton.jit
     def down_kernel(act, w, ws, experts, wt, y, pairs, H, I, sa, swe, swr, sse, ssr, sy,
                     QUANT: tl.constexpr, GROUP: tl.constexpr,
-                    PAIRS: tl.constexpr, BHO: tl.constexpr, BI: tl.constexpr, CHUNK: tl.constexpr,
-                    GDC: tl.constexpr):
+                    PAIRS: tl.constexpr, BHO: tl.constexpr, SPAN: tl.constexpr, BI: tl.constexpr,
+                    CHUNK: tl.constexpr, GDC: tl.constexpr):
         if GDC:
             tl.extra.cuda.gdc_launch_dependents()
         p = tl.program_id(0)
@@ -310,7 +318,8 @@ if triton is not None:
             if GDC:  # the gate-up kernel's act, complete and visible
                 tl.extra.cuda.gdc_wait()
             e = e.to(tl.int64)
-            cols = tl.program_id(1) * BHO + tl.arange(0, BHO)
+            cols = tl.program_id(1) * SPAN + tl.arange(0, BHO)
+            cm = (tl.arange(0, BHO) < SPAN) & (cols < H)
             for c in range(0, length, CHUNK):
                 rows, live = member(same, rank, c, PAIRS, CHUNK)
                 acc = tl.zeros((CHUNK, BHO), dtype=tl.float32)
@@ -318,12 +327,12 @@ if triton is not None:
                     js = i0 + tl.arange(0, BI)
                     at = tl.load(act + rows[:, None] * sa + js[None, :], mask=live[:, None] & (js[None, :] < I),
                                  other=0.0)
-                    wd = weight_tile(w, ws, e, cols, cols < H, i0, I, swe, swr, sse, ssr, BHO, BI, QUANT,
+                    wd = weight_tile(w, ws, e, cols, cm, i0, I, swe, swr, sse, ssr, BHO, BI, QUANT,
                                      GROUP).to(at.dtype)
                     acc += tl.dot(at, tl.trans(wd))
                 scale = tl.load(wt + rows, mask=live, other=0.0)
                 tl.store(y + rows[:, None] * sy + cols[None, :], acc * scale[:, None],
-                         mask=live[:, None] & (cols[None, :] < H))
+                         mask=live[:, None] & cm[None, :])
 
     @triton.jit
     def combine_kernel(y, out, add, H, K: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr, GDC: tl.constexpr):

@@ -21,6 +21,7 @@ import gc
 import itertools
 import math
 from dataclasses import asdict, replace
+from types import SimpleNamespace
 
 import torch
 
@@ -80,7 +81,7 @@ def tile_fields(items: list[str]) -> dict[str, int]:
         if not value.isdigit() or int(value) < 1:
             raise InvalidInput(f"--tiles {item}: the value must be a positive integer")
         n = out[name] = int(value)
-        if name != "stages" and n & (n - 1):
+        if name not in ("stages", "gate_span", "down_span") and n & (n - 1):
             raise InvalidInput(f"--tiles {item}: {name} must be a power of two")
     return out
 
@@ -88,7 +89,12 @@ def tile_fields(items: list[str]) -> dict[str, int]:
 def layer_tiles(layer: "Layer", items: list[str]) -> Tiles:
     """The tiles a run times for `layer`: the tuned ones for its shape, with --tiles' fields instead."""
     key = (layer.e, layer.h, layer.i, layer.k, layer.quant)
-    return replace(fused_moe.tiles_for(*key), **tile_fields(items))
+    tiles = replace(fused_moe.tiles_for(*key), **tile_fields(items))
+    for which in ("gate", "down"):
+        if getattr(tiles, f"{which}_span") > getattr(tiles, f"{which}_cols"):
+            raise InvalidInput(f"--tiles: {which}_span {getattr(tiles, f'{which}_span')} exceeds "
+                               f"{which}_cols {getattr(tiles, f'{which}_cols')} (a program's tile)")
+    return tiles
 
 
 def check_args(args) -> None:
@@ -99,6 +105,10 @@ def check_args(args) -> None:
         if name not in SHAPES or SHAPES[name].moe is None:
             raise InvalidInput(f"--shape {name}: not an MoE shape (choose from "
                                f"{', '.join(n for n, c in SHAPES.items() if c.moe is not None)})")
+        for quant in args.quant:  # a span wider than its tile, with the shape's tuned tiles
+            moe = SHAPES[name].moe
+            layer_tiles(SimpleNamespace(e=moe.num_experts, h=SHAPES[name].hidden_size, i=moe.expert_size,
+                                        k=moe.top_k, quant=quant), args.tiles)
     bad = [t for t in args.tokens if not 1 <= t <= fused_moe.MAX_TOKENS]
     if bad:
         raise InvalidInput(f"--tokens {bad[0]}: must be 1 to {fused_moe.MAX_TOKENS}")
