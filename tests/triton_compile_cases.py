@@ -76,12 +76,13 @@ def cases():
     yield "exact attention store", lambda: compile_for_h200(
         exact_attention.store_kernel, dict(H=32, HKV=4, TP=16, D=128, ROPE=True, QK_NORM=True))
     yield "exact attention combine", lambda: compile_for_h200(exact_attention.combine_kernel, dict(G=8, ROWS=16, D=128))
-    moe = {"K": "i32", "x": "*bf16", "act": "*bf16", "experts": "*i64", "touched": "*i32", "forwards": "*i32", "wt": "*fp32",
+    moe = {"K": "i32", "x": "*bf16", "act": "*bf16", "wd": "*bf16", "experts": "*i64", "touched": "*i32", "forwards": "*i32", "wt": "*fp32",
            "y": "*fp32", "out": "*bf16", "add": "*bf16"}
     for quant, w, ws, group in [(0, "*bf16", "*bf16", 1), (4, "*i32", "*bf16", 32), (8, "*fp8e4nv", "*fp32", 128)]:
         t = fused_moe.Tiles(gate_cols=32, gate_step=256, down_cols=64, down_step=256)  # Kimi-K2's, as tuned (spans narrower)
         yield f"fused MoE gate-up, quant {quant}", lambda q=quant, w=w, ws=ws, g=group: compile_for_h200(
             fused_moe.gate_up_kernel, dict(QUANT=q, GROUP=g, PAIRS=128, BI=t.gate_cols, SPAN=24, BH=t.gate_step,
+                                           PREFETCH=q == 0, LINES=2,
                                            CHUNK=fused_moe.CHUNK, COUNT=True, GDC=True), 4, 3, {**moe, "w": w, "ws": ws})
         yield f"fused MoE down, quant {quant}", lambda q=quant, w=w, ws=ws, g=group: compile_for_h200(
             fused_moe.down_kernel, dict(QUANT=q, GROUP=g, PAIRS=128, BHO=t.down_cols, SPAN=48, BI=t.down_step,
