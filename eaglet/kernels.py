@@ -19,6 +19,8 @@ choices can live in one process, and nothing switches a kernel on or off behind 
   the call (models/exact.py): a verified token's logits bitwise those of its decode step, a row's
   those it gets alone; on the GPU with a row-invariant matmul and norm and models/exact_attention.py,
   graphed (MLA attention and prefill eager). Slower (`--exact` states the cost).
+- `prefetch`: kernels that leave DRAM idle have L2 fetch the weights the next kernel streams (the
+  cache-attention kernel: the output projection's), so those reads overlap (models/prefetch.py).
 - `compile`: torch.compile of the elementwise modules of every layer (RMSNorm with its residual
   add, RoPE with the grouped-query relayout, the MLP's gate-up / SiLU·mul / down) and of the
   functions marked `@fusable` (the index arithmetic around the model: attention masks, greedy
@@ -44,7 +46,7 @@ try:
 except ImportError:  # CPU installs without Triton: torch's kernels run
     triton = None
 
-KERNEL_NAMES = ("gemv", "cache-attention", "topk", "moe", "draw")  # what --disable-kernels accepts
+KERNEL_NAMES = ("gemv", "cache-attention", "topk", "moe", "draw", "prefetch")  # what --disable-kernels accepts
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class Kernels:
     moe: bool = False  # routed experts of 1 to 64 tokens as Triton kernels (models/fused_moe.py)
     draw: bool = False  # a sampled row's draw under its top-k / top-p cut without a sort (cut_draw.py)
     exact: bool = False  # a token's attention reduced alike whatever shares its call (models/exact.py)
+    prefetch: bool = False  # L2 prefetches of the next kernel's weights (models/prefetch.py)
 
     @staticmethod
     def choose(device: torch.device | str, compile: bool = True, disable: tuple[str, ...] = (),
@@ -80,7 +83,8 @@ class Kernels:
         return Kernels(gemv=ampere and "gemv" not in disable,
                        cache_attention=ampere and "cache-attention" not in disable,
                        topk=triton is not None and "topk" not in disable, compile=compile,
-                       moe=ampere and "moe" not in disable, draw=triton is not None and "draw" not in disable)
+                       moe=ampere and "moe" not in disable, draw=triton is not None and "draw" not in disable,
+                       prefetch=ampere and "prefetch" not in disable)
 
     def fuse(self, fn: Callable) -> Callable:
         """`fn` (a `@fusable` function) compiled when this configuration compiles, as written otherwise."""

@@ -18,7 +18,7 @@ TYPES = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "Y": "*bf16", "QKV": "*bf16",
          "PM": "*fp32", "PL": "*fp32", "PO": "*fp32", "eps": "fp32", "scale": "fp32",
          "x_ptr": "*bf16", "val_ptr": "*fp32", "idx_ptr": "*i64", "off_ptr": "*fp32",
          "part_v": "*fp32", "part_i": "*i64", "stats": "*fp32", "QL": "*bf16", "QP": "*bf16", "KV": "*bf16",
-         "CACHE": "*bf16"}
+         "CACHE": "*bf16", "PF": "*bf16"}
 
 
 def compile_for_h200(fn, const: dict, warps: int = 4, stages: int = 3, types: dict | None = None) -> bytes:
@@ -51,8 +51,8 @@ def cases():
         g, hkv, d = 3, 3, 64
         rows, tiles = ca.row_tiles(g, t, hkv)
         const = dict(H=g * hkv, HKV=hkv, G=g, TILES=tiles, ROWS=rows, TP=max(16, ca.pow2(t)), PP=16, D=d, BLOCK=64,
-                     TREE=tree, SPLIT=split, ROPE=True, QK_NORM=norm)
-        yield f"cache attention, {t} tokens, tree {tree}, split {split}", lambda c=const: compile_for_h200(ca.attend_kernel, c)
+                     TREE=tree, SPLIT=split, ROPE=True, QK_NORM=norm, PREFETCH=t == 1)
+        yield f"cache attention, {t} tokens, tree {tree}, split {split}, prefetch {t == 1}", lambda c=const: compile_for_h200(ca.attend_kernel, c)
         if split:
             yield f"cache attention combine, {t} tokens", lambda r=rows, n=tiles: compile_for_h200(
                 ca.combine_kernel, dict(G=3, TILES=n, ROWS=r, D=64, SP=8))

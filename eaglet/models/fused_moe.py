@@ -218,6 +218,8 @@ def fused_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gat
 
 
 if triton is not None:
+    from .prefetch import fetch_rows
+
     @triton.jit
     def run_of(experts, p, pairs, PAIRS: tl.constexpr, CHUNK: tl.constexpr):
         """Pair p's expert, whether p is its expert's first pair, how many pairs it has, and a
@@ -278,16 +280,6 @@ if triton is not None:
                            other=0.0)
 
     @triton.jit
-    def prefetch_rows(w, rows, c0, n, LINES: tl.constexpr):
-        """Have L2 fetch (evict-last) the 2-byte elements c0 .. c0 + n - 1 of the rows at w + rows (rows:
-        (R,) int64 element offsets of each row's start): a prefetch every 128 bytes and one at the last
-        element (LINES >= n / 64 + 2 covers them); nothing reaches the SM's registers."""
-        co = tl.minimum(tl.arange(0, LINES) * 64, n - 1)
-        ptrs = w + rows[:, None] + c0 + co[None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
     def gate_up_kernel(x, w, ws, experts, act, touched, forwards, wd, pairs, K, H, I, sx, swe, swr, sse, ssr, sa,
                        QUANT: tl.constexpr, GROUP: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr,
                        PAIRS: tl.constexpr, BI: tl.constexpr, SPAN: tl.constexpr, BH: tl.constexpr,
@@ -306,7 +298,7 @@ if triton is not None:
             if PREFETCH:  # down's rows (E, H, I) under this program's columns of I
                 for h0 in range(0, H, 256):
                     hs = h0 + tl.arange(0, 256)
-                    prefetch_rows(wd + e * H * I, tl.minimum(hs, H - 1).to(tl.int64) * I,
+                    fetch_rows(wd + e * H * I, tl.minimum(hs, H - 1).to(tl.int64) * I,
                                   tl.program_id(1) * SPAN, tl.minimum(SPAN, I - tl.program_id(1) * SPAN), LINES)
             cols = tl.program_id(1) * SPAN + tl.arange(0, BI)
             cm = (tl.arange(0, BI) < SPAN) & (cols < I)  # masked columns cost no bytes
