@@ -19,9 +19,6 @@ choices can live in one process, and nothing switches a kernel on or off behind 
   the call (models/exact.py): a verified token's logits bitwise those of its decode step, a row's
   those it gets alone; on the GPU with a row-invariant matmul and norm and models/exact_attention.py,
   graphed (MLA attention and prefill eager). Slower (`--exact` states the cost).
-- `prefetch`: kernels that leave DRAM idle have L2 fetch the weights the next kernel streams (the
-  cache-attention kernel: the output projection's), so those reads overlap (models/prefetch.py). Off
-  unless asked for (`choose(prefetch=True)`): not yet measured faster on a GPU.
 - `compile`: torch.compile of the elementwise modules of every layer (RMSNorm with its residual
   add, RoPE with the grouped-query relayout, the MLP's gate-up / SiLU·mul / down) and of the
   functions marked `@fusable` (the index arithmetic around the model: attention masks, greedy
@@ -59,18 +56,16 @@ class Kernels:
     moe: bool = False  # routed experts of 1 to 64 tokens as Triton kernels (models/fused_moe.py)
     draw: bool = False  # a sampled row's draw under its top-k / top-p cut without a sort (cut_draw.py)
     exact: bool = False  # a token's attention reduced alike whatever shares its call (models/exact.py)
-    prefetch: bool = False  # L2 prefetches of the next kernel's weights (models/prefetch.py)
 
     @staticmethod
     def choose(device: torch.device | str, compile: bool = True, disable: tuple[str, ...] = (),
-               exact: bool = False, prefetch: bool = False) -> "Kernels":
+               exact: bool = False) -> "Kernels":
         """The kernels for a model on `device`: on a CUDA GPU with Triton, every Triton kernel whose
         bfloat16 dot products the GPU has (Ampere or newer; older ones keep SDPA and cuBLAS) and, with
         `compile`, torch.compile; on the CPU, torch's own. `disable` names kernels to leave out
         (KERNEL_NAMES), for side-by-side runs. `exact` on the GPU keeps only the kernels that reduce a
         row alike at any row count (the MoE kernels, the drafter's top-k) beside the exact path's own
-        (models/exact.py): no GEMV, no cache-attention kernel, nothing compiled. `prefetch`: the L2
-        prefetches on as well (for side-by-side runs until a GPU measurement decides their default)."""
+        (models/exact.py): no GEMV, no cache-attention kernel, nothing compiled."""
         unknown = set(disable) - set(KERNEL_NAMES)
         if unknown:
             raise ValueError(f"unknown kernel {sorted(unknown)[0]!r} (choose from {', '.join(KERNEL_NAMES)})")
@@ -85,8 +80,7 @@ class Kernels:
         return Kernels(gemv=ampere and "gemv" not in disable,
                        cache_attention=ampere and "cache-attention" not in disable,
                        topk=triton is not None and "topk" not in disable, compile=compile,
-                       moe=ampere and "moe" not in disable, draw=triton is not None and "draw" not in disable,
-                       prefetch=ampere and prefetch)
+                       moe=ampere and "moe" not in disable, draw=triton is not None and "draw" not in disable)
 
     def fuse(self, fn: Callable) -> Callable:
         """`fn` (a `@fusable` function) compiled when this configuration compiles, as written otherwise."""

@@ -74,23 +74,6 @@ def test_matches_sdpa_and_stores(b, hkv, g, d, t, kv_len, tree, chunk, rows):
     assert torch.equal(cache[0], k_want) and torch.equal(cache[1], v_want)
 
 
-@pytest.mark.skipif(DEV != "cuda", reason="a prefetch is PTX, which Triton's interpreter cannot run")
-@pytest.mark.parametrize("t,kv_len", [(1, 576), (16, 300)])
-def test_a_prefetch_changes_nothing(t, kv_len):
-    """prefetch=W (the output projection's weight) only has L2 fetch W: the output and the stored
-    keys and values are the same bits as without it, one split or several."""
-    gen = torch.Generator().manual_seed(t)
-    b, hkv, g, d = 1, 4, 8, 128
-    qkv = torch.randn(b, t, hkv * (g + 2), d, generator=gen).to(DEV, torch.bfloat16)
-    start = torch.tensor([kv_len - t], device=DEV)
-    weight = torch.randn(2048 * 4096 + 5, device=DEV, dtype=torch.bfloat16)  # a line left over
-    outs = []
-    for prefetch in (None, weight):
-        cache = torch.randn(2, b, hkv, kv_len, d, generator=gen.manual_seed(1)).to(DEV, torch.bfloat16)
-        outs.append((ca.cache_attention(qkv, cache[0], cache[1], start, None, kv_len, g, prefetch=prefetch), cache))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-
-
 def level_mask(b, pending, t, gen):
     """A draft tree's next level: t new nodes, each seeing itself and a random earlier node's
     ancestry among the `pending` entries before them (or only the committed prefix)."""

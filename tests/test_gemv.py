@@ -23,7 +23,8 @@ DEV = triton_device()
 
 @pytest.mark.parametrize("rows,n,k,bias", [(1, 96, 576, False), (1, 37, 100, True), (1, 33, 9000, True),
                                            (1, 64, 1024, False), (2, 40, 576, True), (6, 64, 256, False),
-                                           (16, 33, 100, True), (6, 70, 9000, False), (3, 2100, 40, True)])
+                                           (16, 33, 100, True), (6, 70, 9000, False), (3, 2100, 40, True),
+                                           (1, 37, 2048, True)])
 def test_matches_linear(rows, n, k, bias):
     g = torch.Generator().manual_seed(n + k)
     w = (torch.randn(n, k, generator=g) * 0.05).half().to(DEV)
@@ -58,6 +59,8 @@ def test_tiles():
     assert gemv.tiles(49152, 576) == (4, 1024, 2)  # its head
     assert gemv.tiles(576, 1536) == (2, 2048, 4)
     assert gemv.tiles(10, 40) == (2, 64, 2)
+    assert gemv.tiles(5120, 2048) == (2, 2048, 8)  # Qwen3-30B-A3B's q/k/v: two rows, one slice
+    assert gemv.tiles(151936, 2048) == (4, 2048, 8)  # its head
     assert gemv.dot_tiles(6, 4096, 14336) == (16, 32, 512, 4, 4)
     assert gemv.dot_tiles(16, 28672, 4096) == (16, 64, 128, 4, 3)
     assert gemv.dot_tiles(6, 49152, 576) is None  # SmolLM2's head: cuBLAS

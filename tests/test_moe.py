@@ -308,8 +308,7 @@ def test_many_tokens_without_a_grouped_matmul_go_through_the_kernels_in_parts(ti
 @torch.inference_mode()
 def test_fused_kernels_on_the_gpu_are_row_invariant():
     """On the GPU in bfloat16: the fused kernels agree with the grouped matmul, and each token's row
-    is bitwise the same computed alone, among 7 tokens or among 64, and with L2 prefetches or other
-    column spans."""
+    is bitwise the same computed alone, among 7 tokens or among 64, and with narrower column spans."""
     from eaglet.models.fused_moe import Tiles, fused_moe
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -324,9 +323,9 @@ def test_fused_kernels_on_the_gpu_are_row_invariant():
     assert ((full.float() - want.float()).abs().max() / want.float().abs().max()).item() < 0.02
     assert torch.equal(fused_moe(x[:7], experts[:7], weights[:7], gate_up, down), full[:7])
     assert torch.equal(fused_moe(x[5:6], experts[5:6], weights[5:6], gate_up, down), full[5:6])
-    for tiles in (Tiles(prefetch=1), Tiles(gate_span=24, down_span=20)):  # same bits: L2 prefetches, other spans
-        for n in (1, 64):
-            assert torch.equal(fused_moe(x[:n], experts[:n], weights[:n], gate_up, down, tiles=tiles), full[:n])
+    spans = Tiles(gate_span=24, down_span=20)  # programs covering fewer columns than their tiles: the same bits
+    for n in (1, 64):
+        assert torch.equal(fused_moe(x[:n], experts[:n], weights[:n], gate_up, down, tiles=spans), full[:n])
 
 
 @pytest.mark.parametrize("moe", [

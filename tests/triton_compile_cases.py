@@ -18,7 +18,7 @@ TYPES = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "Y": "*bf16", "QKV": "*bf16",
          "PM": "*fp32", "PL": "*fp32", "PO": "*fp32", "eps": "fp32", "scale": "fp32",
          "x_ptr": "*bf16", "val_ptr": "*fp32", "idx_ptr": "*i64", "off_ptr": "*fp32",
          "part_v": "*fp32", "part_i": "*i64", "stats": "*fp32", "QL": "*bf16", "QP": "*bf16", "KV": "*bf16",
-         "CACHE": "*bf16", "PF": "*bf16"}
+         "CACHE": "*bf16"}
 
 
 def compile_for_h200(fn, const: dict, warps: int = 4, stages: int = 3, types: dict | None = None) -> bytes:
@@ -33,10 +33,12 @@ def compile_for_h200(fn, const: dict, warps: int = 4, stages: int = 3, types: di
 
 
 def cases():
-    """(name, thunk) for each kernel at the tiles the package picks for SmolLM2 and the 8B shapes."""
-    for k, glu in [(576, False), (576, True), (4096, False), (4096, True)]:
-        bn, bk, warps = gemv.glu_tiles(1, k) if glu else gemv.tiles(49152 if k == 576 else 4096, k)
-        yield (f"gemv one row, K {k}, glu {glu}",
+    """(name, thunk) for each kernel at the tiles the package picks for SmolLM2, the 8B shapes and the
+    2048-wide MoE shapes."""
+    for n, k, glu in [(49152, 576, False), (1536, 576, True), (4096, 4096, False), (14336, 4096, True),
+                      (5120, 2048, False), (151936, 2048, False)]:
+        bn, bk, warps = gemv.glu_tiles(1, k) if glu else gemv.tiles(n, k)
+        yield (f"gemv one row, {n} x {k}, glu {glu}",
                lambda k=k, glu=glu, bn=bn, bk=bk, w=warps: compile_for_h200(
                    gemv.gemv_kernel, dict(K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0, HAS_BIAS=False, GLU=glu), w))
     for rows, n, k, glu, bias in [(6, 576, 576, False, True), (16, 3072, 576, True, False),
@@ -51,8 +53,8 @@ def cases():
         g, hkv, d = 3, 3, 64
         rows, tiles = ca.row_tiles(g, t, hkv)
         const = dict(H=g * hkv, HKV=hkv, G=g, TILES=tiles, ROWS=rows, TP=max(16, ca.pow2(t)), PP=16, D=d, BLOCK=64,
-                     TREE=tree, SPLIT=split, ROPE=True, QK_NORM=norm, PREFETCH=t == 1)
-        yield f"cache attention, {t} tokens, tree {tree}, split {split}, prefetch {t == 1}", lambda c=const: compile_for_h200(ca.attend_kernel, c)
+                     TREE=tree, SPLIT=split, ROPE=True, QK_NORM=norm)
+        yield f"cache attention, {t} tokens, tree {tree}, split {split}", lambda c=const: compile_for_h200(ca.attend_kernel, c)
         if split:
             yield f"cache attention combine, {t} tokens", lambda r=rows, n=tiles: compile_for_h200(
                 ca.combine_kernel, dict(G=3, TILES=n, ROWS=r, D=64, SP=8))
@@ -76,13 +78,12 @@ def cases():
     yield "exact attention store", lambda: compile_for_h200(
         exact_attention.store_kernel, dict(H=32, HKV=4, TP=16, D=128, ROPE=True, QK_NORM=True))
     yield "exact attention combine", lambda: compile_for_h200(exact_attention.combine_kernel, dict(G=8, ROWS=16, D=128))
-    moe = {"K": "i32", "x": "*bf16", "act": "*bf16", "wd": "*bf16", "experts": "*i64", "touched": "*i32", "forwards": "*i32", "wt": "*fp32",
+    moe = {"K": "i32", "x": "*bf16", "act": "*bf16", "experts": "*i64", "touched": "*i32", "forwards": "*i32", "wt": "*fp32",
            "y": "*fp32", "out": "*bf16", "add": "*bf16"}
     for quant, w, ws, group in [(0, "*bf16", "*bf16", 1), (4, "*i32", "*bf16", 32), (8, "*fp8e4nv", "*fp32", 128)]:
         t = fused_moe.Tiles(gate_cols=32, gate_step=256, down_cols=64, down_step=256)  # Kimi-K2's, as tuned (spans narrower)
         yield f"fused MoE gate-up, quant {quant}", lambda q=quant, w=w, ws=ws, g=group: compile_for_h200(
             fused_moe.gate_up_kernel, dict(QUANT=q, GROUP=g, PAIRS=128, BI=t.gate_cols, SPAN=24, BH=t.gate_step,
-                                           PREFETCH=q == 0, LINES=2,
                                            CHUNK=fused_moe.CHUNK, COUNT=True, GDC=True), 4, 3, {**moe, "w": w, "ws": ws})
         yield f"fused MoE down, quant {quant}", lambda q=quant, w=w, ws=ws, g=group: compile_for_h200(
             fused_moe.down_kernel, dict(QUANT=q, GROUP=g, PAIRS=128, BHO=t.down_cols, SPAN=48, BI=t.down_step,

@@ -81,8 +81,7 @@ def split_size(kv_len: int, programs: int) -> int:
 def cache_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
                     mask: torch.Tensor | None, kv_len: int, groups: int, chunk: int | None = None,
                     rows: int | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, pending: int = 0,
-                    prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, pending: int = 0) -> torch.Tensor:
     """qkv (B, T, H + 2 Hkv, D): queries, keys, values of T new tokens per row (query head
     h = kv * groups + g); k_cache, v_cache (B, Hkv, S, D): this layer's cache rows; start (B,):
     the slot of each row's first new token (every slot before it is visible; any stride); mask
@@ -92,9 +91,8 @@ def cache_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     start + T); chunk, rows: slots per split and query rows per program, instead of the rules
     (split_size, row_tiles; for probes); rope: cos, sin (B, T, 1, D) in the rotate-half layout, or
     None when q and k come rotated; qk_norm: (q weight, k weight, eps) of an RMSNorm over each head
-    before the rotation (Qwen3); prefetch: a two-byte tensor (the output projection's weight) the
-    programs have L2 fetch while they attend (models/prefetch.py), or None. Stores the new (rotated)
-    keys and values; returns the attention output (B, T, H * D)."""
+    before the rotation (Qwen3). Stores the new (rotated) keys and values; returns the attention
+    output (B, T, H * D)."""
     b, t, heads, d = qkv.shape
     hkv = k_cache.shape[1]
     h = heads - 2 * hkv
@@ -118,15 +116,13 @@ def cache_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     assert rope is None or (cos.shape[:2] == (b, t) and cos.stride() == sin.stride() and cos.stride(-1) == 1)
     assert qk_norm is None or rope is not None  # the kernel norms q and k on the way to rotating them
     qw, kw, eps = qk_norm if qk_norm is not None else (out, out, 0.0)
-    fetch = prefetch is not None and not INTERPRET and prefetch.element_size() == 2 and prefetch.is_contiguous()
     attend_kernel[(b, hkv * tiles, splits)](
         qkv, k_cache, v_cache, start, m, out, part_m, part_l, part_o, cos, sin, qw, kw, eps, 1.0 / math.sqrt(d),
-        prefetch if fetch else out, prefetch.numel() if fetch else 0,
         chunk, t, qkv.stride(0), qkv.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         start.stride(0), m.stride(0) if tree else 0, m.stride(1) if tree else 0, m.stride(2) if tree else 0,
         out.stride(0), out.stride(1), cos.stride(0), cos.stride(1), pending,
         H=h, HKV=hkv, G=groups, TILES=tiles, ROWS=rows, TP=max(16, pow2(t)), PP=max(16, pow2(pending)), D=d, BLOCK=64,
-        TREE=tree, SPLIT=splits > 1, ROPE=rope is not None, QK_NORM=qk_norm is not None, PREFETCH=fetch)
+        TREE=tree, SPLIT=splits > 1, ROPE=rope is not None, QK_NORM=qk_norm is not None)
     if splits > 1:
         combine_kernel[(b, hkv * tiles)](part_m, part_l, part_o, out, splits, t, out.stride(0), out.stride(1),
                                    G=groups, TILES=tiles, ROWS=rows, D=d, SP=max(2, pow2(splits)))
@@ -134,8 +130,6 @@ def cache_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 if triton is not None:
-    from .prefetch import fetch_share
-
     @triton.jit
     def _head(QKV, COS, SIN, W, eps, off, tok, sc_b, sc_t, b, m, D: tl.constexpr, ROPE: tl.constexpr,
               NORM: tl.constexpr):
@@ -182,18 +176,15 @@ if triton is not None:
 
 
     @triton.jit
-    def attend_kernel(QKV, K, V, START, MASK, OUT, PM, PL, PO, COS, SIN, QW, KW, eps, scale, PF, PF_N, chunk, T,
+    def attend_kernel(QKV, K, V, START, MASK, OUT, PM, PL, PO, COS, SIN, QW, KW, eps, scale, chunk, T,
                 s_b, s_t, sk_b, sk_h, sk_s, s_start, sm_b, sm_t, sm_u, so_b, so_t, sc_b, sc_t, P,
                 H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, TILES: tl.constexpr, ROWS: tl.constexpr,
                 TP: tl.constexpr, PP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, TREE: tl.constexpr, SPLIT: tl.constexpr,
-                ROPE: tl.constexpr, QK_NORM: tl.constexpr, PREFETCH: tl.constexpr):
+                ROPE: tl.constexpr, QK_NORM: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1) // TILES
         tile = tl.program_id(1) % TILES
         sp = tl.program_id(2)
-        if PREFETCH:  # the next projection's weights into L2, each program a share, before attending
-            fetch_share(PF, PF_N, (b * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + sp,
-                        tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2), 256)
         last = sp == tl.num_programs(2) - 1  # the split that also takes the new tokens
         start = tl.load(START + b * s_start).to(tl.int32)
         d = tl.arange(0, D)

@@ -56,7 +56,6 @@ class Tiles:
     stages: int = 3
     gate_span: int = 0  # gate-up: columns a program covers, <= gate_cols (0: gate_cols); one that is
     down_span: int = 0  # not a power of two spreads a layer over more SMs without a narrower tile
-    prefetch: int = 0  # 1: each gate-up program asks L2 for the down weights its act columns meet
 
     def spans(self) -> tuple[int, int]:
         return self.gate_span or self.gate_cols, self.down_span or self.down_cols
@@ -155,25 +154,18 @@ def usable(x: torch.Tensor) -> bool:
 
 
 def gate_up_act(x: torch.Tensor, gate_up: Stack, experts: torch.Tensor, tiles: Tiles,
-                counts: tuple[torch.Tensor, torch.Tensor] | None = None, down: Stack | None = None) -> torch.Tensor:
+                counts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """SiLU(x W_gate^T) * (x W_up^T) of each (token, slot) pair's token and expert: (N k, I), x's dtype.
-    With `counts` (touched, forwards), adds the call's distinct experts and one forward to them. With
-    `down` (bfloat16 or float16, contiguous) and `tiles.prefetch`, each expert's owner also has L2
-    fetch the rows of `down` under its columns (evict-last), so the down kernel's reads are L2 hits
-    and their DRAM traffic overlaps gate-up's (a prefetch moves no data to the SM and changes no
-    result)."""
+    With `counts` (touched, forwards), adds the call's distinct experts and one forward to them."""
     n, k = experts.shape
     h_dim, i_dim = x.shape[1], gate_up.shape[1] // 2
     act = torch.empty(n * k, i_dim, dtype=x.dtype, device=x.device)
     touched, forwards = counts if counts is not None else (experts, experts)
     w, ws, swe, swr, sse, ssr, quant, group = stack_args(gate_up)
     span = tiles.spans()[0]
-    fetch = (bool(tiles.prefetch) and not INTERPRET and isinstance(down, torch.Tensor) and down.is_contiguous()
-             and down.element_size() == 2)
     gate_up_kernel[(n * k, triton.cdiv(i_dim, span))](
-        x, w, ws, experts, act, touched, forwards, down if fetch else x, n * k, k, h_dim, i_dim,
-        x.stride(0), swe, swr, sse, ssr, act.stride(0), QUANT=quant, GROUP=group, PREFETCH=fetch,
-        LINES=triton.next_power_of_2(span // 64 + 2),
+        x, w, ws, experts, act, touched, forwards, n * k, k, h_dim, i_dim,
+        x.stride(0), swe, swr, sse, ssr, act.stride(0), QUANT=quant, GROUP=group,
         PAIRS=triton.next_power_of_2(n * k), BI=tiles.gate_cols, SPAN=span, BH=tiles.gate_step, CHUNK=CHUNK,
         COUNT=counts is not None, GDC=dependent_launch(x), num_warps=tiles.gate_warps, num_stages=tiles.stages)
     return act
@@ -206,7 +198,7 @@ def fused_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gat
     n, k = experts.shape
     tiles = tiles or tiles_for(gate_up.shape[0], x.shape[1], down.shape[2], k, quant_name(gate_up))
     experts = experts.contiguous()
-    act = gate_up_act(x, gate_up, experts, tiles, counts, down)
+    act = gate_up_act(x, gate_up, experts, tiles, counts)
     y = down_weighted(act, down, experts, weights.float().contiguous(), tiles)
     out = torch.empty_like(x)
     block = 1024
@@ -218,8 +210,6 @@ def fused_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gat
 
 
 if triton is not None:
-    from .prefetch import fetch_rows
-
     @triton.jit
     def run_of(experts, p, pairs, PAIRS: tl.constexpr, CHUNK: tl.constexpr):
         """Pair p's expert, whether p is its expert's first pair, how many pairs it has, and a
@@ -280,8 +270,8 @@ if triton is not None:
                            other=0.0)
 
     @triton.jit
-    def gate_up_kernel(x, w, ws, experts, act, touched, forwards, wd, pairs, K, H, I, sx, swe, swr, sse, ssr, sa,
-                       QUANT: tl.constexpr, GROUP: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr,
+    def gate_up_kernel(x, w, ws, experts, act, touched, forwards, pairs, K, H, I, sx, swe, swr, sse, ssr, sa,
+                       QUANT: tl.constexpr, GROUP: tl.constexpr,
                        PAIRS: tl.constexpr, BI: tl.constexpr, SPAN: tl.constexpr, BH: tl.constexpr,
                        CHUNK: tl.constexpr, COUNT: tl.constexpr, GDC: tl.constexpr):
         if GDC:  # the down kernel may launch now; it waits for these results before reading them
@@ -295,11 +285,6 @@ if triton is not None:
                 tl.atomic_add(forwards, 1)
         if head:
             e = e.to(tl.int64)
-            if PREFETCH:  # down's rows (E, H, I) under this program's columns of I
-                for h0 in range(0, H, 256):
-                    hs = h0 + tl.arange(0, 256)
-                    fetch_rows(wd + e * H * I, tl.minimum(hs, H - 1).to(tl.int64) * I,
-                                  tl.program_id(1) * SPAN, tl.minimum(SPAN, I - tl.program_id(1) * SPAN), LINES)
             cols = tl.program_id(1) * SPAN + tl.arange(0, BI)
             cm = (tl.arange(0, BI) < SPAN) & (cols < I)  # masked columns cost no bytes
             for c in range(0, length, CHUNK):

@@ -46,8 +46,13 @@ def tiles(n: int, k: int) -> tuple[int, int, int]:
     """The GEMV's (output rows per program, slice width, warps), from the sweep on the H200: for
     Llama-3.1-8B's widths one row per program in 1024-wide slices with 8 warps is within 2.3% of the
     best tile on every projection; SmolLM2's narrow ones (576, 1536) do best with two rows (four for
-    the 49152-row head) and the whole width in one slice."""
-    if k >= 2048:
+    the 49152-row head) and the whole width in one slice. At width 2048 exactly (Qwen3-30B-A3B's and
+    DeepSeek-V2-Lite's hidden size) two rows (four for a head) in one slice: Qwen3's q/k/v 6.5 µs
+    against 7.7, its head 140 against 172 (the H200 sweep), decode 0.5% faster on both shapes (H100,
+    side by side; docs/notebook.md)."""
+    if k == 2048:
+        return (4 if n >= 16384 else 2), 2048, 8
+    if k > 2048:
         return 1, 1024, 8
     bk = max(64, pow2(k))
     return (4 if n >= 16384 else 2), bk, 4 if bk >= 2048 else 2

@@ -163,13 +163,9 @@ class Attention(nn.Module):
             qkv = (linear(x, self.qkv_weight, self.qkv_bias, self.kernels) if self.fused
                    else torch.cat(self.project(x), -1))
             norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
-            args = (qkv.view(b, t, -1, self.d), *cache.layer_kv(self.layer, b), meta.slots[:, 0], meta.block_mask,
-                    meta.kv_len, self.nh // self.nkv)
-            if self.kernels.exact:
-                o = exact_attention.exact_attention(*args, rope=(cos, sin), qk_norm=norm, pending=meta.pending)
-            else:  # the output projection's weights reach L2 while the kernel attends
-                o = cache_attention.cache_attention(*args, rope=(cos, sin), qk_norm=norm, pending=meta.pending,
-                                                    prefetch=self.o_proj.weight if self.kernels.prefetch else None)
+            attend = exact_attention.exact_attention if self.kernels.exact else cache_attention.cache_attention
+            o = attend(qkv.view(b, t, -1, self.d), *cache.layer_kv(self.layer, b), meta.slots[:, 0], meta.block_mask,
+                       meta.kv_len, self.nh // self.nkv, rope=(cos, sin), qk_norm=norm, pending=meta.pending)
             return self.o_proj(o)
         q, k, v = self.project(x)
         q = q.view(b, t, self.nh, self.d)
