@@ -48,8 +48,8 @@ def tiles(n: int, k: int) -> tuple[int, int, int]:
     best tile on every projection; SmolLM2's narrow ones (576, 1536) do best with two rows (four for
     the 49152-row head) and the whole width in one slice. At width 2048 exactly (Qwen3-30B-A3B's and
     DeepSeek-V2-Lite's hidden size) two rows (four for a head) in one slice: Qwen3's q/k/v 6.5 µs
-    against 7.7, its head 140 against 172 (the H200 sweep), decode 0.5% faster on both shapes (H100,
-    side by side; docs/notebook.md)."""
+    against 7.7, its head 140 against 172 (the H200 sweep); decode 0.5% faster on Qwen3, 0.2% on
+    DeepSeek-V2-Lite (H100, side by side; docs/notebook.md)."""
     if k == 2048:
         return (4 if n >= 16384 else 2), 2048, 8
     if k > 2048:
