@@ -202,29 +202,13 @@ def test_deepseek_routing_and_shared_experts_equal_transformers(family, cfg):
         assert all(len({e // per for e in row}) <= ours.cfg.topk_group for row in experts.tolist())
 
 
-@pytest.mark.parametrize("n", [1, 5, 20, 64])
+@pytest.mark.parametrize("n,spans", [(1, False), (5, False), (20, False), (64, False), (1, True), (20, True)])
 @torch.inference_mode()
-def test_fused_kernels_equal_the_gathered_path(n):
+def test_fused_kernels_equal_the_gathered_path(n, spans):
     """The fused MoE kernels (Triton, in its interpreter here): each expert's run of (token, slot)
     pairs owned by one program, in chunks of 16; the result is the gathered path's for 1 to 64
-    tokens, runs longer than a chunk included."""
-    from eaglet.models.fused_moe import fused_moe
-
-    g = torch.Generator().manual_seed(n)
-    e, k, h, i = 8, 3, 40, 24
-    gate_up, down = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
-    x = torch.randn(n, h, generator=g)
-    experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
-    weights = torch.rand(n, k, generator=g)
-    want = gathered(x, experts, weights, gate_up, down)
-    assert (fused_moe(x, experts, weights, gate_up, down) - want).abs().max() <= 1e-5 * want.abs().max()
-
-
-@pytest.mark.parametrize("n", [1, 20])
-@torch.inference_mode()
-def test_fused_kernels_with_spans_narrower_than_their_tiles(n):
-    """Tiles.gate_span / down_span: a program covers fewer columns than its tile (here 10 of 16 and
-    12 of 16, neither dividing the width), the rest masked; the result is still the gathered path's."""
+    tokens, runs longer than a chunk included. With `spans` (Tiles.gate_span / down_span) a program
+    covers fewer columns than its tile (10 and 12 of 16, neither dividing the width), the rest masked."""
     from eaglet.models.fused_moe import Tiles, fused_moe
 
     g = torch.Generator().manual_seed(n)
@@ -234,8 +218,10 @@ def test_fused_kernels_with_spans_narrower_than_their_tiles(n):
     experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
     weights = torch.rand(n, k, generator=g)
     want = gathered(x, experts, weights, gate_up, down)
-    tiles = Tiles(gate_cols=16, gate_step=16, down_cols=16, down_step=16, gate_span=10, down_span=12)
-    assert tiles.spans() == (10, 12) and Tiles().spans() == (Tiles.gate_cols, Tiles.down_cols)
+    tiles = None
+    if spans:
+        tiles = Tiles(gate_cols=16, gate_step=16, down_cols=16, down_step=16, gate_span=10, down_span=12)
+        assert tiles.spans() == (10, 12) and Tiles().spans() == (Tiles.gate_cols, Tiles.down_cols)
     got = fused_moe(x, experts, weights, gate_up, down, tiles=tiles)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
