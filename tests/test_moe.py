@@ -309,7 +309,7 @@ def test_fused_kernels_on_the_gpu_are_row_invariant():
     assert ((full.float() - want.float()).abs().max() / want.float().abs().max()).item() < 0.02
     assert torch.equal(fused_moe(x[:7], experts[:7], weights[:7], gate_up, down), full[:7])
     assert torch.equal(fused_moe(x[5:6], experts[5:6], weights[5:6], gate_up, down), full[5:6])
-    spans = Tiles(gate_span=24, down_span=20)  # programs covering fewer columns than their tiles: the same bits
+    spans = Tiles(gate_span=24, down_span=20)  # fewer columns a program than its tile covers: the same bits
     for n in (1, 64):
         assert torch.equal(fused_moe(x[:n], experts[:n], weights[:n], gate_up, down, tiles=spans), full[:n])
 
@@ -419,17 +419,15 @@ def test_bench_moe_tiles_override_the_tuned_fields():
     """--tiles FIELD=N: those fields replace the tuned tiles of the layer's shape (the rest kept from
     moe_tiles.json), for an A/B of one field."""
     from dataclasses import replace
-    from types import SimpleNamespace
 
     from eaglet.models.fused_moe import TUNED
     from eaglet.perf.bench_moe import layer_tiles
 
-    layer = SimpleNamespace(e=128, h=2048, i=768, k=8, quant="bf16")  # Qwen3-30B-A3B's layer, as tuned
-    tuned = TUNED["E128-H2048-I768-k8"]
-    assert layer_tiles(layer, []) == tuned
-    got = layer_tiles(layer, ["gate_cols=16", "down_warps=8", "stages=5"])
+    tuned = TUNED["E128-H2048-I768-k8"]  # Qwen3-30B-A3B's layer, as tuned
+    assert layer_tiles("qwen3-30b-a3b", "bf16", []) == tuned
+    got = layer_tiles("qwen3-30b-a3b", "bf16", ["gate_cols=16", "down_warps=8", "stages=5"])
     assert got == replace(tuned, gate_cols=16, down_warps=8, stages=5) and got.down_cols == tuned.down_cols
-    assert layer_tiles(layer, ["gate_span=48"]).spans() == (48, tuned.down_cols)  # not a power of two
+    assert layer_tiles("qwen3-30b-a3b", "bf16", ["gate_span=48"]).spans() == (48, tuned.down_cols)  # any count
 
 
 @pytest.mark.parametrize("flags, said", [

@@ -81,13 +81,13 @@ def cases():
     moe = {"K": "i32", "x": "*bf16", "act": "*bf16", "experts": "*i64", "touched": "*i32", "forwards": "*i32", "wt": "*fp32",
            "y": "*fp32", "out": "*bf16", "add": "*bf16"}
     for quant, w, ws, group in [(0, "*bf16", "*bf16", 1), (4, "*i32", "*bf16", 32), (8, "*fp8e4nv", "*fp32", 128)]:
-        t = fused_moe.Tiles(gate_cols=32, gate_step=256, down_cols=64, down_step=256)  # Kimi-K2's, as tuned (spans narrower)
+        t = fused_moe.Tiles(gate_cols=32, gate_step=256, down_cols=64, down_step=256)  # Kimi-K2's, as tuned
         yield f"fused MoE gate-up, quant {quant}", lambda q=quant, w=w, ws=ws, g=group: compile_for_h200(
-            fused_moe.gate_up_kernel, dict(QUANT=q, GROUP=g, PAIRS=128, BI=t.gate_cols, SPAN=24, BH=t.gate_step,
-                                           CHUNK=fused_moe.CHUNK, COUNT=True, GDC=True), 4, 3, {**moe, "w": w, "ws": ws})
+            fused_moe.gate_up_kernel, dict(QUANT=q, GROUP=g, PAIRS=128, BI=t.gate_cols, SPAN=t.spans()[0],
+                                           BH=t.gate_step, CHUNK=fused_moe.CHUNK, COUNT=True, GDC=True), 4, 3, {**moe, "w": w, "ws": ws})
         yield f"fused MoE down, quant {quant}", lambda q=quant, w=w, ws=ws, g=group: compile_for_h200(
-            fused_moe.down_kernel, dict(QUANT=q, GROUP=g, PAIRS=128, BHO=t.down_cols, SPAN=48, BI=t.down_step,
-                                        CHUNK=fused_moe.CHUNK, GDC=True), 4, 3, {**moe, "w": w, "ws": ws})
+            fused_moe.down_kernel, dict(QUANT=q, GROUP=g, PAIRS=128, BHO=t.down_cols, SPAN=t.spans()[1],
+                                        BI=t.down_step, CHUNK=fused_moe.CHUNK, GDC=True), 4, 3, {**moe, "w": w, "ws": ws})
     yield "fused MoE combine", lambda: compile_for_h200(fused_moe.combine_kernel, dict(K=8, BLOCK=1024, ADD=True,
                                                                                       GDC=True), 4, 3, moe)
     for k, width, ls, off in [(8, 16384, True, True), (4, 16, False, False), (31, 328, False, False)]:

@@ -21,7 +21,6 @@ import gc
 import itertools
 import math
 from dataclasses import asdict, replace
-from types import SimpleNamespace
 
 import torch
 
@@ -86,14 +85,19 @@ def tile_fields(items: list[str]) -> dict[str, int]:
     return out
 
 
-def layer_tiles(layer: "Layer", items: list[str]) -> Tiles:
-    """The tiles a run times for `layer`: the tuned ones for its shape, with --tiles' fields instead."""
-    key = (layer.e, layer.h, layer.i, layer.k, layer.quant)
-    tiles = replace(fused_moe.tiles_for(*key), **tile_fields(items))
-    for which in ("gate", "down"):
-        if getattr(tiles, f"{which}_span") > getattr(tiles, f"{which}_cols"):
-            raise InvalidInput(f"--tiles: {which}_span {getattr(tiles, f'{which}_span')} exceeds "
-                               f"{which}_cols {getattr(tiles, f'{which}_cols')} (a program's tile)")
+def layer_dims(name: str) -> tuple[int, int, int, int]:
+    """An MoE shape's layer: (experts, hidden, expert width, top-k)."""
+    cfg = SHAPES[name]
+    return cfg.moe.num_experts, cfg.hidden_size, cfg.moe.expert_size, cfg.moe.top_k
+
+
+def layer_tiles(name: str, quant: str, items: list[str]) -> Tiles:
+    """The tiles a run times for shape `name`: the tuned ones, with --tiles' fields instead; one error
+    line for a span wider than its tile."""
+    tiles = replace(fused_moe.tiles_for(*layer_dims(name), quant), **tile_fields(items))
+    for which, span, cols in (("gate", tiles.gate_span, tiles.gate_cols), ("down", tiles.down_span, tiles.down_cols)):
+        if span > cols:
+            raise InvalidInput(f"--tiles: {which}_span {span} exceeds {which}_cols {cols} (a program's tile)")
     return tiles
 
 
@@ -106,9 +110,7 @@ def check_args(args) -> None:
             raise InvalidInput(f"--shape {name}: not an MoE shape (choose from "
                                f"{', '.join(n for n, c in SHAPES.items() if c.moe is not None)})")
         for quant in args.quant:  # a span wider than its tile, with the shape's tuned tiles
-            moe = SHAPES[name].moe
-            layer_tiles(SimpleNamespace(e=moe.num_experts, h=SHAPES[name].hidden_size, i=moe.expert_size,
-                                        k=moe.top_k, quant=quant), args.tiles)
+            layer_tiles(name, quant, args.tiles)
     bad = [t for t in args.tokens if not 1 <= t <= fused_moe.MAX_TOKENS]
     if bad:
         raise InvalidInput(f"--tokens {bad[0]}: must be 1 to {fused_moe.MAX_TOKENS}")
@@ -138,8 +140,7 @@ class Layer:
 
     def __init__(self, name: str, device: torch.device, tokens: list[int], quant: str = "bf16",
                  dtype: torch.dtype = torch.bfloat16):
-        cfg = SHAPES[name]
-        self.e, self.k, self.h, self.i = cfg.moe.num_experts, cfg.moe.top_k, cfg.hidden_size, cfg.moe.expert_size
+        self.e, self.h, self.i, self.k = layer_dims(name)
         self.quant, self.dtype = quant, dtype
         gen = torch.Generator(device=device).manual_seed(0)
         make = {"int4": self.packed, "fp8": self.fp8}.get(quant, self.dense)
@@ -258,7 +259,7 @@ def bench_shape(name: str, args, bandwidth: float, quant: str = "bf16") -> dict:
     key = fused_moe.shape_key(layer.e, layer.h, layer.i, layer.k, quant)
     out: dict = {"key": key, "quant": quant, "copies": layer.copies, "expert_bytes": layer.expert_bytes,
                  "tokens": {}}
-    tiles = layer_tiles(layer, args.tiles)
+    tiles = layer_tiles(name, quant, args.tiles)
     paths = args.paths if quant == "bf16" else ["fused"]  # the other paths read bfloat16 weights
     if args.tune:
         tiles, out["sweep"] = tune(layer, args.tune_tokens or args.tokens, bandwidth, args.repeats)
