@@ -50,11 +50,10 @@ def forward(model, cache, ids):
     return model.logits(hidden)
 
 
-INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter is off")
 
 
 @pytest.mark.parametrize("name,dev", [(n, d) for n in ("llama", "qwen3-moe", "mla-moe") for d in ("cpu", "cuda")]
-                         + [pytest.param(n, "interpreted", marks=INTERPRETED) for n in ("llama", "qwen3-moe")])
+                         + [pytest.param(n, "interpreted", marks=pytest.mark.interpreted) for n in ("llama", "qwen3-moe")])
 @torch.inference_mode()
 def test_a_verify_of_16_gives_the_logits_of_16_decode_steps_bitwise(name, dev, monkeypatch):
     """On the CPU through MKL's matmul and attention a token at a time (models/exact.py); on the GPU
@@ -161,7 +160,7 @@ def test_an_exact_moe_layer_gives_a_token_its_bits_among_many_tokens(monkeypatch
 
 @pytest.mark.parametrize("spec", [SpecConfig("draft", steps=3), SpecConfig("draft", steps=3, topk=2, draft_tokens=6)],
                          ids=["chain", "tree"])
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter is off")
+@pytest.mark.interpreted
 @torch.inference_mode()
 def test_speculation_through_the_exact_kernel_gives_plain_tokens(spec, monkeypatch):
     """Tiny Llama in float16 through models/exact_attention.py (Triton's interpreter): speculation with

@@ -202,6 +202,7 @@ def test_deepseek_routing_and_shared_experts_equal_transformers(family, cfg):
         assert all(len({e // per for e in row}) <= ours.cfg.topk_group for row in experts.tolist())
 
 
+@pytest.mark.interpreted
 @pytest.mark.parametrize("n,spans", [(1, False), (5, False), (20, False), (64, False), (1, True), (20, True)])
 @torch.inference_mode()
 def test_fused_kernels_equal_the_gathered_path(n, spans):
@@ -226,6 +227,7 @@ def test_fused_kernels_equal_the_gathered_path(n, spans):
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+@pytest.mark.interpreted
 @torch.inference_mode()
 def test_a_model_with_the_fused_kernels_decodes_as_without(tiny_dirs, monkeypatch):
     """Kernels.moe on the tiny Qwen3-MoE: the same logits for a prefill, a decode step and a 5-token
@@ -257,6 +259,7 @@ def test_a_model_with_the_fused_kernels_decodes_as_without(tiny_dirs, monkeypatc
     assert counts[0] == counts[1] and counts[0][0][1] == 3  # counted in the kernels as in torch
 
 
+@pytest.mark.interpreted
 @torch.inference_mode()
 def test_many_tokens_without_a_grouped_matmul_go_through_the_kernels_in_parts(tiny_dirs, monkeypatch):
     """Where torch's grouped matmul does not run (a float16 model, a GPU older than Hopper), a
@@ -347,6 +350,7 @@ def test_routing_kernel_equals_the_torch_routing(moe):
             assert torch.equal(alone[1], ke[-1:]) and torch.equal(alone[0], kw[-1:])
 
 
+@pytest.mark.interpreted
 @pytest.mark.parametrize("n", [1, 20])
 @torch.inference_mode()
 def test_fused_kernels_read_int4_packs(n):
@@ -368,6 +372,7 @@ def test_fused_kernels_read_int4_packs(n):
     assert (fused_moe(x, experts, weights, gate_up, down) - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+@pytest.mark.interpreted
 @pytest.mark.parametrize("quant", ["bf16", "int4", "fp8"])
 @torch.inference_mode()
 def test_bench_moe_layers_and_their_checks(monkeypatch, quant):
@@ -394,6 +399,7 @@ def test_bench_moe_layers_and_their_checks(monkeypatch, quant):
         assert got["rows_bitwise_alone"] and got["rel_err_vs_grouped"] < 0.02, (t, got)
 
 
+@pytest.mark.interpreted
 @pytest.mark.parametrize("n", [1, 20])
 @torch.inference_mode()
 def test_fused_kernels_read_fp8_blocks(n):
