@@ -203,13 +203,16 @@ def test_deepseek_routing_and_shared_experts_equal_transformers(family, cfg):
 
 
 @pytest.mark.interpreted
-@pytest.mark.parametrize("n,spans", [(1, False), (5, False), (20, False), (64, False), (1, True), (20, True)])
+@pytest.mark.parametrize("n,variant", [(1, None), (5, None), (20, None), (64, None), (1, "spans"), (20, "spans"),
+                                       (1, "pre1"), (20, "pre1"), (20, "pre2")])
 @torch.inference_mode()
-def test_fused_kernels_equal_the_gathered_path(n, spans):
+def test_fused_kernels_equal_the_gathered_path(n, variant):
     """The fused MoE kernels (Triton, in its interpreter here): each expert's run of (token, slot)
     pairs owned by one program, in chunks of 16; the result is the gathered path's for 1 to 64
-    tokens, runs longer than a chunk included. With `spans` (Tiles.gate_span / down_span) a program
-    covers fewer columns than its tile (10 and 12 of 16, neither dividing the width), the rest masked."""
+    tokens, runs longer than a chunk included. With spans (Tiles.gate_span / down_span) a program
+    covers fewer columns than its tile (10 and 12 of 16, neither dividing the width), the rest masked;
+    with down_pre the down kernel's first one or two steps (of 16 of the 24 columns) use weights read
+    before the loop."""
     from eaglet.models.fused_moe import Tiles, fused_moe
 
     g = torch.Generator().manual_seed(n)
@@ -220,9 +223,11 @@ def test_fused_kernels_equal_the_gathered_path(n, spans):
     weights = torch.rand(n, k, generator=g)
     want = gathered(x, experts, weights, gate_up, down)
     tiles = None
-    if spans:
+    if variant == "spans":
         tiles = Tiles(gate_cols=16, gate_step=16, down_cols=16, down_step=16, gate_span=10, down_span=12)
         assert tiles.spans() == (10, 12) and Tiles().spans() == (Tiles.gate_cols, Tiles.down_cols)
+    elif variant:
+        tiles = Tiles(gate_cols=16, gate_step=16, down_cols=16, down_step=16, down_pre=int(variant[-1]))
     got = fused_moe(x, experts, weights, gate_up, down, tiles=tiles)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
@@ -297,7 +302,8 @@ def test_many_tokens_without_a_grouped_matmul_go_through_the_kernels_in_parts(ti
 @torch.inference_mode()
 def test_fused_kernels_on_the_gpu_are_row_invariant():
     """On the GPU in bfloat16: the fused kernels agree with the grouped matmul, and each token's row
-    is bitwise the same computed alone, among 7 tokens or among 64, and with narrower column spans."""
+    is bitwise the same computed alone, among 7 tokens or among 64, with narrower column spans, and
+    with the down kernel's first steps read before its wait."""
     from eaglet.models.fused_moe import Tiles, fused_moe
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -315,6 +321,10 @@ def test_fused_kernels_on_the_gpu_are_row_invariant():
     spans = Tiles(gate_span=24, down_span=20)  # fewer columns a program than its tile covers: the same bits
     for n in (1, 64):
         assert torch.equal(fused_moe(x[:n], experts[:n], weights[:n], gate_up, down, tiles=spans), full[:n])
+    for pre in (1, 2):  # down's steps in the same order, the first ones' weights read early: the same bits
+        for n in (1, 64):
+            got = fused_moe(x[:n], experts[:n], weights[:n], gate_up, down, tiles=Tiles(down_pre=pre))
+            assert torch.equal(got, full[:n]), (pre, n)
 
 
 @pytest.mark.parametrize("moe", [
@@ -445,6 +455,7 @@ def test_bench_moe_tiles_override_the_tuned_fields():
     (["--tiles", "gate_cols=48"], "--tiles gate_cols=48: gate_cols must be a power of two"),
     (["--tiles", "gate_cols=32", "--tune"], "--tiles with --tune"),
     (["--shape", "qwen3-30b-a3b", "--tiles", "gate_span=65"], "--tiles: gate_span 65 exceeds gate_cols 64"),
+    (["--tiles", "down_pre=3"], "--tiles down_pre=3: down_pre is 0, 1 or 2"),
 ])
 def test_bench_moe_bad_input_is_one_error_line(flags, said, capsys, tmp_path):
     from eaglet.cli import main

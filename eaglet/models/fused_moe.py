@@ -56,6 +56,8 @@ class Tiles:
     stages: int = 3
     gate_span: int = 0  # gate-up: columns a program covers, <= gate_cols (0: gate_cols); one that is
     down_span: int = 0  # not a power of two spreads a layer over more SMs without a narrower tile
+    down_pre: int = 0  # down: reduction steps (0-2) whose weights a program loads before it waits on
+    # gate-up's results (under dependent launch they stream while gate-up finishes)
 
     def spans(self) -> tuple[int, int]:
         return self.gate_span or self.gate_cols, self.down_span or self.down_cols
@@ -183,7 +185,8 @@ def down_weighted(act: torch.Tensor, down: Stack, experts: torch.Tensor, weights
         act, w, ws, experts, weights, y, pairs, h_dim, i_dim,
         act.stride(0), swe, swr, sse, ssr, y.stride(0), QUANT=quant, GROUP=group,
         PAIRS=triton.next_power_of_2(pairs), BHO=tiles.down_cols, SPAN=span, BI=tiles.down_step, CHUNK=CHUNK,
-        GDC=gdc, num_warps=tiles.down_warps, num_stages=tiles.stages, **({"launch_pdl": True} if gdc else {}))
+        PRE=tiles.down_pre, GDC=gdc, num_warps=tiles.down_warps, num_stages=tiles.stages,
+        **({"launch_pdl": True} if gdc else {}))
     return y
 
 
@@ -306,30 +309,41 @@ if triton is not None:
                          mask=live[:, None] & cm[None, :])
 
     @triton.jit
+    def down_step(acc, act, rows, live, sa, i0, I, wd, BI: tl.constexpr):
+        """acc + act[rows, i0:i0+BI] wd^T: one step of the down reduction."""
+        js = i0 + tl.arange(0, BI)
+        at = tl.load(act + rows[:, None] * sa + js[None, :], mask=live[:, None] & (js[None, :] < I), other=0.0)
+        return acc + tl.dot(at, tl.trans(wd.to(at.dtype)))
+
+    @triton.jit
     def down_kernel(act, w, ws, experts, wt, y, pairs, H, I, sa, swe, swr, sse, ssr, sy,
                     QUANT: tl.constexpr, GROUP: tl.constexpr,
                     PAIRS: tl.constexpr, BHO: tl.constexpr, SPAN: tl.constexpr, BI: tl.constexpr,
-                    CHUNK: tl.constexpr, GDC: tl.constexpr):
+                    CHUNK: tl.constexpr, PRE: tl.constexpr, GDC: tl.constexpr):
         if GDC:
             tl.extra.cuda.gdc_launch_dependents()
         p = tl.program_id(0)
         e, head, length, same, rank = run_of(experts, p, pairs, PAIRS, CHUNK)
         if head:
-            if GDC:  # the gate-up kernel's act, complete and visible
-                tl.extra.cuda.gdc_wait()
             e = e.to(tl.int64)
             cols = tl.program_id(1) * SPAN + tl.arange(0, BHO)
             cm = (tl.arange(0, BHO) < SPAN) & (cols < H)
+            if PRE >= 1:  # the first steps' weights do not depend on gate-up: read them before waiting
+                w0 = weight_tile(w, ws, e, cols, cm, 0, I, swe, swr, sse, ssr, BHO, BI, QUANT, GROUP)
+            if PRE >= 2:
+                w1 = weight_tile(w, ws, e, cols, cm, BI, I, swe, swr, sse, ssr, BHO, BI, QUANT, GROUP)
+            if GDC:  # the gate-up kernel's act, complete and visible
+                tl.extra.cuda.gdc_wait()
             for c in range(0, length, CHUNK):
                 rows, live = member(same, rank, c, PAIRS, CHUNK)
                 acc = tl.zeros((CHUNK, BHO), dtype=tl.float32)
-                for i0 in range(0, I, BI):
-                    js = i0 + tl.arange(0, BI)
-                    at = tl.load(act + rows[:, None] * sa + js[None, :], mask=live[:, None] & (js[None, :] < I),
-                                 other=0.0)
-                    wd = weight_tile(w, ws, e, cols, cm, i0, I, swe, swr, sse, ssr, BHO, BI, QUANT,
-                                     GROUP).to(at.dtype)
-                    acc += tl.dot(at, tl.trans(wd))
+                if PRE >= 1:  # the same steps in the same order as the loop's
+                    acc = down_step(acc, act, rows, live, sa, 0, I, w0, BI)
+                if PRE >= 2:
+                    acc = down_step(acc, act, rows, live, sa, BI, I, w1, BI)
+                for i0 in range(PRE * BI, I, BI):
+                    wd = weight_tile(w, ws, e, cols, cm, i0, I, swe, swr, sse, ssr, BHO, BI, QUANT, GROUP)
+                    acc = down_step(acc, act, rows, live, sa, i0, I, wd, BI)
                 scale = tl.load(wt + rows, mask=live, other=0.0)
                 tl.store(y + rows[:, None] * sy + cols[None, :], acc * scale[:, None],
                          mask=live[:, None] & cm[None, :])

@@ -80,7 +80,9 @@ def tile_fields(items: list[str]) -> dict[str, int]:
         if not value.isdigit() or int(value) < 1:
             raise InvalidInput(f"--tiles {item}: the value must be a positive integer")
         n = out[name] = int(value)
-        if name not in ("stages", "gate_span", "down_span") and n & (n - 1):
+        if name == "down_pre" and n > 2:
+            raise InvalidInput(f"--tiles {item}: down_pre is 0, 1 or 2 (reduction steps read before the wait)")
+        if name not in ("stages", "gate_span", "down_span", "down_pre") and n & (n - 1):
             raise InvalidInput(f"--tiles {item}: {name} must be a power of two")
     return out
 
