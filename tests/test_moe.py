@@ -204,7 +204,7 @@ def test_deepseek_routing_and_shared_experts_equal_transformers(family, cfg):
 
 @pytest.mark.interpreted
 @pytest.mark.parametrize("n,variant", [(1, None), (5, None), (20, None), (64, None), (1, "spans"), (20, "spans"),
-                                       (1, "pre1"), (20, "pre1"), (20, "pre2")])
+                                       (1, "pre1"), (1, "pre2"), (20, "pre1")])
 @torch.inference_mode()
 def test_fused_kernels_equal_the_gathered_path(n, variant):
     """The fused MoE kernels (Triton, in its interpreter here): each expert's run of (token, slot)
@@ -212,7 +212,7 @@ def test_fused_kernels_equal_the_gathered_path(n, variant):
     tokens, runs longer than a chunk included. With spans (Tiles.gate_span / down_span) a program
     covers fewer columns than its tile (10 and 12 of 16, neither dividing the width), the rest masked;
     with down_pre the down kernel's first one or two steps (of 16 of the 24 columns) use weights read
-    before the loop."""
+    before the loop in a one-token call (more tokens: the loop alone)."""
     from eaglet.models.fused_moe import Tiles, fused_moe
 
     g = torch.Generator().manual_seed(n)

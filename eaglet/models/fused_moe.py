@@ -56,8 +56,9 @@ class Tiles:
     stages: int = 3
     gate_span: int = 0  # gate-up: columns a program covers, <= gate_cols (0: gate_cols); one that is
     down_span: int = 0  # not a power of two spreads a layer over more SMs without a narrower tile
-    down_pre: int = 0  # down: reduction steps (0-2) whose weights a program loads before it waits on
-    # gate-up's results (under dependent launch they stream while gate-up finishes)
+    down_pre: int = 0  # down, in a one-token call: reduction steps (0-2) whose weights a program loads
+    # before it waits on gate-up's results (under dependent launch they stream while gate-up finishes;
+    # with more tokens the grid spans waves and the held tile costs more than it hides)
 
     def spans(self) -> tuple[int, int]:
         return self.gate_span or self.gate_cols, self.down_span or self.down_cols
@@ -185,7 +186,7 @@ def down_weighted(act: torch.Tensor, down: Stack, experts: torch.Tensor, weights
         act, w, ws, experts, weights, y, pairs, h_dim, i_dim,
         act.stride(0), swe, swr, sse, ssr, y.stride(0), QUANT=quant, GROUP=group,
         PAIRS=triton.next_power_of_2(pairs), BHO=tiles.down_cols, SPAN=span, BI=tiles.down_step, CHUNK=CHUNK,
-        PRE=tiles.down_pre, GDC=gdc, num_warps=tiles.down_warps, num_stages=tiles.stages,
+        PRE=tiles.down_pre if experts.shape[0] == 1 else 0, GDC=gdc, num_warps=tiles.down_warps, num_stages=tiles.stages,
         **({"launch_pdl": True} if gdc else {}))
     return y
 
