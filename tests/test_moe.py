@@ -321,7 +321,7 @@ def test_fused_kernels_on_the_gpu_are_row_invariant():
     spans = Tiles(gate_span=24, down_span=20)  # fewer columns a program than its tile covers: the same bits
     for n in (1, 64):
         assert torch.equal(fused_moe(x[:n], experts[:n], weights[:n], gate_up, down, tiles=spans), full[:n])
-    for pre in (1, 2):  # down's steps in the same order, the first ones' weights read early: the same bits
+    for pre in (0, 1, 2):  # down's steps in the same order, the first ones' weights read early: the same bits
         for n in (1, 64):
             got = fused_moe(x[:n], experts[:n], weights[:n], gate_up, down, tiles=Tiles(down_pre=pre))
             assert torch.equal(got, full[:n]), (pre, n)
@@ -444,6 +444,7 @@ def test_bench_moe_tiles_override_the_tuned_fields():
     got = layer_tiles("qwen3-30b-a3b", "bf16", ["gate_cols=16", "down_warps=8", "stages=5"])
     assert got == replace(tuned, gate_cols=16, down_warps=8, stages=5) and got.down_cols == tuned.down_cols
     assert layer_tiles("qwen3-30b-a3b", "bf16", ["gate_span=48"]).spans() == (48, tuned.down_cols)  # any count
+    assert tuned.down_pre == 1 and layer_tiles("qwen3-30b-a3b", "bf16", ["down_pre=0"]).down_pre == 0  # off for an A/B
 
 
 @pytest.mark.parametrize("flags, said", [
@@ -456,6 +457,7 @@ def test_bench_moe_tiles_override_the_tuned_fields():
     (["--tiles", "gate_cols=32", "--tune"], "--tiles with --tune"),
     (["--shape", "qwen3-30b-a3b", "--tiles", "gate_span=65"], "--tiles: gate_span 65 exceeds gate_cols 64"),
     (["--tiles", "down_pre=3"], "--tiles down_pre=3: down_pre is 0, 1 or 2"),
+    (["--tiles", "gate_span=0"], "--tiles gate_span=0: the value must be a positive integer"),
 ])
 def test_bench_moe_bad_input_is_one_error_line(flags, said, capsys, tmp_path):
     from eaglet.cli import main

@@ -85,7 +85,7 @@ def cases():
         yield f"fused MoE gate-up, quant {quant}", lambda q=quant, w=w, ws=ws, g=group: compile_for_h200(
             fused_moe.gate_up_kernel, dict(QUANT=q, GROUP=g, PAIRS=128, BI=t.gate_cols, SPAN=t.spans()[0],
                                            BH=t.gate_step, CHUNK=fused_moe.CHUNK, COUNT=True, GDC=True), 4, 3, {**moe, "w": w, "ws": ws})
-        for pre in (0, 1) if quant == 0 else (0,):  # down_pre: the first step's weights read before the wait
+        for pre in (0, 1) if quant == 0 else (1,):  # down_pre: the first step's weights read before the wait
             yield f"fused MoE down, quant {quant}, pre {pre}", lambda q=quant, w=w, ws=ws, g=group, pre=pre: compile_for_h200(
                 fused_moe.down_kernel, dict(QUANT=q, GROUP=g, PAIRS=128, BHO=t.down_cols, SPAN=t.spans()[1],
                                             BI=t.down_step, CHUNK=fused_moe.CHUNK, PRE=pre, GDC=True), 4, 3,

@@ -56,7 +56,7 @@ class Tiles:
     stages: int = 3
     gate_span: int = 0  # gate-up: columns a program covers, <= gate_cols (0: gate_cols); one that is
     down_span: int = 0  # not a power of two spreads a layer over more SMs without a narrower tile
-    down_pre: int = 0  # down, in a one-token call: reduction steps (0-2) whose weights a program loads
+    down_pre: int = 1  # down, in a one-token call: reduction steps (0-2) whose weights a program loads
     # before it waits on gate-up's results (under dependent launch they stream while gate-up finishes;
     # with more tokens the grid spans waves and the held tile costs more than it hides)
 

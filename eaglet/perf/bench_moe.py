@@ -71,14 +71,15 @@ def cmd_bench_moe(args) -> int:
 
 def tile_fields(items: list[str]) -> dict[str, int]:
     """--tiles FIELD=N ... as {field: N}; one error line for a field Tiles lacks, a value not a positive
-    int, or a block size or warp count not a power of two (Triton's blocks and warps must be)."""
+    int (down_pre may be 0), or a block size or warp count not a power of two (Triton's blocks and
+    warps must be)."""
     names, out = {f.name for f in dataclasses.fields(Tiles)}, {}
     for item in items:
         name, _, value = item.partition("=")
         if name not in names:
             raise InvalidInput(f"--tiles {item}: no tile field {name!r} (fields: {', '.join(sorted(names))})")
-        if not value.isdigit() or int(value) < 1:
-            raise InvalidInput(f"--tiles {item}: the value must be a positive integer")
+        if not value.isdigit() or int(value) < (name != "down_pre"):  # down_pre=0 turns it off
+            raise InvalidInput(f"--tiles {item}: the value must be a positive integer" + " or 0" * (name == "down_pre"))
         n = out[name] = int(value)
         if name == "down_pre" and n > 2:
             raise InvalidInput(f"--tiles {item}: down_pre is 0, 1 or 2 (reduction steps read before the wait)")
