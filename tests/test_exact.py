@@ -50,8 +50,6 @@ def forward(model, cache, ids):
     return model.logits(hidden)
 
 
-
-
 @pytest.mark.parametrize("name,dev", [(n, d) for n in ("llama", "qwen3-moe", "mla-moe") for d in ("cpu", "cuda")]
                          + [pytest.param(n, "interpreted", marks=pytest.mark.interpreted) for n in ("llama", "qwen3-moe")])
 @torch.inference_mode()
