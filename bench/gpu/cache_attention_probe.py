@@ -12,12 +12,17 @@ and the split size that suits each span. Two views, both graphed, medians of CUD
   python3 bench/gpu/cache_attention_probe.py OUT_DIR
   python3 bench/gpu/cache_attention_probe.py OUT_DIR tiles   # batch 1, 1-64 new tokens: every tile of
       # 16-64 query rows a program and split size, per layer (is one 64-row tile why 16 tokens cost more?)
+  python3 bench/gpu/cache_attention_probe.py OUT_DIR split   # batch 1, 1 and 6 new tokens, the spans a
+      # decode graph takes (640-4096): every split size and the rule's, per layer, for each head shape
+      # (Qwen3-30B-A3B's 4 kv heads x 8 run 4 programs a split: does the rule split its spans enough?)
 """
+import dataclasses
 import sys
 
 import torch
 import torch.nn.functional as F
 
+from eaglet.kernels import Kernels
 from eaglet.models import cache_attention as ca
 from eaglet.models.attention import additive_bias
 from eaglet.perf.curves import forward_curve, time_ms
@@ -25,7 +30,8 @@ from eaglet.perf.record import write_record
 from eaglet.perf.shapes import random_model
 
 LAYERS = 30
-HEADS = {"smollm2-135m": (3, 3, 64), "llama-3.1-8b": (8, 4, 128)}
+HEADS = {"smollm2-135m": (3, 3, 64), "llama-3.1-8b": (8, 4, 128), "qwen3-30b-a3b": (4, 8, 128)}  # kv heads, group, d
+CHUNKS = (64, 128, 256, 512, 1024)
 
 
 def per_call_us(fn) -> float:
@@ -61,8 +67,8 @@ def layer_probe(shape: str, b: int, kv_len: int, t: int) -> dict:
         return o.reshape(b, hkv * g, t, d).transpose(1, 2).reshape(b, t, hkv * g * d)
 
     out = {"sdpa+store": per_call_us(general)}
-    for chunk in (128, 256, 512, 1024):
-        if chunk < kv_len:
+    for chunk in CHUNKS:
+        if chunk < kv_len and -(-kv_len // chunk) <= ca.MAX_SPLITS:
             out[f"triton/{chunk}"] = per_call_us(
                 lambda i, c=chunk: ca.cache_attention(qkv, cache[i, 0], cache[i, 1], start, None, kv_len, g, c))
     out["triton/default"] = per_call_us(lambda i: ca.cache_attention(qkv, cache[i, 0], cache[i, 1], start, None, kv_len, g))
@@ -73,7 +79,6 @@ def layer_probe(shape: str, b: int, kv_len: int, t: int) -> dict:
 def tiles_probe(out_dir: str) -> None:
     """Per layer, batch 1: the kernel at every query-row tile (16, 32, 64 rows a program) and split
     size (the rule's, 128, 256) for 1, 6, 16 and 64 new tokens."""
-    ca.enable()
     results = {}
     for shape, (hkv, g, d) in HEADS.items():
         for kv_len in (512, 2048):
@@ -96,10 +101,22 @@ def tiles_probe(out_dir: str) -> None:
     print(write_record("cache-attention-tiles", {"argv": sys.argv}, results, out_dir))
 
 
-def main(out_dir: str) -> None:
-    ca.enable()
-    results = {"per_layer_us": {}, "step_ms": {}}
+def split_probe(out_dir: str) -> None:
+    """Per layer, batch 1, 1 and 6 new tokens: every split size against the rule's at the spans a
+    decode or verify graph takes (multiples of 128 from 640), for each head shape."""
+    results = {}
     for shape in HEADS:
+        for kv_len in (640, 1024, 2048, 4096):
+            for t in (1, 6):
+                r = layer_probe(shape, 1, kv_len, t)
+                results[f"{shape}/{kv_len}/t{t}"] = r
+                print(shape, kv_len, t, {k: round(x, 2) for k, x in r.items()}, flush=True)
+    print(write_record("cache-attention-split", {"argv": sys.argv}, results, out_dir))
+
+
+def main(out_dir: str) -> None:
+    results = {"per_layer_us": {}, "step_ms": {}}
+    for shape in ("smollm2-135m", "llama-3.1-8b"):
         for b in (1, 16):
             for kv_len in (128, 512, 2048, 4096):
                 for t in (1, 6):
@@ -107,20 +124,22 @@ def main(out_dir: str) -> None:
                     results["per_layer_us"][f"{shape}/b{b}/{kv_len}/t{t}"] = r
                     print(shape, b, kv_len, t, {k: round(x, 2) for k, x in r.items()}, flush=True)
     for shape, ctxs in (("smollm2-135m", (128, 512, 2048)), ("llama-3.1-8b", (512, 4096))):
-        model = random_model(shape, "cuda", torch.bfloat16)
-        for ctx in ctxs:
-            for on in (False, True):
-                ca.enable(on)
+        for on in (False, True):  # the model with the kernel, then without (everything else the same)
+            kernels = dataclasses.replace(Kernels.choose("cuda"), cache_attention=on)
+            model = random_model(shape, "cuda", torch.bfloat16, kernels=kernels)
+            for ctx in ctxs:
                 ms = forward_curve(model, (1, 6, 16, 64), ctx, graphs=True, repeats=50)
                 results["step_ms"][f"{shape}@{ctx}/{'triton' if on else 'sdpa'}"] = ms
                 print(shape, ctx, "triton" if on else "sdpa", {k: round(x, 4) for k, x in ms.items()}, flush=True)
-        del model
-        torch.cuda.empty_cache()
+            del model
+            torch.cuda.empty_cache()
     print(write_record("cache-attention-probe", {"argv": sys.argv}, results, out_dir))
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[2] == "tiles":
         tiles_probe(sys.argv[1])
+    elif len(sys.argv) > 2 and sys.argv[2] == "split":
+        split_probe(sys.argv[1])
     else:
         main(sys.argv[1] if len(sys.argv) > 1 else "/tmp")
