@@ -436,7 +436,7 @@ def test_bench_moe_tiles_override_the_tuned_fields():
     moe_tiles.json), for an A/B of one field."""
     from dataclasses import replace
 
-    from eaglet.models.fused_moe import TUNED
+    from eaglet.models.fused_moe import TUNED, Tiles
     from eaglet.perf.bench_moe import layer_tiles
 
     tuned = TUNED["E128-H2048-I768-k8"]  # Qwen3-30B-A3B's layer, as tuned
@@ -445,6 +445,9 @@ def test_bench_moe_tiles_override_the_tuned_fields():
     assert got == replace(tuned, gate_cols=16, down_warps=8, stages=5) and got.down_cols == tuned.down_cols
     assert layer_tiles("qwen3-30b-a3b", "bf16", ["gate_span=48"]).spans() == (48, tuned.down_cols)  # any count
     assert tuned.down_pre == 1 and layer_tiles("qwen3-30b-a3b", "bf16", ["down_pre=0"]).down_pre == 0  # off for an A/B
+    for bad in (dict(gate_cols=64, gate_span=65), dict(down_cols=32, down_span=48), dict(down_pre=3)):
+        with pytest.raises(ValueError):  # tiles that would skip columns or a reduction step: refused at any source
+            Tiles(**bad)
 
 
 @pytest.mark.parametrize("flags, said", [
@@ -452,12 +455,12 @@ def test_bench_moe_tiles_override_the_tuned_fields():
     (["--tokens", "1", "4", "--tune", "--tune-tokens", "16"], "--tune-tokens 16: not among --tokens 1 4"),
     (["--shape", "llama-3.1-8b"], "--shape llama-3.1-8b: not an MoE shape"),
     (["--tiles", "gate_rows=32"], "--tiles gate_rows=32: no tile field 'gate_rows'"),
-    (["--tiles", "gate_cols=0"], "--tiles gate_cols=0: the value must be a positive integer"),
+    (["--tiles", "gate_cols=0"], "--tiles gate_cols=0: the value must be an integer of at least 1"),
     (["--tiles", "gate_cols=48"], "--tiles gate_cols=48: gate_cols must be a power of two"),
     (["--tiles", "gate_cols=32", "--tune"], "--tiles with --tune"),
     (["--shape", "qwen3-30b-a3b", "--tiles", "gate_span=65"], "--tiles: gate_span 65 exceeds gate_cols 64"),
-    (["--tiles", "down_pre=3"], "--tiles down_pre=3: down_pre is 0, 1 or 2"),
-    (["--tiles", "gate_span=0"], "--tiles gate_span=0: the value must be a positive integer"),
+    (["--tiles", "down_pre=3"], "--tiles: down_pre 3: 0, 1 or 2"),
+    (["--tiles", "gate_span=0"], "--tiles gate_span=0: the value must be an integer of at least 1"),
 ])
 def test_bench_moe_bad_input_is_one_error_line(flags, said, capsys, tmp_path):
     from eaglet.cli import main

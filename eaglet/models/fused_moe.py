@@ -60,6 +60,13 @@ class Tiles:
     # before it waits on gate-up's results (under dependent launch they stream while gate-up finishes;
     # with more tokens the grid spans waves and the held tile costs more than it hides)
 
+    def __post_init__(self):  # what the kernels assume: a wider span or more preloaded steps would skip work
+        for which, span, cols in (("gate", self.gate_span, self.gate_cols), ("down", self.down_span, self.down_cols)):
+            if span > cols:
+                raise ValueError(f"{which}_span {span} exceeds {which}_cols {cols} (a program's tile)")
+        if not 0 <= self.down_pre <= 2:
+            raise ValueError(f"down_pre {self.down_pre}: 0, 1 or 2 (reduction steps read before the wait)")
+
     def spans(self) -> tuple[int, int]:
         return self.gate_span or self.gate_cols, self.down_span or self.down_cols
 
