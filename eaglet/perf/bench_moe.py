@@ -149,7 +149,9 @@ class Layer:
         # bytes as bfloat16 weights and scales: what the GPU reads (the CPU tests run float32)
         self.expert_bytes = sum(stored_bytes(w) for w in one)
         one_token = self.k * self.expert_bytes
-        self.copies = max(1, min(8, math.ceil(L2_SAFE / one_token)))
+        # enough copies that a replay reads L2_SAFE bytes, as many as fit (Kimi-K2's 34 GB layer: one on an H100)
+        fit = int(0.6 * torch.cuda.mem_get_info(device)[0] // (self.e * self.expert_bytes)) if device.type == "cuda" else 8
+        self.copies = max(1, min(8, math.ceil(L2_SAFE / one_token), fit))
         self.stacks = [(make(self.e, 2 * self.i, self.h, gen), make(self.e, self.h, self.i, gen))
                        for _ in range(self.copies)]
         self.inputs = {}
@@ -160,7 +162,7 @@ class Layer:
             self.inputs[t] = (x, experts, weights)
 
     def dense(self, e: int, rows: int, cols: int, gen) -> torch.Tensor:
-        return torch.randn(e, rows, cols, device=gen.device, dtype=self.dtype, generator=gen) * 0.02
+        return torch.randn(e, rows, cols, device=gen.device, dtype=self.dtype, generator=gen).mul_(0.02)  # no second copy
 
     def packed(self, e: int, rows: int, cols: int, gen) -> Int4:
         words = torch.randint(-2**31, 2**31 - 1, (e, rows, cols // 8), device=gen.device, dtype=torch.int32,
