@@ -451,6 +451,22 @@ def test_bench_moe_tiles_override_the_tuned_fields():
             Tiles(**bad)
 
 
+def test_bench_moe_keeps_the_copies_that_fit():
+    """bench-moe's copies of a layer: enough that a replay reads past L2, as many as 60% of the free
+    memory holds; Kimi-K2's 34 GB layer two on an H200 and one on an H100 (two ran it out of memory), and
+    one error line on a GPU that cannot hold one."""
+    from eaglet.errors import InvalidInput
+    from eaglet.perf.bench_moe import L2_SAFE, copies_that_fit
+
+    kimi, token = 384 * 88_080_384, 8 * 88_080_384  # bytes of the layer's experts and of one token's eight
+    assert copies_that_fit("kimi-k2", "bf16", kimi, token, 139 * 2**30) == 2  # an H200: as many as L2 asks
+    assert copies_that_fit("kimi-k2", "bf16", kimi, token, 78 * 2**30) == 1
+    assert copies_that_fit("qwen3-30b-a3b", "bf16", 128 * 9_437_184, 8 * 9_437_184, 78 * 2**30) == 8
+    assert copies_that_fit("tiny", "bf16", 1000, L2_SAFE // 4, None) == 4  # the CPU: as L2 asks
+    with pytest.raises(InvalidInput, match=r"--shape kimi-k2: one layer's experts \(33.8 GB as bf16\) do not fit"):
+        copies_that_fit("kimi-k2", "bf16", kimi, token, 30 * 2**30)
+
+
 @pytest.mark.parametrize("flags, said", [
     (["--tokens", "65"], "--tokens 65: must be 1 to 64"),
     (["--tokens", "1", "4", "--tune", "--tune-tokens", "16"], "--tune-tokens 16: not among --tokens 1 4"),

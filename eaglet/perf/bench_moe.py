@@ -136,6 +136,17 @@ def time_ms(fn, repeats: int, graph: bool = True) -> float:
     return curves.time_ms(run, torch.device("cuda"), repeats)
 
 
+def copies_that_fit(name: str, quant: str, layer_bytes: int, one_token: int, free: int | None) -> int:
+    """Copies of a layer's experts a bench keeps: enough that a replay reads L2_SAFE bytes, as many as
+    fit in 60% of the GPU's free memory (Kimi-K2's 34 GB layer: two on an H200, one on an H100; any
+    number on the CPU, `free` None); one error line where one copy does not fit in 90% of it."""
+    if free is not None and layer_bytes > 0.9 * free:
+        raise InvalidInput(f"--shape {name}: one layer's experts ({layer_bytes / 1e9:.1f} GB as {quant}) do not fit "
+                           f"this GPU's free memory ({free / 1e9:.1f} GB)")
+    fit = 8 if free is None else int(0.6 * free // layer_bytes)
+    return max(1, min(8, math.ceil(L2_SAFE / one_token), fit))
+
+
 class Layer:
     """Copies of one MoE layer's expert stacks (random, bf16) and a uniform routing per token count."""
 
@@ -148,10 +159,8 @@ class Layer:
         one = [make(1, 2 * self.i, self.h, gen), make(1, self.h, self.i, gen)]
         # bytes as bfloat16 weights and scales: what the GPU reads (the CPU tests run float32)
         self.expert_bytes = sum(stored_bytes(w) for w in one)
-        one_token = self.k * self.expert_bytes
-        # enough copies that a replay reads L2_SAFE bytes, as many as fit (Kimi-K2's 34 GB layer: one on an H100)
-        fit = int(0.6 * torch.cuda.mem_get_info(device)[0] // (self.e * self.expert_bytes)) if device.type == "cuda" else 8
-        self.copies = max(1, min(8, math.ceil(L2_SAFE / one_token), fit))
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+        self.copies = copies_that_fit(name, quant, self.e * self.expert_bytes, self.k * self.expert_bytes, free)
         self.stacks = [(make(self.e, 2 * self.i, self.h, gen), make(self.e, self.h, self.i, gen))
                        for _ in range(self.copies)]
         self.inputs = {}
