@@ -236,18 +236,19 @@ def test_fused_kernels_equal_the_gathered_path(n, variant):
 @torch.inference_mode()
 def test_a_model_with_the_fused_kernels_decodes_as_without(tiny_dirs, monkeypatch):
     """Kernels.moe on the tiny Qwen3-MoE: the same logits for a prefill, a decode step and a 5-token
-    verify of two rows, each sparse layer through the routing and fused kernels, and the same
-    distinct-expert counts."""
+    verify of two rows, each sparse layer through the routing and fused kernels (the decode step's
+    with the post-attention norm inside the routing kernel), and the same distinct-expert counts."""
     import dataclasses
 
     from eaglet.kernels import EAGER
-    from eaglet.models import fused_moe
+    from eaglet.models import fused_moe, moe_route
 
     from .test_model_parity import eaglet_step
 
-    calls = []
-    real = fused_moe.fused_moe
+    calls, normed = [], []
+    real, route_normed = fused_moe.fused_moe, moe_route.route_normed
     monkeypatch.setattr(fused_moe, "fused_moe", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(moe_route, "route_normed", lambda *a, **kw: normed.append(1) or route_normed(*a, **kw))
 
     plain = load(tiny_dirs, "qwen3_moe")
     fused = load_model(tiny_dirs["qwen3_moe"][0], dtype="float32", device="cpu", tokenizer=False,
@@ -259,6 +260,7 @@ def test_a_model_with_the_fused_kernels_decodes_as_without(tiny_dirs, monkeypatc
         a, b = (eaglet_step(m, c, ids) for m, c in zip((plain, fused), caches))
         assert (a - b).abs().max() <= 1e-5 * a.abs().max(), t
     assert len(calls) == 3 * 3  # three forwards, three sparse layers each
+    assert len(normed) == 3  # the decode step's two tokens (moe.NORM_TOKENS) with the norm in the routing kernel
     counts = [[(m.touched.item(), m.forwards.item()) for m in model.modules() if isinstance(m, SparseMoE)]
               for model in (plain, fused)]
     assert counts[0] == counts[1] and counts[0][0][1] == 3  # counted in the kernels as in torch
@@ -359,6 +361,36 @@ def test_routing_kernel_equals_the_torch_routing(moe):
             assert not layer.route_counts.any()
             alone = layer.route(x[-1:], kernel=True)
             assert torch.equal(alone[1], ke[-1:]) and torch.equal(alone[0], kw[-1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="Triton's interpreter truncates to bfloat16"))])
+@torch.inference_mode()
+def test_routing_kernel_with_the_norm_routes_the_normed_stream(dtype):
+    """`route_normed` (the post-attention RMSNorm and its residual add inside the routing kernel): the
+    stream x + residual as the add in x's dtype gives it, the normed input as RMSNorm gives it (to a
+    rounding of x's dtype: the statistics sum in another order), and the experts and weights the
+    routing gives that normed input, for 1 and 9 tokens, the counters at zero after."""
+    from eaglet.models.llama import RMSNorm
+
+    moe = MoEConfig(24, 4, 16, True)
+    config = ModelConfig("qwen3_moe", 128, 64, 96, 2, 4, 4, 16, 1e-6, 256, RopeConfig(), moe=moe)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    layer = SparseMoE(config).eval().to(dev, dtype)
+    norm = RMSNorm(64, 1e-6).to(dev, dtype)
+    g = torch.Generator().manual_seed(6)
+    layer.gate.weight.copy_(torch.randn(24, 64, generator=g))
+    norm.weight.copy_(1 + torch.rand(64, generator=g))
+    for n in (1, 9):
+        x, residual = (torch.randn(n, 64, generator=g).to(dev, dtype) for _ in range(2))
+        want, stream = norm(x, residual)
+        got_x, got_stream, kw, ke = layer.route_normed(x, residual, norm.weight, norm.eps)
+        assert torch.equal(got_stream, stream)
+        tol = {torch.float32: 0, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}[dtype]  # one rounding at most
+        assert ((got_x.float() - want.float()).abs() <= tol * want.float().abs() + 1e-5).all()
+        w, e = layer.route(got_x, kernel=True)
+        assert torch.equal(ke, e) and torch.equal(kw, w)
+        assert not layer.route_counts.any()
 
 
 @pytest.mark.interpreted

@@ -93,15 +93,19 @@ def cases():
     yield "fused MoE combine", lambda: compile_for_h200(fused_moe.combine_kernel, dict(K=8, BLOCK=1024, ADD=True,
                                                                                       GDC=True), 4, 3, moe)
     route = {"X": "*bf16", "bias": "*fp32", "logits": "*fp32", "counts": "*i32", "experts": "*i64", "weights": "*fp32",
-             "scaling": "fp32"}
-    # the routers as the shapes run them: a bfloat16 router rounded as its matmul, or DeepSeek-V3's float32 sigmoid one
+             "scaling": "fp32", "NW": "*bf16", "XN": "*bf16", "XS": "*bf16"}
+    # the routers as the shapes run them: a bfloat16 router rounded as its matmul, or DeepSeek-V3's float32 sigmoid one;
+    # with the post-attention norm inside (PRENORM: one and two tokens) and without
     for name, e, k, groups, v3 in [("Qwen3-30B-A3B", 128, 8, 1, False), ("DeepSeek-V2-Lite", 64, 6, 1, False),
                                    ("Kimi-K2", 384, 8, 1, True), ("DeepSeek-V3", 256, 8, 8, True)]:
         be, bk = moe_route.router_tiles(e, 7168 if v3 else 2048)
-        yield f"MoE routing, {name}", lambda e=e, k=k, gr=groups, v3=v3, be=be, bk=bk: compile_for_h200(
-            moe_route.router_kernel, dict(BE=be, BK=bk, ROUND=not v3, EP=ca.pow2(e), K=k, KP=ca.pow2(k), GP=max(1, ca.pow2(gr)),
-                                          GROUPS=gr, TOPK_GROUP=min(gr, 4), SIGMOID=v3, BIAS=v3, GROUP_TOP2=v3, NORM=True,
-                                          SPREAD=False), 4, 3, {**route, "W": "*fp32" if v3 else "*bf16"})
+        for pre in (False, True):
+            yield f"MoE routing, {name}" + (", the norm inside" if pre else ""), \
+                lambda e=e, k=k, gr=groups, v3=v3, be=be, bk=bk, pre=pre: compile_for_h200(
+                    moe_route.router_kernel, dict(PRENORM=pre, BE=be, BK=bk, ROUND=not v3, EP=ca.pow2(e), K=k, KP=ca.pow2(k),
+                                                  GP=max(1, ca.pow2(gr)), GROUPS=gr, TOPK_GROUP=min(gr, 4), SIGMOID=v3, BIAS=v3,
+                                                  GROUP_TOP2=v3, NORM=True, SPREAD=False), 4, 3,
+                    {**route, "W": "*fp32" if v3 else "*bf16"})
     for k, width, ls, off in [(8, 16384, True, True), (4, 16, False, False), (31, 328, False, False)]:
         block = max(16, ca.pow2(width))
         yield f"row top-{k} of {width}", lambda k=k, b=block, ls=ls, off=off: compile_for_h200(

@@ -243,7 +243,10 @@ class DecoderLayer(nn.Module):
         """h: this layer's input before the residual add; residual: the stream so far (None at the
         first layer). Returns (mlp output, residual stream): their sum is the layer's output."""
         x, residual = self.input_layernorm(h, residual) if residual is not None else (self.input_layernorm(h), h)
-        x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, cache, meta), residual)
+        a = self.self_attn(x, cos, sin, cache, meta)
+        if isinstance(self.ffn, moe.SparseMoE):  # the norm inside the routing kernel where it runs
+            return self.ffn.normed(a, residual, self.post_attention_layernorm)
+        x, residual = self.post_attention_layernorm(a, residual)
         return self.ffn(x), residual
 
 

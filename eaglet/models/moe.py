@@ -36,6 +36,11 @@ from ..kernels import EAGER, Kernels
 from . import fused_moe, gemv, moe_route, moe_stored
 from .linear import Linear
 
+# Tokens a call up to which the routing kernel does the post-attention norm: every one of its programs
+# recomputes its token's statistics, and on the H100 that paid at 1 and 2 tokens (decode 1.01x on Qwen3-30B-A3B
+# and DeepSeek-V2-Lite) and lost at 16 (0.985x a Qwen3 forward); docs/notebook.md
+NORM_TOKENS = 2
+
 # model_type -> (the feed-forward module's name in a layer, an expert's gate / up / down names)
 NAMES = {
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
@@ -155,6 +160,13 @@ class SparseMoE(nn.Module):
         self.register_buffer("gate_up", gate_up, persistent=False)
         self.register_buffer("down", down, persistent=False)
 
+    def router_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The router's weight as routing reads it (float32 where the model routes in float32) and its
+        learned bias on the choice, or None."""
+        c = self.cfg
+        w = (self.router32 if self.fused else self.gate.weight.float()) if c.router_fp32 else self.gate.weight
+        return w, (self.gate.e_score_correction_bias if c.score_bias else None)
+
     def route(self, x: torch.Tensor, kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """x (N, H) -> each token's expert weights (N, k) float32 and experts (N, k): the router's
         scores (softmax or sigmoid of its float32 logits); the top k, within the best groups where
@@ -163,8 +175,7 @@ class SparseMoE(nn.Module):
         With `kernel`, all of it in one Triton kernel (models/moe_route.py). The experts
         are numbered as held here: another rank's get the index `held` and the weight 0."""
         c = self.cfg
-        bias = self.gate.e_score_correction_bias if c.score_bias else None
-        w = (self.router32 if self.fused else self.gate.weight.float()) if c.router_fp32 else self.gate.weight
+        w, bias = self.router_weight()
         if kernel:  # logits and choice in one kernel
             return self.local(*moe_route.router(x, w, c, bias, self.route_counts, spread=self.spread))
         if c.router_fp32:
@@ -191,6 +202,14 @@ class SparseMoE(nn.Module):
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return self.local(weights * c.scaling, experts)
 
+    def route_normed(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float):
+        """`route(norm(x, residual), kernel=True)` with the norm in the routing kernel -> (normed x,
+        x + residual, weights, experts)."""
+        w, bias = self.router_weight()
+        normed, stream, weights, experts = moe_route.route_normed(x, residual, norm_weight, eps, w, self.cfg, bias,
+                                                                  self.route_counts, spread=self.spread)
+        return (normed, stream, *self.local(weights, experts))
+
     def local(self, weights: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The chosen experts (N, k) numbered as held here; another rank's: index `held`, weight 0."""
         if self.held == self.num_experts:
@@ -198,6 +217,31 @@ class SparseMoE(nn.Module):
         experts = experts - self.first
         here = (experts >= 0) & (experts < self.held)
         return weights * here, experts.where(here, self.held)
+
+    def normed(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer after its RMSNorm with the residual add: norm(x, residual) -> (output, x + residual).
+        Where the routing kernel runs (at most NORM_TOKENS tokens, not exact) the norm is done inside
+        it: one kernel fewer a layer."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        if not (self.kernels.moe and not self.kernels.exact and len(flat) <= NORM_TOKENS and fused_moe.usable(flat)):
+            x, residual = norm(x, residual)
+            return self(x), residual
+        x, stream, weights, experts = self.route_normed(flat, residual, norm.weight, norm.eps)
+        return self.through_kernels(x, weights, experts).view(shape), stream.view(shape)
+
+    def through_kernels(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The routed (and shared) experts of x (N, H) by the fused kernels (fused_moe.fused_moe),
+        counting the experts touched."""
+        gate_up, down = self.stacks()
+        shared = self.shared_experts(x) if self.cfg.shared_experts else None  # added in the kernels' final sum
+        counts = (self.touched, self.forwards)
+        if self.held < self.num_experts:  # the kernels index only the experts held here: another
+            # rank's pair runs on the last one with its weight 0 (a clamped index: right, if some work
+            # for nothing), and the pairs are counted here, where that expert does not count
+            self.count(experts)
+            experts, counts = experts.clamp(max=self.held - 1), None
+        return fused_moe.fused_moe(x, experts, weights, gate_up, down, counts=counts, add=shared)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -211,16 +255,10 @@ class SparseMoE(nn.Module):
             return torch.cat([self(part) for part in x.split(m)]).reshape(shape)
         fast = self.kernels.moe and fused_moe.usable(x)  # Triton: routing, experts read once, counting
         weights, experts = self.route(x, kernel=fast)
+        if fast:
+            return self.through_kernels(x, weights, experts).reshape(shape)
         gate_up, down = self.stacks()
         shared = self.shared_experts(x) if self.cfg.shared_experts else None
-        if fast:  # the shared experts' output added in the kernels' final sum
-            counts = (self.touched, self.forwards)
-            if self.held < self.num_experts:  # the kernels index only the experts held here: another
-                # rank's pair runs on the last one with its weight 0 (a clamped index: right, if some work
-                # for nothing), and the pairs are counted here, where that expert does not count
-                self.count(experts)
-                experts, counts = experts.clamp(max=self.held - 1), None
-            return fused_moe.fused_moe(x, experts, weights, gate_up, down, counts=counts, add=shared).reshape(shape)
         self.count(experts)
         if self.cfg.stored:  # quantized experts, many tokens: the fused kernels, MAX_TOKENS at a time
             m = fused_moe.MAX_TOKENS

@@ -11,6 +11,11 @@ router's weights are 0.5 to 11 MB: one program alone would stream them from one 
 and count themselves done on the token's counter; the last of a token's programs to finish reads
 the token's logits back and routes it, then zeroes the counter for the next call (a CUDA graph
 replays the same counters). A logit sums its row in one fixed order whatever the token count.
+
+`route_normed`: the same, with the layer's post-attention RMSNorm and its residual add done first by
+every program (a token's 2 x H inputs come from L2; the norm's own kernel and its launch are gone);
+the first program of each token stores the normed input, which the expert kernels then read, and the
+new residual stream. Taken for decode's one or two tokens (moe.NORM_TOKENS), where it pays.
 """
 from __future__ import annotations
 
@@ -33,6 +38,20 @@ def router(x: torch.Tensor, weight: torch.Tensor, cfg: MoEConfig, bias: torch.Te
     """x (N, H), the router's weight (E, H) in float32 or x's dtype (logits then rounded to it, as a
     matmul in that dtype would), counts (>= N,) int32 zeros, zero again after -> (weights (N, k)
     float32, experts (N, k) int64)."""
+    return _route(x, None, weight, cfg, bias, counts, spread)[2:]
+
+
+def route_normed(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                 weight: torch.Tensor, cfg: MoEConfig, bias: torch.Tensor | None, counts: torch.Tensor,
+                 spread: bool = False) -> tuple[torch.Tensor, ...]:
+    """`router` of RMSNorm(x + residual) (llama.RMSNorm with its residual add: the sum rounded to x's
+    dtype, float32 statistics, the normed value rounded, then times the norm's weight) -> (the normed
+    input (N, H), the stream x + residual (N, H), weights, experts)."""
+    return _route(x, (residual, norm_weight, eps), weight, cfg, bias, counts, spread)
+
+
+def _route(x: torch.Tensor, prenorm: tuple | None, weight: torch.Tensor, cfg: MoEConfig, bias: torch.Tensor | None,
+           counts: torch.Tensor, spread: bool) -> tuple[torch.Tensor, ...]:
     n, h = x.shape
     e, k = weight.shape[0], cfg.top_k
     if x.stride(1) != 1:
@@ -40,31 +59,66 @@ def router(x: torch.Tensor, weight: torch.Tensor, cfg: MoEConfig, bias: torch.Te
     logits = torch.empty(n, e, dtype=torch.float32, device=x.device)
     weights = torch.empty(n, k, dtype=torch.float32, device=x.device)
     experts = torch.empty(n, k, dtype=torch.int64, device=x.device)
+    normed = stream = residual = norm_weight = x  # not read without prenorm
+    eps = 0.0
+    if prenorm is not None:
+        residual, norm_weight, eps = prenorm
+        residual = residual.reshape(n, h).contiguous()
+        normed, stream = torch.empty_like(x), torch.empty_like(x)
     be, bk = router_tiles(e, h)
     router_kernel[(triton.cdiv(e, be), n)](
-        x, weight, weight if bias is None else bias, logits, counts, experts, weights, e, h, e // cfg.n_group,
-        x.stride(0), float(cfg.scaling), BE=be, BK=bk, ROUND=weight.dtype != torch.float32,
+        x, residual, norm_weight, normed, stream, float(eps),
+        weight, weight if bias is None else bias, logits, counts, experts, weights, e, h, e // cfg.n_group,
+        x.stride(0), float(cfg.scaling), PRENORM=prenorm is not None, BE=be, BK=bk, ROUND=weight.dtype != torch.float32,
         EP=triton.next_power_of_2(e), K=k, KP=triton.next_power_of_2(k), GP=triton.next_power_of_2(cfg.n_group),
         GROUPS=cfg.n_group, TOPK_GROUP=cfg.topk_group, SIGMOID=cfg.scoring == "sigmoid", BIAS=bias is not None,
         GROUP_TOP2=cfg.group_top2, NORM=cfg.norm_topk_prob, SPREAD=spread, num_warps=4)
-    return weights, experts
+    return normed, stream, weights, experts
 
 
 if triton is not None:
     @triton.jit
-    def router_kernel(X, W, bias, logits, counts, experts, weights, E, H, PER, sx, scaling,
-                      BE: tl.constexpr, BK: tl.constexpr, ROUND: tl.constexpr,
+    def rms_scaled(s, inv, nw, dt: tl.constexpr):
+        """RMSNorm's output (llama.rms_norm) from the stream s and 1 / rms, in float32: s * inv rounded
+        to dt, times the norm's weight nw, rounded to dt."""
+        return ((s * inv).to(dt).to(tl.float32) * nw.to(tl.float32)).to(dt).to(tl.float32)
+
+    @triton.jit
+    def stream_at(X, R, t, sx, kk, km, H):
+        """Token t's x + residual at columns kk, rounded to x's dtype as the add in that dtype, in float32."""
+        a = tl.load(X + t * sx + kk, mask=km, other=0.0)
+        b = tl.load(R + t * H + kk, mask=km, other=0.0)
+        return (a.to(tl.float32) + b.to(tl.float32)).to(a.dtype).to(tl.float32)
+
+    @triton.jit
+    def router_kernel(X, R, NW, XN, XS, eps, W, bias, logits, counts, experts, weights, E, H, PER, sx, scaling,
+                      PRENORM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, ROUND: tl.constexpr,
                       EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr,
                       GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr,
                       GROUP_TOP2: tl.constexpr, NORM: tl.constexpr, SPREAD: tl.constexpr):
         t = tl.program_id(1)
         rows = tl.program_id(0) * BE + tl.arange(0, BE)
         rm = rows < E
+        if PRENORM:  # 1 / rms of the stream x + residual, in every program
+            sq = tl.zeros((BK,), dtype=tl.float32)
+            for k0 in range(0, H, BK):
+                kk = k0 + tl.arange(0, BK)
+                s = stream_at(X, R, t, sx, kk, kk < H, H)
+                sq += s * s
+            inv = tl.math.rsqrt(tl.sum(sq, 0) / H + eps)
         acc = tl.zeros((BE, BK), dtype=tl.float32)
         for k0 in range(0, H, BK):
             kk = k0 + tl.arange(0, BK)
             km = kk < H
-            x = tl.load(X + t * sx + kk, mask=km, other=0.0).to(tl.float32)
+            if PRENORM:  # as RMSNorm: the normed value rounded to x's dtype, then times the norm's weight
+                s = stream_at(X, R, t, sx, kk, km, H)
+                dt = XN.dtype.element_ty
+                x = rms_scaled(s, inv, tl.load(NW + kk, mask=km, other=0.0), dt)
+                if tl.program_id(0) == 0:  # the expert kernels read the normed input, the next layer the stream
+                    tl.store(XN + t * H + kk, x.to(dt), mask=km)
+                    tl.store(XS + t * H + kk, s.to(dt), mask=km)
+            else:
+                x = tl.load(X + t * sx + kk, mask=km, other=0.0).to(tl.float32)
             w = tl.load(W + rows[:, None] * H + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
             acc += w.to(tl.float32) * x[None, :]
         lg = tl.sum(acc, 1)
