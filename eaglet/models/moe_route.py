@@ -64,7 +64,7 @@ def _route(x: torch.Tensor, prenorm: tuple | None, weight: torch.Tensor, cfg: Mo
     if prenorm is not None:
         residual, norm_weight, eps = prenorm
         residual = residual.reshape(n, h).contiguous()
-        normed, stream = torch.empty_like(x), torch.empty_like(x)
+        normed, stream = (torch.empty(n, h, dtype=x.dtype, device=x.device) for _ in range(2))
     be, bk = router_tiles(e, h)
     router_kernel[(triton.cdiv(e, be), n)](
         x, residual, norm_weight, normed, stream, float(eps),
