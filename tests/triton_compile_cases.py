@@ -40,7 +40,7 @@ def cases():
         bn, bk, warps = gemv.glu_tiles(1, k) if glu else gemv.tiles(n, k)
         yield (f"gemv one row, {n} x {k}, glu {glu}",
                lambda k=k, glu=glu, bn=bn, bk=bk, w=warps: compile_for_h200(
-                   gemv.gemv_kernel, dict(K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0, HAS_BIAS=False, GLU=glu), w))
+                   gemv.gemv_kernel, dict(K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0, HAS_BIAS=False, GLU=glu, TRIGGER=True), w))
     for rows, n, k, glu, bias in [(6, 576, 576, False, True), (16, 3072, 576, True, False),
                                   (16, 4096, 4096, False, False), (2, 28672, 4096, True, False)]:
         bm, bn, bk, warps, stages = gemv.glu_tiles(rows, k) if glu else gemv.dot_tiles(rows, n, k)
@@ -102,7 +102,7 @@ def cases():
         for pre in (False, True):
             yield f"MoE routing, {name}" + (", the norm inside" if pre else ""), \
                 lambda e=e, k=k, gr=groups, v3=v3, be=be, bk=bk, pre=pre: compile_for_h200(
-                    moe_route.router_kernel, dict(PRENORM=pre, BE=be, BK=bk, ROUND=not v3, EP=ca.pow2(e), K=k, KP=ca.pow2(k),
+                    moe_route.router_kernel, dict(GDC=pre, PRENORM=pre, BE=be, BK=bk, ROUND=not v3, EP=ca.pow2(e), K=k, KP=ca.pow2(k),
                                                   GP=max(1, ca.pow2(gr)), GROUPS=gr, TOPK_GROUP=min(gr, 4), SIGMOID=v3, BIAS=v3,
                                                   GROUP_TOP2=v3, NORM=True, SPREAD=False), 4, 3,
                     {**route, "W": "*fp32" if v3 else "*bf16"})

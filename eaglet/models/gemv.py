@@ -24,6 +24,7 @@ import os
 import torch
 
 from .cache_attention import pow2
+from .fused_moe import dependent_launch
 
 try:
     import triton
@@ -134,7 +135,8 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: 
     elif m == 1:
         bn, bk, warps = glu_tiles(1, k) if glu else tiles(n, k)
         gemv_kernel[(triton.cdiv(out, bn),)](xr, weight, b, y, out, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
-                                         HAS_BIAS=bias is not None, GLU=glu, num_warps=warps)
+                                         HAS_BIAS=bias is not None, GLU=glu, TRIGGER=dependent_launch(x),
+                                         num_warps=warps)
     else:
         bm, bn, bk, warps, stages = glu_tiles(m, k) if glu else dot_tiles(m, n, k)
         gemv_dot_kernel[(triton.cdiv(out, bn),)](xr, weight, b, y, m, out, xr.stride(0), K=k, BM=bm, BN=bn, BK=bk,
@@ -172,8 +174,12 @@ if triton is not None:
 
     @triton.jit
     def gemv_kernel(X, W, B, Y, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                HAS_BIAS: tl.constexpr, GLU: tl.constexpr):
-        """Y (N,) = W X (+ B) for one row X; with GLU, silu(W[:N] X) * (W[N:] X)."""
+                HAS_BIAS: tl.constexpr, GLU: tl.constexpr, TRIGGER: tl.constexpr):
+        """Y (N,) = W X (+ B) for one row X; with GLU, silu(W[:N] X) * (W[N:] X). TRIGGER: a kernel launched
+        dependent on this one (the routing kernel after the o projection) may start now and read its
+        weights; it waits for these results before reading them."""
+        if TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         rm = rows < N
         acc = tl.zeros((BN, BK), dtype=tl.float32)

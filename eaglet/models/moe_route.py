@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..config import MoEConfig
-from .fused_moe import triton
+from .fused_moe import dependent_launch, triton
 
 if triton is not None:
     import triton.language as tl
@@ -66,13 +66,16 @@ def _route(x: torch.Tensor, prenorm: tuple | None, weight: torch.Tensor, cfg: Mo
         residual = residual.reshape(n, h).contiguous()
         normed, stream = (torch.empty(n, h, dtype=x.dtype, device=x.device) for _ in range(2))
     be, bk = router_tiles(e, h)
+    gdc = prenorm is not None and dependent_launch(x)  # after the o projection, which lets it launch early
     router_kernel[(triton.cdiv(e, be), n)](
         x, residual, norm_weight, normed, stream, float(eps),
         weight, weight if bias is None else bias, logits, counts, experts, weights, e, h, e // cfg.n_group,
-        x.stride(0), float(cfg.scaling), PRENORM=prenorm is not None, BE=be, BK=bk, ROUND=weight.dtype != torch.float32,
+        x.stride(0), float(cfg.scaling), GDC=gdc, PRENORM=prenorm is not None, BE=be, BK=bk,
+        ROUND=weight.dtype != torch.float32,
         EP=triton.next_power_of_2(e), K=k, KP=triton.next_power_of_2(k), GP=triton.next_power_of_2(cfg.n_group),
         GROUPS=cfg.n_group, TOPK_GROUP=cfg.topk_group, SIGMOID=cfg.scoring == "sigmoid", BIAS=bias is not None,
-        GROUP_TOP2=cfg.group_top2, NORM=cfg.norm_topk_prob, SPREAD=spread, num_warps=4)
+        GROUP_TOP2=cfg.group_top2, NORM=cfg.norm_topk_prob, SPREAD=spread, num_warps=4,
+        **({"launch_pdl": True} if gdc else {}))
     return normed, stream, weights, experts
 
 
@@ -91,14 +94,37 @@ if triton is not None:
         return (a.to(tl.float32) + b.to(tl.float32)).to(a.dtype).to(tl.float32)
 
     @triton.jit
+    def route_step(acc, X, R, NW, XN, XS, t, sx, kk, H, inv, w, PRENORM: tl.constexpr):
+        """acc + w * the input at columns kk: x, or with PRENORM RMSNorm(x + residual) as llama.RMSNorm
+        gives it (the normed value rounded to x's dtype, then times the norm's weight), which the first
+        program of the token stores with the stream."""
+        km = kk < H
+        if PRENORM:
+            s = stream_at(X, R, t, sx, kk, km, H)
+            dt = XN.dtype.element_ty
+            x = rms_scaled(s, inv, tl.load(NW + kk, mask=km, other=0.0), dt)
+            if tl.program_id(0) == 0:  # the expert kernels read the normed input, the next layer the stream
+                tl.store(XN + t * H + kk, x.to(dt), mask=km)
+                tl.store(XS + t * H + kk, s.to(dt), mask=km)
+        else:
+            x = tl.load(X + t * sx + kk, mask=km, other=0.0).to(tl.float32)
+        return acc + w.to(tl.float32) * x[None, :]
+
+    @triton.jit
     def router_kernel(X, R, NW, XN, XS, eps, W, bias, logits, counts, experts, weights, E, H, PER, sx, scaling,
-                      PRENORM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, ROUND: tl.constexpr,
+                      GDC: tl.constexpr, PRENORM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, ROUND: tl.constexpr,
                       EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr,
                       GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr,
                       GROUP_TOP2: tl.constexpr, NORM: tl.constexpr, SPREAD: tl.constexpr):
         t = tl.program_id(1)
         rows = tl.program_id(0) * BE + tl.arange(0, BE)
         rm = rows < E
+        if GDC:  # launched dependent on the kernel before (the o projection): the router's weights do not
+            # depend on it, so its first step's are read while it finishes, then its output awaited
+            kk = tl.arange(0, BK)
+            w0 = tl.load(W + rows[:, None] * H + kk[None, :], mask=rm[:, None] & (kk < H)[None, :], other=0.0)
+            tl.extra.cuda.gdc_wait()
+        inv = 1.0
         if PRENORM:  # 1 / rms of the stream x + residual, in every program
             sq = tl.zeros((BK,), dtype=tl.float32)
             for k0 in range(0, H, BK):
@@ -107,20 +133,12 @@ if triton is not None:
                 sq += s * s
             inv = tl.math.rsqrt(tl.sum(sq, 0) / H + eps)
         acc = tl.zeros((BE, BK), dtype=tl.float32)
-        for k0 in range(0, H, BK):
+        if GDC:  # the first step, its weights read before the wait
+            acc = route_step(acc, X, R, NW, XN, XS, t, sx, tl.arange(0, BK), H, inv, w0, PRENORM)
+        for k0 in range(GDC * BK, H, BK):
             kk = k0 + tl.arange(0, BK)
-            km = kk < H
-            if PRENORM:  # as RMSNorm: the normed value rounded to x's dtype, then times the norm's weight
-                s = stream_at(X, R, t, sx, kk, km, H)
-                dt = XN.dtype.element_ty
-                x = rms_scaled(s, inv, tl.load(NW + kk, mask=km, other=0.0), dt)
-                if tl.program_id(0) == 0:  # the expert kernels read the normed input, the next layer the stream
-                    tl.store(XN + t * H + kk, x.to(dt), mask=km)
-                    tl.store(XS + t * H + kk, s.to(dt), mask=km)
-            else:
-                x = tl.load(X + t * sx + kk, mask=km, other=0.0).to(tl.float32)
-            w = tl.load(W + rows[:, None] * H + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-            acc += w.to(tl.float32) * x[None, :]
+            w = tl.load(W + rows[:, None] * H + kk[None, :], mask=rm[:, None] & (kk < H)[None, :], other=0.0)
+            acc = route_step(acc, X, R, NW, XN, XS, t, sx, kk, H, inv, w, PRENORM)
         lg = tl.sum(acc, 1)
         if ROUND:  # as the matmul in the weight's dtype rounds its output
             lg = lg.to(W.dtype.element_ty).to(tl.float32)
