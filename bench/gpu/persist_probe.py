@@ -15,12 +15,13 @@ over its bytes. A probe, not part of the package.
   python3 bench/gpu/persist_probe.py OUT_DIR [N,N..]   # default 2048 (Qwen3's hidden) and 576 (SmolLM2's)
 """
 import argparse
-import statistics
 import sys
 
 import torch
 import triton
 import triton.language as tl
+
+from eaglet.perf.curves import time_ms
 
 
 @triton.jit
@@ -66,18 +67,10 @@ def chain_kernel(W, Y, bar, S, N: tl.constexpr, BN: tl.constexpr, BK: tl.constex
 
 
 def event_ms(fn, repeats=30) -> float:
+    """Median ms of fn() after three warm-up calls."""
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return time_ms(fn, torch.device("cuda"), repeats)
 
 
 def graphed(fn):
