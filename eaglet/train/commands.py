@@ -217,6 +217,15 @@ def cmd_train_draft(args) -> int:
         from ..perf.record import write_record
 
         print(f"record: {write_record('train-draft', vars(args), result, args.out, models={'target': loaded.path, 'drafter': result.get('export')})}")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # A torchrun worker, its group destroyed and its files written: it leaves without the interpreter's
+        # teardown, in which gloo's worker threads can abort a rank that finished (SIGABRT, "terminate called
+        # without an active exception"; the mechanism pytorch/pytorch#179291 describes), failing the whole run.
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
