@@ -66,7 +66,9 @@ def _route(x: torch.Tensor, prenorm: tuple | None, weight: torch.Tensor, cfg: Mo
         residual = residual.reshape(n, h).contiguous()
         normed, stream = (torch.empty(n, h, dtype=x.dtype, device=x.device) for _ in range(2))
     be, bk = router_tiles(e, h)
-    gdc = prenorm is not None and dependent_launch(x)  # after the o projection, which lets it launch early
+    # Launched dependent on the kernel before: at one token the o projection's GEMV, which lets it start
+    # early; after any other kernel (a tile GEMM, an all-reduce) it starts once that one completes
+    gdc = prenorm is not None and dependent_launch(x)
     router_kernel[(triton.cdiv(e, be), n)](
         x, residual, norm_weight, normed, stream, float(eps),
         weight, weight if bias is None else bias, logits, counts, experts, weights, e, h, e // cfg.n_group,
@@ -119,8 +121,8 @@ if triton is not None:
         t = tl.program_id(1)
         rows = tl.program_id(0) * BE + tl.arange(0, BE)
         rm = rows < E
-        if GDC:  # launched dependent on the kernel before (the o projection): the router's weights do not
-            # depend on it, so its first step's are read while it finishes, then its output awaited
+        if GDC:  # launched dependent on the kernel before: the router's weights do not depend on it, so
+            # its first step's are read while it finishes, then its output awaited
             kk = tl.arange(0, BK)
             w0 = tl.load(W + rows[:, None] * H + kk[None, :], mask=rm[:, None] & (kk < H)[None, :], other=0.0)
             tl.extra.cuda.gdc_wait()
