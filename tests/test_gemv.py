@@ -53,6 +53,44 @@ def test_glu_matches_silu_of_gate_times_up(rows, i, k, bias):
     torch.testing.assert_close(y.float(), F.silu(gate) * up, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="dependent launch needs compute capability 9")
+@pytest.mark.parametrize("n,k", [(2048, 4096), (5120, 2048), (576, 576)])
+def test_a_decode_chain_by_dependent_launch_gives_the_bits_of_plain_launches(n, k, monkeypatch):
+    """A norm, two GEMVs and a gate-up after it, each launched dependent on the kernel before and (the
+    GEMVs) reading its first weight slices before it waits for its input: the bits of the same GEMVs
+    launched plainly, eagerly and in a replayed graph, where each starts while the one before still
+    writes its input."""
+    from eaglet.models import exact
+
+    g = torch.Generator().manual_seed(n)
+    rand = lambda *shape: (torch.randn(*shape, generator=g) * 0.05).bfloat16().cuda()
+    nw, w1, w2, w3 = rand(k), rand(n, k), rand(k, n), rand(2 * n, k)
+    x, r = rand(1, k), rand(1, k)
+
+    def chain():
+        h, s = exact.one_row_norm(x, nw, 1e-5, r)
+        y = gemv.gemv(gemv.gemv(h, w1), w2)
+        return torch.cat([y, s, gemv.glu(y, w3)], -1)
+
+    with torch.no_grad():
+        eager = [chain()]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+        inputs, replayed = [], []
+        for _ in range(3):
+            inputs.append(rand(1, k))
+            x.copy_(inputs[-1])
+            graph.replay()
+            replayed.append(out.clone())
+        monkeypatch.setattr(gemv, "PRE_SLICES", 0)  # plain launches
+        for xi, got in zip(inputs, replayed):
+            x.copy_(xi)
+            assert torch.equal(got, chain())
+        assert not torch.equal(replayed[0], replayed[1])
+
+
 def test_tiles():
     assert gemv.tiles(4096, 14336) == (1, 1024, 8)  # Llama-3.1-8B's down projection
     assert gemv.tiles(960, 576) == (2, 1024, 2)  # SmolLM2's q/k/v

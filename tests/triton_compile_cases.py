@@ -38,9 +38,11 @@ def cases():
     for n, k, glu in [(49152, 576, False), (1536, 576, True), (4096, 4096, False), (14336, 4096, True),
                       (5120, 2048, False), (151936, 2048, False)]:
         bn, bk, warps = gemv.glu_tiles(1, k) if glu else gemv.tiles(n, k)
-        yield (f"gemv one row, {n} x {k}, glu {glu}",
-               lambda k=k, glu=glu, bn=bn, bk=bk, w=warps: compile_for_h200(
-                   gemv.gemv_kernel, dict(K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0, HAS_BIAS=False, GLU=glu, TRIGGER=True), w))
+        pre = min(gemv.PRE_SLICES, -(-k // bk))  # launched dependent on sm_90: slices read before waiting
+        yield (f"gemv one row, {n} x {k}, glu {glu}, {pre} slices first",
+               lambda k=k, glu=glu, bn=bn, bk=bk, w=warps, pre=pre: compile_for_h200(
+                   gemv.gemv_kernel, dict(K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0, HAS_BIAS=False, GLU=glu, TRIGGER=True,
+                                          PRE=pre), w))
     for rows, n, k, glu, bias in [(6, 576, 576, False, True), (16, 3072, 576, True, False),
                                   (16, 4096, 4096, False, False), (2, 28672, 4096, True, False)]:
         bm, bn, bk, warps, stages = gemv.glu_tiles(rows, k) if glu else gemv.dot_tiles(rows, n, k)
@@ -57,7 +59,7 @@ def cases():
         yield f"cache attention, {t} tokens, tree {tree}, split {split}", lambda c=const: compile_for_h200(ca.attend_kernel, c)
         if split:
             yield f"cache attention combine, {t} tokens", lambda r=rows, n=tiles: compile_for_h200(
-                ca.combine_kernel, dict(G=3, TILES=n, ROWS=r, D=64, SP=8))
+                ca.combine_kernel, dict(G=3, TILES=n, ROWS=r, D=64, SP=8, TRIGGER=True))
     for nh, t, pending, tree, split in [(16, 1, 0, False, False), (128, 1, 0, False, True), (16, 16, 0, True, True),
                                         (16, 8, 16, True, False)]:  # DeepSeek-V2-Lite's and V3's heads, 512 + 64
         const = dict(NH=nh, C=512, R=64, RP=64, ROWS=mla_attention.ROWS, TP=max(16, ca.pow2(t)), PP=max(16, ca.pow2(pending)),
@@ -69,8 +71,8 @@ def cases():
         gemv.gemv_dot_kernel, dict(K=576, BM=bm, BN=bn, BK=bk, EVEN_K=576 % bk == 0, HAS_BIAS=False, GLU=False),
         warps, stages)
     for add in (False, True):
-        yield f"exact RMSNorm, residual {add}", lambda add=add: compile_for_h200(
-            exact.rms_norm_kernel, dict(BLOCK=1024, ADD=add), 4)
+        yield f"RMSNorm, residual {add}, dependent launch {add}", lambda add=add: compile_for_h200(
+            exact.rms_norm_kernel, dict(BLOCK=1024, ADD=add, GDC=add), 4)
     for g, t, tree, norm in [(3, 1, False, False), (8, 16, True, True)]:
         yield f"exact attention, {t} tokens, tree {tree}", lambda g=g, t=t, tree=tree, norm=norm: compile_for_h200(
             exact_attention.attend_kernel, dict(G=g, ROWS=16, E=max(16, ca.pow2(t)), D=128, SPLIT=exact_attention.SPLIT,

@@ -7,7 +7,11 @@ every stage its own weights, so the bytes stream from HBM), timed three ways in 
   tiles dealt round-robin, stages separated by a grid-wide barrier (a counter: release on arrival,
   acquire while spinning; the stage's input read past L1);
 - `persistent+prefetch`: the same, each program's first weight tile of the next stage loaded
-  before it waits (weights do not depend on the previous stage), as down_pre does with gate-up.
+  before it waits (weights do not depend on the previous stage), as down_pre does with gate-up;
+- `pdl`, `pdl+preN`: S launches in one graph, each launched dependent on the one before (programmatic
+  dependent launch), every program triggering its dependents at its start; with preN it loads its first
+  N weight slices (all of them where N slices cover the row) before it waits for the input, so a stage's
+  weights stream while the stage before finishes. The grid is one wave: BN rows a program.
 
 Reports µs a stage, the bytes' time at the measured copy bandwidth, and the overhead a stage pays
 over its bytes. A probe, not part of the package.
@@ -66,6 +70,58 @@ def chain_kernel(W, Y, bar, S, N: tl.constexpr, BN: tl.constexpr, BK: tl.constex
         tl.atomic_add(bar, 1, sem="release")
 
 
+@triton.jit
+def pdl_kernel(W, X, Y, N: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRE: tl.constexpr):
+    """Y = W X for one stage, launched dependent on the stage before: PRE (0-2) slices of BK columns
+    loaded before gdc_wait, the rest after."""
+    tl.extra.cuda.gdc_launch_dependents()
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    c = tl.arange(0, BK)
+    rm = rows < N
+    w0 = tl.zeros((BN, BK), dtype=W.dtype.element_ty)
+    w1 = tl.zeros((BN, BK), dtype=W.dtype.element_ty)
+    if PRE >= 1:
+        w0 = tl.load(W + rows[:, None] * N + c[None, :], mask=rm[:, None] & (c < N)[None, :], other=0.0)
+    if PRE >= 2:
+        w1 = tl.load(W + rows[:, None] * N + (BK + c)[None, :], mask=rm[:, None] & ((BK + c) < N)[None, :], other=0.0)
+    tl.extra.cuda.gdc_wait()
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    if PRE >= 1:
+        acc += w0.to(tl.float32) * tl.load(X + c, mask=c < N, other=0.0).to(tl.float32)[None, :]
+    if PRE >= 2:
+        acc += w1.to(tl.float32) * tl.load(X + BK + c, mask=(BK + c) < N, other=0.0).to(tl.float32)[None, :]
+    for k0 in range(PRE * BK, N, BK):
+        km = (k0 + c) < N
+        w = tl.load(W + rows[:, None] * N + (k0 + c)[None, :], mask=rm[:, None] & km[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        acc += w.to(tl.float32) * tl.load(X + k0 + c, mask=km, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=rm)
+
+
+def pdl_rows(n: int, w, x, y, ref, bytes_ms: float, stages: int) -> list[dict]:
+    """The `pdl` paths: row tiles of 8 and 16 (a one-wave grid), the row in one or two slices, 0-2 preloaded."""
+    rows = []
+    bk_full = triton.next_power_of_2(n)
+    for bn, warps in ((8, 8), (16, 8), (4, 4)):
+        for bk, pres in ((bk_full, (0, 1)), (bk_full // 2, (1, 2))):
+            for pre in pres:
+                def run(bn=bn, bk=bk, pre=pre, warps=warps):
+                    y[0].copy_(x)
+                    for s in range(stages):
+                        pdl_kernel[(triton.cdiv(n, bn),)](w[s], y[s], y[s + 1], N=n, BN=bn, BK=bk, PRE=pre,
+                                                          num_warps=warps, launch_pdl=True)
+                try:
+                    ms = event_ms(graphed(run))
+                except Exception as e:  # e.g. registers: report and go on
+                    print(f"N={n} pdl BN={bn} BK={bk} pre={pre}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    continue
+                err = (y[stages].float() - ref).abs().max().item() / ref.abs().max().item()
+                rows.append(dict(n=n, stages=stages, path=f"pdl+pre{pre}" if pre else "pdl", programs=triton.cdiv(n, bn),
+                                 bn=bn, bk=bk, warps=warps, us_stage=ms * 1e3 / stages,
+                                 bytes_us_stage=bytes_ms * 1e3 / stages, rel_err_vs_graphed=err))
+    return rows
+
+
 def event_ms(fn, repeats=30) -> float:
     """Median ms of fn() after three warm-up calls."""
     for _ in range(3):
@@ -100,7 +156,8 @@ def resident(consts: dict, warps: int, *args) -> int:
     return min(2048 // (32 * warps), 65536 // regs_warp // warps, by_smem, 32)
 
 
-def probe(n: int, stages: int, bw: float, per_sm: list[int], tiles: list[tuple[int, int, int]]) -> list[dict]:
+def probe(n: int, stages: int, bw: float, per_sm: list[int], tiles: list[tuple[int, int, int]],
+          pdl: bool = True) -> list[dict]:
     from eaglet.models.gemv import gemv
 
     torch.manual_seed(0)
@@ -123,6 +180,8 @@ def probe(n: int, stages: int, bw: float, per_sm: list[int], tiles: list[tuple[i
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     y = torch.empty(stages + 1, n, device="cuda", dtype=torch.bfloat16)
     bar = torch.zeros(1, device="cuda", dtype=torch.int32)
+    if pdl:
+        rows += pdl_rows(n, w, x, y, ref, bytes_ms, stages)
     for k in per_sm:
         for bn, bk, warps in tiles:
             if n % bn:
@@ -157,7 +216,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("sizes", nargs="?", default="2048,576")
-    ap.add_argument("--per-sm", default="1,2,4")
+    ap.add_argument("--per-sm", default="1,2,4", help="programs an SM for the persistent paths ('' for none)")
+    ap.add_argument("--no-pdl", action="store_true", help="leave out the dependent-launch paths")
     a = ap.parse_args()
     from eaglet.perf.record import write_record
 
@@ -169,7 +229,8 @@ def main() -> int:
         tiles = [(2, 2048, 8), (4, 2048, 8), (8, 1024, 8)] if n >= 2048 else [(2, 1024, 4), (4, 1024, 4), (8, 512, 4)]
         if n < 2048:
             tiles = [(bn, min(bk, triton.next_power_of_2(n)), wp) for bn, bk, wp in tiles]
-        rows += probe(n, min(stages, 1024), bw, [int(k) for k in a.per_sm.split(",")], tiles)
+        rows += probe(n, min(stages, 1024), bw, [int(k) for k in a.per_sm.split(",") if k], tiles,
+                      not a.no_pdl)
     print(f"record: {write_record('persist-probe', vars(a), dict(copy_gbs=bw, rows=rows), a.out)}")
     return 0
 

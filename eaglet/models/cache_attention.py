@@ -45,6 +45,14 @@ MAX_TOKENS = 64  # longer blocks (prefill) take the SDPA path
 MAX_SPLITS = 64
 
 
+def dependent_launch(x: torch.Tensor) -> bool:
+    """Whether a kernel may start while the kernel before it finishes (programmatic dependent launch,
+    compute capability 9+): its launch and its first weight loads overlap that kernel's tail, each
+    program waiting for the previous kernel's results before it reads them (MoE's down and combine,
+    the routing kernel, the o projection's GEMV)."""
+    return not INTERPRET and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
 def usable(x: torch.Tensor, tokens: int) -> bool:
     """Whether the kernel takes this forward (a cache asks only where Kernels.cache_attention is on)."""
     return (triton is not None and tokens <= MAX_TOKENS
@@ -124,8 +132,10 @@ def cache_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         H=h, HKV=hkv, G=groups, TILES=tiles, ROWS=rows, TP=max(16, pow2(t)), PP=max(16, pow2(pending)), D=d, BLOCK=64,
         TREE=tree, SPLIT=splits > 1, ROPE=rope is not None, QK_NORM=qk_norm is not None)
     if splits > 1:
+        # the o projection's one-row GEMV, launched dependent on this kernel, may start now and read its weights
         combine_kernel[(b, hkv * tiles)](part_m, part_l, part_o, out, splits, t, out.stride(0), out.stride(1),
-                                   G=groups, TILES=tiles, ROWS=rows, D=d, SP=max(2, pow2(splits)))
+                                   G=groups, TILES=tiles, ROWS=rows, D=d, SP=max(2, pow2(splits)),
+                                   TRIGGER=dependent_launch(qkv))
     return out
 
 
@@ -240,7 +250,10 @@ if triton is not None:
 
     @triton.jit
     def combine_kernel(PM, PL, PO, OUT, splits, T, so_b, so_t,
-                 G: tl.constexpr, TILES: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, SP: tl.constexpr):
+                 G: tl.constexpr, TILES: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, SP: tl.constexpr,
+                 TRIGGER: tl.constexpr = False):
+        if TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
         b = tl.program_id(0)
         h = tl.program_id(1) // TILES
         tile = tl.program_id(1) % TILES

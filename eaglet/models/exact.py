@@ -7,7 +7,7 @@ order (bench/cpu/verify_invariance.py). The projections, norms, MoE layers and o
 it are row-invariant on the CPU already (eaglet's matmuls reduce each row alike at any row count).
 On the GPU cuBLAS and torch's reductions choose their tiling by the row count, so an exact model
 there runs gemv.py's row-invariant matmul (models/linear.py) and `rms_norm` below, one program a
-row; the fused MoE kernels reduce a token alike at any count already; attention runs as
+row (which every model's one-row norms take on the GPU as well: `one_row_norm`); the fused MoE kernels reduce a token alike at any count already; attention runs as
 models/exact_attention.py's kernels (no host sync: graphed), MLA's as here, a call a token, whose
 shapes are the same in a verify and in the decode step (host syncs: eager).
 
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .cache_attention import dependent_launch
 
 try:
     import triton
@@ -106,23 +108,50 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     summed = torch.empty_like(xr) if residual is not None else xr
     out = torch.empty(xr.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     if xr.shape[0]:
+        # launched dependent on the kernel before (its weight read while that one finishes), and letting
+        # the next kernel (a GEMV reading its weights before it waits) start at once
+        gdc = dependent_launch(x)
         rms_norm_kernel[(xr.shape[0],)](xr, res, summed, weight, out, d, eps, BLOCK=triton.next_power_of_2(d),
-                                        ADD=residual is not None)
+                                        ADD=residual is not None, GDC=gdc, **({"launch_pdl": True} if gdc else {}))
     out = out.view(*x.shape[:-1], d)
     return out if residual is None else (out, summed.view(x.shape))
 
 
+def one_row_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """`rms_norm` as an op torch.compile keeps whole (llama.RMSNorm's one-row path on the GPU: a decode
+    step's norms as one kernel each, chained by dependent launch with the GEMVs around them)."""
+    out, summed = torch.ops.eaglet.rms_norm(x, weight, eps, residual)
+    return out if residual is None else (out, summed)
+
+
+if triton is not None:
+    @torch.library.custom_op("eaglet::rms_norm", mutates_args=())
+    def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return rms_norm(x, weight, eps), x.new_empty(0)
+        return rms_norm(x, weight, eps, residual)
+
+    @_rms_norm_op.register_fake
+    def _(x, weight, eps, residual):
+        out = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+        return out, (x.new_empty(0) if residual is None else torch.empty_like(x))
+
+
 if triton is not None:
     @triton.jit
-    def rms_norm_kernel(X, R, S, W, OUT, D, eps, BLOCK: tl.constexpr, ADD: tl.constexpr):
+    def rms_norm_kernel(X, R, S, W, OUT, D, eps, BLOCK: tl.constexpr, ADD: tl.constexpr, GDC: tl.constexpr = False):
         r = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK)
         m = c < D
+        w = tl.load(W + c, mask=m, other=0.0)
+        if GDC:  # launched dependent: let the next kernel start, then wait for X (and R) to be complete
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         x = tl.load(X + r * D + c, mask=m, other=0.0)
         if ADD:  # the residual stream: x + residual, rounded to x's dtype as torch's add rounds it
             x = (x.to(tl.float32) + tl.load(R + r * D + c, mask=m, other=0.0).to(tl.float32)).to(x.dtype)
             tl.store(S + r * D + c, x, mask=m)
         xf = x.to(tl.float32)
         normed = (xf * tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)).to(x.dtype)
-        w = tl.load(W + c, mask=m, other=0.0)
         tl.store(OUT + r * D + c, (w.to(tl.float32) * normed.to(tl.float32)).to(OUT.dtype.element_ty), mask=m)

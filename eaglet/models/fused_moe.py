@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .cache_attention import INTERPRET
+from .cache_attention import INTERPRET, dependent_launch
 
 try:
     import triton
@@ -35,13 +35,6 @@ except ImportError:  # CPU installs without Triton
 CHUNK = 16  # pairs an owner applies a weight tile to at once (tl.dot's smallest tile)
 MAX_TOKENS = 64
 TILES_FILE = Path(__file__).with_name("moe_tiles.json")
-
-
-def dependent_launch(x: torch.Tensor) -> bool:
-    """Whether down and combine start while the kernel before them finishes (programmatic dependent
-    launch, compute capability 9+): their launch and first loads overlap its tail, each program
-    waiting for the previous kernel's results before it reads them."""
-    return not INTERPRET and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
 @dataclass(frozen=True)
@@ -360,7 +353,8 @@ if triton is not None:
     def combine_kernel(y, out, add, H, K: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr, GDC: tl.constexpr):
         """out[t] = sum over slots of y[t k + j], in slot order, in float32 (plus add[t] where given),
         then x's dtype."""
-        if GDC:
+        if GDC:  # the next kernel (the next layer's norm, launched dependent) may start now
+            tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

@@ -13,6 +13,14 @@ MLP's gate-up with SiLU·mul in the same kernel: one kernel fewer per layer, 1.0
 faster than the two apart on SmolLM2 and 1.2 to 2.3 µs on Llama-3.1-8B (`glu_tiles`). Sums run
 in float32, so results differ from cuBLAS's by rounding only.
 
+On compute capability 9 a one-row GEMV is launched dependent on the kernel before it (programmatic
+dependent launch) and reads its first weight slices before it waits for its input; the kernels of a
+decode step before one (the GEMVs, the norm kernel, the attention's combine) let it start as they
+start, so its weights stream while they finish. A chain of 2048-wide GEMVs so launched (the probe's
+tiles) took 3.3 µs a stage against 4.4 for this GEMV launched plainly, graphed (bench/gpu/persist_probe.py,
+H100); decode on an H100:
+SmolLM2 1.17x, Qwen3-30B-A3B 1.03x, Llama-3.1-8B 1.03x (BENCHMARKS.md).
+
 Used where a model's `Kernels.gemv` is on (eaglet/kernels.py: float16 and bfloat16 on the GPU;
 `--disable-kernels gemv` keeps cuBLAS for side-by-side runs). Under TRITON_INTERPRET=1 (the CPU
 tests) it runs on any device.
@@ -23,8 +31,7 @@ import os
 
 import torch
 
-from .cache_attention import pow2
-from .fused_moe import dependent_launch
+from .cache_attention import dependent_launch, pow2
 
 try:
     import triton
@@ -34,6 +41,7 @@ except ImportError:  # CPU installs without Triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ROWS = 16  # more rows go to cuBLAS: at 64 it matched the best tile of the sweep
+PRE_SLICES = 2  # one row, launched dependent on the kernel before: weight slices read before waiting for x
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor, rows: int, glu: bool = False) -> bool:
@@ -134,9 +142,13 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: 
             HAS_BIAS=bias is not None, GLU=glu, num_warps=warps, num_stages=stages)
     elif m == 1:
         bn, bk, warps = glu_tiles(1, k) if glu else tiles(n, k)
+        # launched dependent on the kernel before: where that one lets dependents start early (the GEMVs,
+        # the attention's combine, the norm kernel) the first weight slices stream while it finishes
+        pdl = dependent_launch(x)
+        pre = min(PRE_SLICES, triton.cdiv(k, bk)) if pdl else 0
         gemv_kernel[(triton.cdiv(out, bn),)](xr, weight, b, y, out, K=k, BN=bn, BK=bk, EVEN_K=k % bk == 0,
-                                         HAS_BIAS=bias is not None, GLU=glu, TRIGGER=dependent_launch(x),
-                                         num_warps=warps)
+                                         HAS_BIAS=bias is not None, GLU=glu, TRIGGER=pdl, PRE=pre,
+                                         num_warps=warps, **({"launch_pdl": True} if pre else {}))
     else:
         bm, bn, bk, warps, stages = glu_tiles(m, k) if glu else dot_tiles(m, n, k)
         gemv_dot_kernel[(triton.cdiv(out, bn),)](xr, weight, b, y, m, out, xr.stride(0), K=k, BM=bm, BN=bn, BK=bk,
@@ -173,18 +185,49 @@ if triton is not None:
         return g * tl.sigmoid(g) * u.to(dtype).to(tl.float32)
 
     @triton.jit
+    def _slice(W, rows, rm, cols, K: tl.constexpr, EVEN_K: tl.constexpr):
+        """Rows `rows` of W at columns `cols` (masked past N, and past K unless EVEN_K)."""
+        wm = rm[:, None] if EVEN_K else rm[:, None] & (cols < K)[None, :]
+        return tl.load(W + rows[:, None] * K + cols[None, :], mask=wm, other=0.0, eviction_policy="evict_first")
+
+    @triton.jit
+    def _times_x(acc, w, X, cols, K: tl.constexpr, EVEN_K: tl.constexpr):
+        x = tl.load(X + cols) if EVEN_K else tl.load(X + cols, mask=cols < K, other=0.0)
+        return acc + w.to(tl.float32) * x[None, :].to(tl.float32)
+
+    @triton.jit
     def gemv_kernel(X, W, B, Y, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                HAS_BIAS: tl.constexpr, GLU: tl.constexpr, TRIGGER: tl.constexpr):
+                HAS_BIAS: tl.constexpr, GLU: tl.constexpr, TRIGGER: tl.constexpr, PRE: tl.constexpr = 0):
         """Y (N,) = W X (+ B) for one row X; with GLU, silu(W[:N] X) * (W[N:] X). TRIGGER: a kernel launched
-        dependent on this one (the routing kernel after the o projection) may start now and read its
-        weights; it waits for these results before reading them."""
+        dependent on this one (the next GEMV, the routing kernel) may start now and read its weights; it
+        waits for these results before reading them. PRE (1-2): this one is so launched, and reads its
+        first PRE weight slices (with GLU, and their up rows) before it waits for X."""
         if TRIGGER:
             tl.extra.cuda.gdc_launch_dependents()
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         rm = rows < N
+        c0 = tl.arange(0, BK)
+        if PRE > 0:  # launched dependent: the first slices' weights do not depend on the kernel before
+            w0 = _slice(W, rows, rm, c0, K, EVEN_K)
+            if GLU:
+                u0 = _slice(W, rows + N, rm, c0, K, EVEN_K)
+        if PRE > 1:
+            w1 = _slice(W, rows, rm, BK + c0, K, EVEN_K)
+            if GLU:
+                u1 = _slice(W, rows + N, rm, BK + c0, K, EVEN_K)
+        if PRE > 0:  # X, complete and visible
+            tl.extra.cuda.gdc_wait()
         acc = tl.zeros((BN, BK), dtype=tl.float32)
         acc2 = tl.zeros((BN, BK), dtype=tl.float32)  # the up rows (GLU)
-        for k0 in range(0, K, BK):
+        if PRE > 0:  # the same slices in the same order as the loop's
+            acc = _times_x(acc, w0, X, c0, K, EVEN_K)
+            if GLU:
+                acc2 = _times_x(acc2, u0, X, c0, K, EVEN_K)
+        if PRE > 1:
+            acc = _times_x(acc, w1, X, BK + c0, K, EVEN_K)
+            if GLU:
+                acc2 = _times_x(acc2, u1, X, BK + c0, K, EVEN_K)
+        for k0 in range(PRE * BK, K, BK):
             cols = k0 + tl.arange(0, BK)
             wm = rm[:, None] if EVEN_K else rm[:, None] & (cols < K)[None, :]
             x = tl.load(X + cols) if EVEN_K else tl.load(X + cols, mask=cols < K, other=0.0)

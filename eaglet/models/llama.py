@@ -30,15 +30,20 @@ class RMSNorm(nn.Module):
     """RMSNorm; given `residual`, first adds it (x + residual is the new residual stream) and returns
     (normed, new residual), so the add and the norm are one fused kernel once compiled."""
 
-    def __init__(self, dim: int, eps: float, exact: bool = False):
+    def __init__(self, dim: int, eps: float, exact: bool = False, one_row: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.exact = exact  # an exact model's (Kernels.exact): on the GPU each row reduced alike whatever the others
+        self.one_row = one_row  # a layer's norms where the GEMVs run (Kernels.gemv): one row on the GPU as
+        # exact.rms_norm's kernel, which chains with the GEMVs around it by dependent launch
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if self.exact and x.is_cuda and exact.triton is not None:
             return exact.rms_norm(x, self.weight, self.eps, residual)
+        if (self.one_row and x.is_cuda and exact.triton is not None and x.numel() == x.shape[-1]
+                and x.dtype == self.weight.dtype and not torch.is_grad_enabled()):
+            return exact.one_row_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
         out = rms_norm(x, self.weight, self.eps)
@@ -225,9 +230,9 @@ def fuse_linears(linears: list[Linear]) -> tuple[torch.Tensor, torch.Tensor | No
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, kernels: Kernels = EAGER):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels.exact)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels.exact, kernels.gemv)
         self.self_attn = (mla.MLAttention if config.mla is not None else Attention)(config, layer, kernels=kernels)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels.exact)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels.exact, kernels.gemv)
         if config.moe is not None and config.moe.sparse(layer):  # under the checkpoint's name for it
             self.ffn_name = moe.NAMES[config.model_type][0]
             setattr(self, self.ffn_name, moe.SparseMoE(config, kernels))
@@ -255,7 +260,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_rows, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, kernels) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels.exact)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels.exact, kernels.gemv)
         self.rotary = Rotary(config, kernels)
 
 
