@@ -2,7 +2,9 @@
 before a layer runs as one kernel. A chain of S one-row GEMVs, y_{s+1} = W_s y_s (W_s (N, N), bf16,
 every stage its own weights, so the bytes stream from HBM), timed three ways in CUDA graphs:
 
-- `graphed`: S launches of eaglet's own GEMV (models/gemv.py, its tiles), one graph;
+- `graphed`: S launches of eaglet's own GEMV (models/gemv.py, its tiles, launched as the package
+  launches it: on compute capability 9 dependent, `PRE_SLICES` slices read before its wait), one graph;
+  `graphed plain`: the same with every launch plain (`PRE_SLICES = 0`);
 - `persistent`: one kernel of P programs (`--per-sm` programs an SM, all resident), each stage's
   tiles dealt round-robin, stages separated by a grid-wide barrier (a counter: release on arrival,
   acquire while spinning; the stage's input read past L1);
@@ -158,6 +160,7 @@ def resident(consts: dict, warps: int, *args) -> int:
 
 def probe(n: int, stages: int, bw: float, per_sm: list[int], tiles: list[tuple[int, int, int]],
           pdl: bool = True) -> list[dict]:
+    from eaglet.models import gemv as gemv_module
     from eaglet.models.gemv import gemv
 
     torch.manual_seed(0)
@@ -177,6 +180,13 @@ def probe(n: int, stages: int, bw: float, per_sm: list[int], tiles: list[tuple[i
     ms = event_ms(graphed(chain))
     ref = ys[stages].float().flatten()
     rows.append(dict(n=n, stages=stages, path="graphed", us_stage=ms * 1e3 / stages, bytes_us_stage=bytes_ms * 1e3 / stages))
+    pre, gemv_module.PRE_SLICES = gemv_module.PRE_SLICES, 0
+    try:
+        ms = event_ms(graphed(chain))
+    finally:
+        gemv_module.PRE_SLICES = pre
+    rows.append(dict(n=n, stages=stages, path="graphed plain", us_stage=ms * 1e3 / stages,
+                     bytes_us_stage=bytes_ms * 1e3 / stages))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     y = torch.empty(stages + 1, n, device="cuda", dtype=torch.bfloat16)
     bar = torch.zeros(1, device="cuda", dtype=torch.int32)
