@@ -5,6 +5,8 @@ shape. A probe for a kernel change's effect, not part of the package.
 
   python3 bench/gpu/decode_ab.py OUT_DIR SHAPE[,SHAPE..] PACKAGE_DIR[,PACKAGE_DIR..]
       # e.g. qwen3-30b-a3b,deepseek-v2-lite .old,.   (a PACKAGE_DIR holds an eaglet/ directory)
+
+The runs so far are in OUT_DIR/decode-ab-partial.json as each finishes; the record proper comes at the end.
 """
 import json
 import os
@@ -12,6 +14,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 TOKENS = (1, 2, 4, 16)
 NEW, CONTEXT, REPEATS = 128, 512, 5
@@ -42,6 +45,17 @@ def child(shape: str) -> dict:
             "forward_ms": forward_curve(model, TOKENS, CONTEXT + NEW // 2, True)}
 
 
+def partial(out_dir: str, shapes: list[str], packages: list[str], results: dict) -> None:
+    """The runs so far in OUT_DIR/decode-ab-partial.json, so a call cut by its time limit still brings
+    them back (the record proper is written once every run is done)."""
+    from eaglet.perf.record import environment, to_json, write_atomic
+
+    os.makedirs(out_dir, exist_ok=True)
+    write_atomic(Path(out_dir) / "decode-ab-partial.json",
+                 to_json({"kind": "decode-ab", "partial": True, "flags": {"shapes": shapes, "packages": packages},
+                          "environment": environment(), "results": results}))
+
+
 def main(out_dir: str, shapes: list[str], packages: list[str]) -> None:
     here = os.path.abspath(os.path.dirname(__file__))
     site = [p for p in os.environ.get("PYTHONPATH", "").split(":") if p.endswith("/site")]
@@ -57,6 +71,7 @@ def main(out_dir: str, shapes: list[str], packages: list[str]) -> None:
                 continue
             r = json.loads(run.stdout.strip().splitlines()[-1])
             results.setdefault(shape, {})[pkg] = r
+            partial(out_dir, shapes, packages, results)
             print(f"{shape:<18} {pkg:<8} decode {r['decode_tok_s']:7.1f} tok/s; forward ms " +
                   " ".join(f"T={t}: {ms:.3f}" for t, ms in r["forward_ms"].items()), flush=True)
         runs = [results[shape][p] for p in packages if "error" not in results[shape][p]]
