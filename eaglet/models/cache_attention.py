@@ -48,8 +48,8 @@ MAX_SPLITS = 64
 def dependent_launch(x: torch.Tensor) -> bool:
     """Whether a kernel may start while the kernel before it finishes (programmatic dependent launch,
     compute capability 9+): its launch and its first weight loads overlap that kernel's tail, each
-    program waiting for the previous kernel's results before it reads them (MoE's down and combine,
-    the routing kernel, the o projection's GEMV)."""
+    program waiting for the previous kernel's results before it reads them (the one-row GEMVs and
+    norms, MoE's routing, down and combine kernels)."""
     return not INTERPRET and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
 
 

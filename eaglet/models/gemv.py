@@ -17,9 +17,9 @@ On compute capability 9 a one-row GEMV is launched dependent on the kernel befor
 dependent launch) and reads its first weight slices before it waits for its input; the kernels of a
 decode step before one (the GEMVs, the norm kernel, the attention's combine) let it start as they
 start, so its weights stream while they finish. A chain of 2048-wide GEMVs so launched (the probe's
-tiles) took 3.3 µs a stage against 4.4 for this GEMV launched plainly, graphed (bench/gpu/persist_probe.py,
-H100); decode on an H100:
-SmolLM2 1.17x, Qwen3-30B-A3B 1.03x, Llama-3.1-8B 1.03x (BENCHMARKS.md).
+tiles) took 3.3 µs a stage against 4.4 for this GEMV launched plainly, graphed
+(bench/gpu/persist_probe.py, H100); decode on an H100: SmolLM2 1.17x, Qwen3-30B-A3B 1.03x,
+Llama-3.1-8B 1.03x (BENCHMARKS.md).
 
 Used where a model's `Kernels.gemv` is on (eaglet/kernels.py: float16 and bfloat16 on the GPU;
 `--disable-kernels gemv` keeps cuBLAS for side-by-side runs). Under TRITON_INTERPRET=1 (the CPU
@@ -228,15 +228,11 @@ if triton is not None:
             if GLU:
                 acc2 = _times_x(acc2, u1, X, BK + c0, K, EVEN_K)
         for k0 in range(PRE * BK, K, BK):
-            cols = k0 + tl.arange(0, BK)
-            wm = rm[:, None] if EVEN_K else rm[:, None] & (cols < K)[None, :]
+            cols = k0 + c0
             x = tl.load(X + cols) if EVEN_K else tl.load(X + cols, mask=cols < K, other=0.0)
-            w = tl.load(W + rows[:, None] * K + cols[None, :], mask=wm, other=0.0, eviction_policy="evict_first")
-            acc += w.to(tl.float32) * x[None, :].to(tl.float32)
+            acc += _slice(W, rows, rm, cols, K, EVEN_K).to(tl.float32) * x[None, :].to(tl.float32)
             if GLU:
-                w2 = tl.load(W + (rows + N)[:, None] * K + cols[None, :], mask=wm, other=0.0,
-                             eviction_policy="evict_first")
-                acc2 += w2.to(tl.float32) * x[None, :].to(tl.float32)
+                acc2 += _slice(W, rows + N, rm, cols, K, EVEN_K).to(tl.float32) * x[None, :].to(tl.float32)
         y = tl.sum(acc, 1)
         if HAS_BIAS:
             y += tl.load(B + rows, mask=rm, other=0.0).to(tl.float32)

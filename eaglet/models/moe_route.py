@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 
 from ..config import MoEConfig
-from .fused_moe import dependent_launch, triton
+from .cache_attention import dependent_launch
+from .fused_moe import triton
 
 if triton is not None:
     import triton.language as tl
