@@ -8,7 +8,8 @@ it are row-invariant on the CPU already (eaglet's matmuls reduce each row alike 
 On the GPU cuBLAS and torch's reductions choose their tiling by the row count, so an exact model
 there runs gemv.py's row-invariant matmul (models/linear.py) and `rms_norm` below, one program a
 row (which every model's one-row norms take on the GPU as well: `one_row_norm`); the fused MoE
-kernels reduce a token alike at any count already; attention runs as models/exact_attention.py's kernels (no host sync: graphed), MLA's as here, a call a token, whose
+kernels reduce a token alike at any count already; attention runs as models/exact_attention.py's
+kernels (no host sync: graphed), MLA's as here, a call a token, whose
 shapes are the same in a verify and in the decode step (host syncs: eager).
 
 Forwards of up to EXACT_TOKENS tokens over the cache (decode, draft, verify) take this path. A
