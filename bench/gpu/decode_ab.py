@@ -60,21 +60,23 @@ def main(out_dir: str, shapes: list[str], packages: list[str]) -> None:
     here = os.path.abspath(os.path.dirname(__file__))
     site = [p for p in os.environ.get("PYTHONPATH", "").split(":") if p.endswith("/site")]
     results: dict = {}
+    # a package named twice (alternating repeats) keeps each run: the second under "PKG (2)"
+    keys = [p if packages[:i].count(p) == 0 else f"{p} ({packages[:i].count(p) + 1})" for i, p in enumerate(packages)]
     for shape in shapes:
-        for pkg in packages:
+        for pkg, key in zip(packages, keys):
             env = {**os.environ, "PYTHONPATH": ":".join([*site, os.path.abspath(pkg)])}
             run = subprocess.run([sys.executable, os.path.join(here, "decode_ab.py"), "--child", shape], env=env,
                                  capture_output=True, text=True)
             if run.returncode:
                 print(run.stderr[-3000:], flush=True)
-                results.setdefault(shape, {})[pkg] = {"error": run.stderr[-500:]}
+                results.setdefault(shape, {})[key] = {"error": run.stderr[-500:]}
                 continue
             r = json.loads(run.stdout.strip().splitlines()[-1])
-            results.setdefault(shape, {})[pkg] = r
+            results.setdefault(shape, {})[key] = r
             partial(out_dir, shapes, packages, results)
-            print(f"{shape:<18} {pkg:<8} decode {r['decode_tok_s']:7.1f} tok/s; forward ms " +
+            print(f"{shape:<18} {key:<8} decode {r['decode_tok_s']:7.1f} tok/s; forward ms " +
                   " ".join(f"T={t}: {ms:.3f}" for t, ms in r["forward_ms"].items()), flush=True)
-        runs = [results[shape][p] for p in packages if "error" not in results[shape][p]]
+        runs = [results[shape][k] for k in keys if "error" not in results[shape][k]]
         if len(runs) == len(packages) > 1:
             base, new = runs[0], runs[-1]
             results[shape]["ratio"] = {"decode": new["decode_tok_s"] / base["decode_tok_s"],
