@@ -48,7 +48,8 @@ def cases():
         bm, bn, bk, warps, stages = gemv.glu_tiles(rows, k) if glu else gemv.dot_tiles(rows, n, k)
         yield (f"gemv {rows} rows, {n} x {k}, glu {glu}",
                lambda k=k, glu=glu, bias=bias, t=(bm, bn, bk), w=warps, s=stages: compile_for_h200(
-                   gemv.gemv_dot_kernel, dict(K=k, BM=t[0], BN=t[1], BK=t[2], EVEN_K=k % t[2] == 0, HAS_BIAS=bias, GLU=glu),
+                   gemv.gemv_dot_kernel, dict(K=k, BM=t[0], BN=t[1], BK=t[2], EVEN_K=k % t[2] == 0, HAS_BIAS=bias, GLU=glu,
+                                              TRIGGER=True, PRE=1),
                    w, s))
     for t, tree, split, norm in [(1, False, False, False), (6, False, True, False), (16, True, False, False),
                                  (32, True, True, True)]:
@@ -68,7 +69,8 @@ def cases():
                lambda c=const: compile_for_h200(mla_attention.mla_kernel, c, 8))
     bm, bn, bk, warps, stages = gemv.exact_tiles(49152, 576, False)  # the exact path: SmolLM2's head too
     yield "exact matmul, 49152 x 576", lambda: compile_for_h200(
-        gemv.gemv_dot_kernel, dict(K=576, BM=bm, BN=bn, BK=bk, EVEN_K=576 % bk == 0, HAS_BIAS=False, GLU=False),
+        gemv.gemv_dot_kernel, dict(K=576, BM=bm, BN=bn, BK=bk, EVEN_K=576 % bk == 0, HAS_BIAS=False, GLU=False,
+                                   TRIGGER=False, PRE=0),
         warps, stages)
     for add in (False, True):
         yield f"RMSNorm, residual {add}, dependent launch {add}", lambda add=add: compile_for_h200(
