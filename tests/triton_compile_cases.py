@@ -8,7 +8,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from eaglet.models import cache_attention as ca
-from eaglet.models import exact, exact_attention, fused_moe, gemv, mla_attention, moe_route
+from eaglet.models import exact, exact_attention, fused_moe, gemv, mla_attention, mla_heads, moe_route
 from eaglet import cut_draw
 from eaglet.spec import topk
 
@@ -67,6 +67,10 @@ def cases():
                      BLOCK=mla_attention.BLOCK, CK=mla_attention.CHUNK, TREE=tree, SPLIT=split, INTERLEAVED=True)
         yield (f"MLA attention, {nh} heads, {t} tokens, {pending} pending, split {split}",
                lambda c=const: compile_for_h200(mla_attention.mla_kernel, c, 8))
+    const = dict(ROW=256 * 512, D=128, C=512, PDL=True)  # DeepSeek's per-head matmuls at one token
+    yield "MLA absorb", lambda: compile_for_h200(mla_heads.absorb_kernel, {**const, "BC": mla_heads.ABSORB_COLS}, 4)
+    yield "MLA values", lambda: compile_for_h200(mla_heads.values_kernel, {**const, "BV": mla_heads.VALUE_ROWS}, 4,
+                                                types={"V": "i32"})
     bm, bn, bk, warps, stages = gemv.exact_tiles(49152, 576, False)  # the exact path: SmolLM2's head too
     yield "exact matmul, 49152 x 576", lambda: compile_for_h200(
         gemv.gemv_dot_kernel, dict(K=576, BM=bm, BN=bn, BK=bk, EVEN_K=576 % bk == 0, HAS_BIAS=False, GLU=False,
