@@ -13,10 +13,11 @@ chunks of CHUNK pairs:
 and `combine_kernel` sums each token's k rows in slot order. Shared experts (DeepSeek, Kimi-K2) whose
 width is a multiple of I run as each token's extra pairs: their S / I chunks of I columns are always
 chosen, with weight 1, after the routed slots (`shared`), read from the shared expert's own fused
-weights; the two kernels a token's shared MLP would take (and their boundaries) are saved. A token's result depends on its own routing
-only: the same tiles and the same reduction order whatever the other tokens in the call, and one
-tile configuration per layer shape (`Tiles`, chosen by `eaglet bench-moe --tune` and kept in
-moe_tiles.json), whatever the token count. Dot products in the weights' dtype with float32
+weights; the two kernels a token's shared MLP would take (and their boundaries) are saved.
+
+A token's result depends on its own routing only: the same tiles and the same reduction order
+whatever the other tokens in the call, and one tile configuration per layer shape (`Tiles`, chosen
+by `eaglet bench-moe --tune` and kept in moe_tiles.json), whatever the token count. Dot products in the weights' dtype with float32
 accumulation, as a matmul. Under TRITON_INTERPRET=1 (the CPU tests) it runs on any device.
 """
 from __future__ import annotations
@@ -338,7 +339,8 @@ if triton is not None:
             wb, se, sr, up = w, swe, swr, I
             if SHARED > 0:  # a shared chunk: the shared experts' weights, gate rows e I.., up rows up2 after
                 own = e >= E
-                wb, se, sr, up = tl.where(own, w2, w), tl.where(own, swe2, swe), tl.where(own, swr2, swr), tl.where(own, up2, I)
+                wb, se, sr = tl.where(own, w2, w), tl.where(own, swe2, swe), tl.where(own, swr2, swr)
+                up = tl.where(own, up2, I)
                 e = tl.where(own, e - E, e)
             cols = tl.program_id(1) * SPAN + tl.arange(0, BI)
             cm = (tl.arange(0, BI) < SPAN) & (cols < I)  # masked columns cost no bytes
