@@ -342,7 +342,7 @@ def test_many_tokens_without_a_grouped_matmul_go_through_the_kernels_in_parts(ti
 def test_fused_kernels_on_the_gpu_are_row_invariant():
     """On the GPU in bfloat16: the fused kernels agree with the grouped matmul, and each token's row
     is bitwise the same computed alone, among 7 tokens or among 64, with narrower column spans, and
-    with the down kernel's first steps read before its wait."""
+    with the down kernel's first steps read before its wait; so with shared experts run inside them."""
     from eaglet.models.fused_moe import Tiles, fused_moe
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -365,6 +365,15 @@ def test_fused_kernels_on_the_gpu_are_row_invariant():
             got = fused_moe(x[row:row + 1], experts[row:row + 1], weights[row:row + 1], gate_up, down,
                             tiles=Tiles(down_pre=pre))
             assert torch.equal(got, full[row:row + 1]), (pre, row)
+    # the shared experts as two extra pairs a token: the routed sum plus the shared MLP, the same bits alone
+    shared = (torch.randn(4 * i, h, device="cuda", generator=g).bfloat16() * 0.05,
+              torch.randn(h, 2 * i, device="cuda", generator=g).bfloat16() * 0.05)
+    both = fused_moe(x, experts, weights, gate_up, down, shared=shared)
+    mlp = F.linear(F.silu(F.linear(x.float(), shared[0][:2 * i].float())) * F.linear(x.float(), shared[0][2 * i:].float()),
+                   shared[1].float())
+    assert ((both.float() - want.float() - mlp).abs().max() / mlp.abs().max()).item() < 0.02
+    for rows in (slice(0, 7), slice(5, 6)):
+        assert torch.equal(fused_moe(x[rows], experts[rows], weights[rows], gate_up, down, shared=shared), both[rows])
 
 
 @pytest.mark.interpreted
