@@ -232,16 +232,23 @@ class SparseMoE(nn.Module):
 
     def through_kernels(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The routed (and shared) experts of x (N, H) by the fused kernels (fused_moe.fused_moe),
-        counting the experts touched."""
+        counting the routed experts touched. Shared experts as wide as a whole number of routed ones
+        run inside the kernels as each token's extra pairs (`fused_moe.foldable`), others beside them."""
         gate_up, down = self.stacks()
-        shared = self.shared_experts(x) if self.cfg.shared_experts else None  # added in the kernels' final sum
+        shared = add = None
+        if self.cfg.shared_experts:
+            se = self.shared_experts
+            if se.fused and fused_moe.foldable(gate_up, se.gate_up_weight, se.linears()[2].weight):
+                shared = (se.gate_up_weight, se.linears()[2].weight)  # run as each token's extra pairs
+            else:
+                add = se(x)  # added in the kernels' final sum
         counts = (self.touched, self.forwards)
         if self.held < self.num_experts:  # the kernels index only the experts held here: another
             # rank's pair runs on the last one with its weight 0 (a clamped index: right, if some work
             # for nothing), and the pairs are counted here, where that expert does not count
             self.count(experts)
             experts, counts = experts.clamp(max=self.held - 1), None
-        return fused_moe.fused_moe(x, experts, weights, gate_up, down, counts=counts, add=shared)
+        return fused_moe.fused_moe(x, experts, weights, gate_up, down, counts=counts, add=add, shared=shared)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
