@@ -55,8 +55,9 @@ def test_glu_matches_silu_of_gate_times_up(rows, i, k, bias):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="dependent launch needs compute capability 9")
+@pytest.mark.parametrize("rows", [1, 6])
 @pytest.mark.parametrize("n,k", [(2048, 4096), (5120, 2048), (576, 576)])
-def test_a_decode_chain_by_dependent_launch_gives_the_bits_of_plain_launches(n, k, monkeypatch):
+def test_a_decode_chain_by_dependent_launch_gives_the_bits_of_plain_launches(n, k, rows, monkeypatch):
     """A norm, two GEMVs and a gate-up after it, each launched dependent on the kernel before and (the
     GEMVs) reading its first weight slices before it waits for its input: the bits of the same GEMVs
     launched plainly, eagerly and in a replayed graph, where each starts while the one before still
@@ -66,10 +67,10 @@ def test_a_decode_chain_by_dependent_launch_gives_the_bits_of_plain_launches(n, 
     g = torch.Generator().manual_seed(n)
     rand = lambda *shape: (torch.randn(*shape, generator=g) * 0.05).bfloat16().cuda()
     nw, w1, w2, w3 = rand(k), rand(n, k), rand(k, n), rand(2 * n, k)
-    x, r = rand(1, k), rand(1, k)
+    x, r = rand(rows, k), rand(rows, k)
 
     def chain():
-        h, s = exact.one_row_norm(x, nw, 1e-5, r)
+        h, s = exact.chained_norm(x, nw, 1e-5, r)
         y = gemv.gemv(gemv.gemv(h, w1), w2)
         return torch.cat([y, s, gemv.glu(y, w3)], -1)
 
@@ -79,7 +80,7 @@ def test_a_decode_chain_by_dependent_launch_gives_the_bits_of_plain_launches(n, 
             out = chain()
         inputs, eager, replayed = [], [], []
         for _ in range(3):
-            inputs.append(rand(1, k))
+            inputs.append(rand(rows, k))
             x.copy_(inputs[-1])
             eager.append(chain())
             graph.replay()

@@ -4,6 +4,7 @@ and dense layers, the two expert paths against each other, the distinct-experts 
 the router's choices, and greedy speculation on an MoE target equal to plain greedy decoding."""
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 
 from eaglet import GenerationConfig, Generator, load_model
@@ -181,12 +182,15 @@ def test_deepseek_routing_and_shared_experts_equal_transformers(family, cfg):
     best two experts, renormalized and scaled weights; DeepSeek-V2's softmax, greedy or within the
     groups of the best experts, scaled; both with shared experts beside: the block's output equals
     transformers' for one token (gathered path) and for many (grouped matmul), and with the Triton
-    kernels (routing, experts, the shared experts' output added in their final sum)."""
+    kernels (routing, experts, the shared experts as each token's extra pairs)."""
     import dataclasses
 
     from eaglet.kernels import EAGER
+    from eaglet.models.fused_moe import foldable
 
     block, ours = hf_block(family, **cfg)
+    se = ours.shared_experts
+    assert foldable(ours.stacks()[0], se.gate_up_weight, se.down_proj.weight)
     g = torch.Generator().manual_seed(1)
     for shape in ((1, 1, 64), (3, 9, 64)):
         x = torch.randn(*shape, generator=g)
@@ -230,6 +234,39 @@ def test_fused_kernels_equal_the_gathered_path(n, variant):
         tiles = Tiles(gate_cols=16, gate_step=16, down_cols=16, down_step=16, down_pre=int(variant[-1]))
     got = fused_moe(x, experts, weights, gate_up, down, tiles=tiles)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.interpreted
+@pytest.mark.parametrize("n,chunks,pre", [(1, 1, 1), (1, 2, 2), (5, 2, 0), (20, 3, 1)])
+@torch.inference_mode()
+def test_shared_experts_run_inside_the_fused_kernels(n, chunks, pre):
+    """Shared experts of `chunks` times an expert's width, run as each token's extra pairs of the
+    fused kernels (weight 1, read from the shared expert's own fused gate-up (2S, H) and down (H, S)):
+    the routed sum plus the shared MLP, as the gathered path and the MLP give it; the touched count
+    is the routed experts' alone. A shared weight passed in a layout other than gate rows then up
+    rows, or a chunk read at the wrong columns, changes the result."""
+    from eaglet.models.fused_moe import Tiles, foldable, fused_moe
+
+    g = torch.Generator().manual_seed(n + chunks)
+    e, k, h, i = 8, 3, 40, 24
+    s = chunks * i
+    gate_up, down = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
+    shared_gate_up, shared_down = torch.randn(2 * s, h, generator=g), torch.randn(h, s, generator=g)
+    x = torch.randn(n, h, generator=g)
+    experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
+    weights = torch.rand(n, k, generator=g)
+    mlp = F.linear(F.silu(F.linear(x, shared_gate_up[:s])) * F.linear(x, shared_gate_up[s:]), shared_down)
+    want = gathered(x, experts, weights, gate_up, down) + mlp
+    assert foldable(gate_up, shared_gate_up, shared_down)
+    assert not foldable(gate_up, shared_gate_up[:, :-1], shared_down[:, :-1])  # no whole number of experts
+    counts = (torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long))
+    tiles = Tiles(gate_cols=16, gate_step=16, down_cols=16, down_step=16, down_pre=pre)
+    got = fused_moe(x, experts, weights, gate_up, down, tiles=tiles, counts=counts, shared=(shared_gate_up, shared_down))
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert int(counts[0]) == len(set(experts.flatten().tolist())) and int(counts[1]) == 1
+    swapped = torch.cat([shared_gate_up[s:], shared_gate_up[:s]])  # up rows first: another function
+    bad = fused_moe(x, experts, weights, gate_up, down, tiles=tiles, shared=(swapped, shared_down))
+    assert (bad - want).abs().max() > 1e-2 * want.abs().max()
 
 
 @pytest.mark.interpreted
@@ -305,7 +342,7 @@ def test_many_tokens_without_a_grouped_matmul_go_through_the_kernels_in_parts(ti
 def test_fused_kernels_on_the_gpu_are_row_invariant():
     """On the GPU in bfloat16: the fused kernels agree with the grouped matmul, and each token's row
     is bitwise the same computed alone, among 7 tokens or among 64, with narrower column spans, and
-    with the down kernel's first steps read before its wait."""
+    with the down kernel's first steps read before its wait; so with shared experts run inside them."""
     from eaglet.models.fused_moe import Tiles, fused_moe
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -328,6 +365,15 @@ def test_fused_kernels_on_the_gpu_are_row_invariant():
             got = fused_moe(x[row:row + 1], experts[row:row + 1], weights[row:row + 1], gate_up, down,
                             tiles=Tiles(down_pre=pre))
             assert torch.equal(got, full[row:row + 1]), (pre, row)
+    # the shared experts as two extra pairs a token: the routed sum plus the shared MLP, the same bits alone
+    shared = (torch.randn(4 * i, h, device="cuda", generator=g).bfloat16() * 0.05,
+              torch.randn(h, 2 * i, device="cuda", generator=g).bfloat16() * 0.05)
+    both = fused_moe(x, experts, weights, gate_up, down, shared=shared)
+    mlp = F.linear(F.silu(F.linear(x.float(), shared[0][:2 * i].float())) * F.linear(x.float(), shared[0][2 * i:].float()),
+                   shared[1].float())
+    assert ((both.float() - want.float() - mlp).abs().max() / mlp.abs().max()).item() < 0.02
+    for rows in (slice(0, 7), slice(5, 6)):
+        assert torch.equal(fused_moe(x[rows], experts[rows], weights[rows], gate_up, down, shared=shared), both[rows])
 
 
 @pytest.mark.interpreted

@@ -8,7 +8,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from eaglet.models import cache_attention as ca
-from eaglet.models import exact, exact_attention, fused_moe, gemv, mla_attention, moe_route
+from eaglet.models import exact, exact_attention, fused_moe, gemv, mla_attention, mla_heads, moe_route
 from eaglet import cut_draw
 from eaglet.spec import topk
 
@@ -48,7 +48,8 @@ def cases():
         bm, bn, bk, warps, stages = gemv.glu_tiles(rows, k) if glu else gemv.dot_tiles(rows, n, k)
         yield (f"gemv {rows} rows, {n} x {k}, glu {glu}",
                lambda k=k, glu=glu, bias=bias, t=(bm, bn, bk), w=warps, s=stages: compile_for_h200(
-                   gemv.gemv_dot_kernel, dict(K=k, BM=t[0], BN=t[1], BK=t[2], EVEN_K=k % t[2] == 0, HAS_BIAS=bias, GLU=glu),
+                   gemv.gemv_dot_kernel, dict(K=k, BM=t[0], BN=t[1], BK=t[2], EVEN_K=k % t[2] == 0, HAS_BIAS=bias, GLU=glu,
+                                              TRIGGER=True, PRE=1),
                    w, s))
     for t, tree, split, norm in [(1, False, False, False), (6, False, True, False), (16, True, False, False),
                                  (32, True, True, True)]:
@@ -66,9 +67,14 @@ def cases():
                      BLOCK=mla_attention.BLOCK, CK=mla_attention.CHUNK, TREE=tree, SPLIT=split, INTERLEAVED=True)
         yield (f"MLA attention, {nh} heads, {t} tokens, {pending} pending, split {split}",
                lambda c=const: compile_for_h200(mla_attention.mla_kernel, c, 8))
+    const = dict(ROW=256 * 512, D=128, C=512, PDL=True)  # DeepSeek's per-head matmuls at one token
+    yield "MLA absorb", lambda: compile_for_h200(mla_heads.absorb_kernel, {**const, "BC": mla_heads.ABSORB_COLS}, 4)
+    yield "MLA values", lambda: compile_for_h200(mla_heads.values_kernel, {**const, "BV": mla_heads.VALUE_ROWS}, 4,
+                                                types={"V": "i32"})
     bm, bn, bk, warps, stages = gemv.exact_tiles(49152, 576, False)  # the exact path: SmolLM2's head too
     yield "exact matmul, 49152 x 576", lambda: compile_for_h200(
-        gemv.gemv_dot_kernel, dict(K=576, BM=bm, BN=bn, BK=bk, EVEN_K=576 % bk == 0, HAS_BIAS=False, GLU=False),
+        gemv.gemv_dot_kernel, dict(K=576, BM=bm, BN=bn, BK=bk, EVEN_K=576 % bk == 0, HAS_BIAS=False, GLU=False,
+                                   TRIGGER=False, PRE=0),
         warps, stages)
     for add in (False, True):
         yield f"RMSNorm, residual {add}, dependent launch {add}", lambda add=add: compile_for_h200(
@@ -81,17 +87,20 @@ def cases():
         exact_attention.store_kernel, dict(H=32, HKV=4, TP=16, D=128, ROPE=True, QK_NORM=True))
     yield "exact attention combine", lambda: compile_for_h200(exact_attention.combine_kernel, dict(G=8, ROWS=16, D=128))
     moe = {"K": "i32", "x": "*bf16", "act": "*bf16", "experts": "*i64", "touched": "*i32", "forwards": "*i32", "wt": "*fp32",
-           "y": "*fp32", "out": "*bf16", "add": "*bf16"}
-    for quant, w, ws, group in [(0, "*bf16", "*bf16", 1), (4, "*i32", "*bf16", 32), (8, "*fp8e4nv", "*fp32", 128)]:
+           "y": "*fp32", "out": "*bf16", "add": "*bf16", "w2": "*bf16"}
+    # the shared experts folded in as extra pairs: DeepSeek-V2-Lite's two chunks, bfloat16 only
+    for quant, w, ws, group, shared in [(0, "*bf16", "*bf16", 1, 0), (4, "*i32", "*bf16", 32, 0),
+                                        (8, "*fp8e4nv", "*fp32", 128, 0), (0, "*bf16", "*bf16", 1, 2)]:
         t = fused_moe.Tiles(gate_cols=32, gate_step=256, down_cols=64, down_step=256)  # Kimi-K2's, as tuned
-        yield f"fused MoE gate-up, quant {quant}", lambda q=quant, w=w, ws=ws, g=group: compile_for_h200(
-            fused_moe.gate_up_kernel, dict(QUANT=q, GROUP=g, PAIRS=128, BI=t.gate_cols, SPAN=t.spans()[0],
-                                           BH=t.gate_step, CHUNK=fused_moe.CHUNK, COUNT=True, GDC=True), 4, 3, {**moe, "w": w, "ws": ws})
+        yield f"fused MoE gate-up, quant {quant}, shared {shared}", lambda q=quant, w=w, ws=ws, g=group, sh=shared: compile_for_h200(
+            fused_moe.gate_up_kernel, dict(QUANT=q, GROUP=g, PAIRS=128, BI=t.gate_cols, SPAN=t.spans()[0], BH=t.gate_step,
+                                           CHUNK=fused_moe.CHUNK, COUNT=True, SHARED=sh, GDC=True), 4, 3, {**moe, "w": w, "ws": ws})
         for pre in (0, 1) if quant == 0 else (1,):  # down_pre: the first step's weights read before the wait
-            yield f"fused MoE down, quant {quant}, pre {pre}", lambda q=quant, w=w, ws=ws, g=group, pre=pre: compile_for_h200(
-                fused_moe.down_kernel, dict(QUANT=q, GROUP=g, PAIRS=128, BHO=t.down_cols, SPAN=t.spans()[1],
-                                            BI=t.down_step, CHUNK=fused_moe.CHUNK, PRE=pre, GDC=True), 4, 3,
-                {**moe, "w": w, "ws": ws})
+            yield f"fused MoE down, quant {quant}, pre {pre}, shared {shared}", \
+                lambda q=quant, w=w, ws=ws, g=group, pre=pre, sh=shared: compile_for_h200(
+                    fused_moe.down_kernel, dict(QUANT=q, GROUP=g, PAIRS=128, BHO=t.down_cols, SPAN=t.spans()[1],
+                                                BI=t.down_step, CHUNK=fused_moe.CHUNK, PRE=pre, SHARED=sh, GDC=True), 4, 3,
+                    {**moe, "w": w, "ws": ws})
     yield "fused MoE combine", lambda: compile_for_h200(fused_moe.combine_kernel, dict(K=8, BLOCK=1024, ADD=True,
                                                                                       GDC=True), 4, 3, moe)
     route = {"X": "*bf16", "bias": "*fp32", "logits": "*fp32", "counts": "*i32", "experts": "*i64", "weights": "*fp32",

@@ -7,7 +7,7 @@ order (bench/cpu/verify_invariance.py). The projections, norms, MoE layers and o
 it are row-invariant on the CPU already (eaglet's matmuls reduce each row alike at any row count).
 On the GPU cuBLAS and torch's reductions choose their tiling by the row count, so an exact model
 there runs gemv.py's row-invariant matmul (models/linear.py) and `rms_norm` below, one program a
-row (which every model's one-row norms take on the GPU as well: `one_row_norm`); the fused MoE
+row (which every model's few-row norms take on the GPU as well: `chained_norm`); the fused MoE
 kernels reduce a token alike at any count already; attention runs as models/exact_attention.py's
 kernels (no host sync: graphed), MLA's as here, a call a token, whose
 shapes are the same in a verify and in the decode step (host syncs: eager).
@@ -118,9 +118,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out if residual is None else (out, summed.view(x.shape))
 
 
-def one_row_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """`rms_norm` as an op torch.compile keeps whole (llama.RMSNorm's one-row path on the GPU: a decode
-    step's norms as one kernel each, chained by dependent launch with the GEMVs around them)."""
+def chained_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """`rms_norm` as an op torch.compile keeps whole (llama.RMSNorm's path for a decode or verify step's
+    few rows on the GPU: its norms as one kernel each, chained by dependent launch with the GEMVs around them)."""
     out, summed = torch.ops.eaglet.rms_norm(x, weight, eps, residual)
     return out if residual is None else (out, summed)
 

@@ -10,10 +10,14 @@ chunks of CHUNK pairs:
 - `gate_up_kernel`: h = SiLU(x W_gate^T) * (x W_up^T) for each pair, (pairs, I);
 - `down_kernel`: y = (h W_down^T) * routing weight for each pair, (pairs, H);
 
-and `combine_kernel` sums each token's k rows in slot order. A token's result depends on its own routing
-only: the same tiles and the same reduction order whatever the other tokens in the call, and one
-tile configuration per layer shape (`Tiles`, chosen by `eaglet bench-moe --tune` and kept in
-moe_tiles.json), whatever the token count. Dot products in the weights' dtype with float32
+and `combine_kernel` sums each token's k rows in slot order. Shared experts (DeepSeek, Kimi-K2) whose
+width is a multiple of I run as each token's extra pairs: their S / I chunks of I columns are always
+chosen, with weight 1, after the routed slots (`shared`), read from the shared expert's own fused
+weights; the two kernels a token's shared MLP would take (and their boundaries) are saved.
+
+A token's result depends on its own routing only: the same tiles and the same reduction order
+whatever the other tokens in the call, and one tile configuration per layer shape (`Tiles`, chosen
+by `eaglet bench-moe --tune` and kept in moe_tiles.json), whatever the token count. Dot products in the weights' dtype with float32
 accumulation, as a matmul. Under TRITON_INTERPRET=1 (the CPU tests) it runs on any device.
 """
 from __future__ import annotations
@@ -156,54 +160,83 @@ def usable(x: torch.Tensor) -> bool:
             and not torch.is_grad_enabled())
 
 
+def shared_chunks(shared: tuple[torch.Tensor, torch.Tensor] | None, i_dim: int) -> int:
+    """How many chunks of I columns the shared experts' weights (gate_up (2S, H), down (H, S)) make: S / I."""
+    return 0 if shared is None else shared[1].shape[1] // i_dim
+
+
+def foldable(gate_up: Stack, shared_gate_up: torch.Tensor, shared_down: torch.Tensor) -> bool:
+    """Whether the shared experts (fused gate-up (2S, H), down (H, S)) can run as extra pairs of the
+    kernels: plain weights of the routed stack's dtype, rows of unit stride, S a multiple of I."""
+    return (isinstance(gate_up, torch.Tensor) and gate_up.dtype == shared_gate_up.dtype == shared_down.dtype
+            and shared_gate_up.stride(1) == 1 and shared_down.stride(1) == 1
+            and shared_down.shape[1] % (gate_up.shape[1] // 2) == 0)
+
+
 def gate_up_act(x: torch.Tensor, gate_up: Stack, experts: torch.Tensor, tiles: Tiles,
-                counts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """SiLU(x W_gate^T) * (x W_up^T) of each (token, slot) pair's token and expert: (N k, I), x's dtype.
-    With `counts` (touched, forwards), adds the call's distinct experts and one forward to them."""
+                counts: tuple[torch.Tensor, torch.Tensor] | None = None,
+                shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """SiLU(x W_gate^T) * (x W_up^T) of each (token, slot) pair's token and expert: (N (k + X), I), x's
+    dtype, a token's X shared chunks after its k routed slots. With `counts` (touched, forwards), adds
+    the call's distinct routed experts and one forward to them."""
     n, k = experts.shape
     h_dim, i_dim = x.shape[1], gate_up.shape[1] // 2
-    act = torch.empty(n * k, i_dim, dtype=x.dtype, device=x.device)
+    extra = shared_chunks(shared, i_dim)
+    kx = k + extra
+    act = torch.empty(n * kx, i_dim, dtype=x.dtype, device=x.device)
     touched, forwards = counts if counts is not None else (experts, experts)
     w, ws, swe, swr, sse, ssr, quant, group = stack_args(gate_up)
+    w2 = w if shared is None else shared[0]  # chunk j: gate rows j I .. (j + 1) I - 1, up rows S after them
     span = tiles.spans()[0]
-    gate_up_kernel[(n * k, triton.cdiv(i_dim, span))](
-        x, w, ws, experts, act, touched, forwards, n * k, k, h_dim, i_dim,
-        x.stride(0), swe, swr, sse, ssr, act.stride(0), QUANT=quant, GROUP=group,
-        PAIRS=triton.next_power_of_2(n * k), BI=tiles.gate_cols, SPAN=span, BH=tiles.gate_step, CHUNK=CHUNK,
-        COUNT=counts is not None, GDC=dependent_launch(x), num_warps=tiles.gate_warps, num_stages=tiles.stages)
+    gate_up_kernel[(n * kx, triton.cdiv(i_dim, span))](
+        x, w, ws, experts, act, touched, forwards, n * kx, k, h_dim, i_dim,
+        x.stride(0), swe, swr, sse, ssr, act.stride(0),
+        w2, i_dim * w2.stride(0), w2.stride(0), extra * i_dim, gate_up.shape[0], QUANT=quant, GROUP=group,
+        PAIRS=triton.next_power_of_2(n * kx), BI=tiles.gate_cols, SPAN=span, BH=tiles.gate_step, CHUNK=CHUNK,
+        COUNT=counts is not None, SHARED=extra, GDC=dependent_launch(x), num_warps=tiles.gate_warps,
+        num_stages=tiles.stages)
     return act
 
 
 def down_weighted(act: torch.Tensor, down: Stack, experts: torch.Tensor, weights: torch.Tensor,
-                  tiles: Tiles) -> torch.Tensor:
-    """(act W_down^T) times each pair's routing weight (float32, (N, k)): (N k, H) float32."""
-    pairs, h_dim, i_dim = experts.numel(), down.shape[1], down.shape[2]
+                  tiles: Tiles, shared: torch.Tensor | None = None) -> torch.Tensor:
+    """(act W_down^T) times each pair's routing weight (float32, (N, k); a shared chunk's: 1), with the
+    shared experts' down weight (H, S) for their chunks: (N (k + X), H) float32."""
+    n, k = experts.shape
+    h_dim, i_dim = down.shape[1], down.shape[2]
+    extra = 0 if shared is None else shared.shape[1] // i_dim
+    pairs = n * (k + extra)
     y = torch.empty(pairs, h_dim, dtype=torch.float32, device=act.device)
     gdc = dependent_launch(act)
     w, ws, swe, swr, sse, ssr, quant, group = stack_args(down)
+    w2 = w if shared is None else shared  # chunk j: columns j I .. (j + 1) I - 1
     span = tiles.spans()[1]
     down_kernel[(pairs, triton.cdiv(h_dim, span))](
-        act, w, ws, experts, weights, y, pairs, h_dim, i_dim,
-        act.stride(0), swe, swr, sse, ssr, y.stride(0), QUANT=quant, GROUP=group,
+        act, w, ws, experts, weights, y, pairs, k, h_dim, i_dim,
+        act.stride(0), swe, swr, sse, ssr, y.stride(0), w2, i_dim * w2.stride(1), w2.stride(0), down.shape[0],
+        QUANT=quant, GROUP=group,
         PAIRS=triton.next_power_of_2(pairs), BHO=tiles.down_cols, SPAN=span, BI=tiles.down_step, CHUNK=CHUNK,
-        PRE=tiles.down_pre if experts.shape[0] == 1 else 0, GDC=gdc, num_warps=tiles.down_warps, num_stages=tiles.stages,
-        **({"launch_pdl": True} if gdc else {}))
+        PRE=tiles.down_pre if n == 1 else 0, SHARED=extra, GDC=gdc, num_warps=tiles.down_warps,
+        num_stages=tiles.stages, **({"launch_pdl": True} if gdc else {}))
     return y
 
 
 def fused_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: Stack,
               down: Stack, tiles: Tiles | None = None,
               counts: tuple[torch.Tensor, torch.Tensor] | None = None,
-              add: torch.Tensor | None = None) -> torch.Tensor:
+              add: torch.Tensor | None = None,
+              shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x (N, H), experts and weights (N, k), gate_up (E, 2I, H), down (E, H, I), each bfloat16 or
     quantized (Int4, Fp8Block) -> (N, H); `counts`:
     a layer's (touched, forwards) counters, advanced by the call; `add` (N, H): added to the sum
-    (the shared experts' output)."""
+    (the shared experts' output); or `shared`: the shared experts' fused gate-up (2S, H) and down
+    (H, S) weights (`foldable`), run as each token's S / I extra pairs of weight 1."""
     n, k = experts.shape
     tiles = tiles or tiles_for(gate_up.shape[0], x.shape[1], down.shape[2], k, quant_name(gate_up))
     experts = experts.contiguous()
-    act = gate_up_act(x, gate_up, experts, tiles, counts)
-    y = down_weighted(act, down, experts, weights.float().contiguous(), tiles)
+    act = gate_up_act(x, gate_up, experts, tiles, counts, shared)
+    y = down_weighted(act, down, experts, weights.float().contiguous(), tiles, None if shared is None else shared[1])
+    k += shared_chunks(shared, down.shape[2])
     out = torch.empty_like(x)
     block = 1024
     gdc = dependent_launch(x)
@@ -215,13 +248,27 @@ def fused_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gat
 
 if triton is not None:
     @triton.jit
-    def run_of(experts, p, pairs, PAIRS: tl.constexpr, CHUNK: tl.constexpr):
+    def expert_of(experts, js, pairs, K, E, SHARED: tl.constexpr):
+        """The experts of pairs js: a routed slot's from `experts` (N, K), a shared chunk's E + its
+        index (a token's K routed slots first, then its SHARED chunks); -1 past the call's pairs."""
+        if SHARED == 0:
+            return tl.load(experts + js, mask=js < pairs, other=-1)
+        else:
+            tok, slot = js // (K + SHARED), js % (K + SHARED)
+            routed = tl.load(experts + tok * K + slot, mask=(js < pairs) & (slot < K), other=-1)
+            return tl.where(js < pairs, tl.where(slot < K, routed, E + slot - K), -1)
+
+    @triton.jit
+    def run_of(experts, p, pairs, K, E, PAIRS: tl.constexpr, CHUNK: tl.constexpr, SHARED: tl.constexpr):
         """Pair p's expert, whether p is its expert's first pair, how many pairs it has, and a
         (CHUNK, PAIRS) one-hot selector: row r of chunk c picks the expert's (c + r)-th pair
         (`member`). No sort: every program reads the <= PAIRS experts of the call."""
-        e = tl.load(experts + p)
         js = tl.arange(0, PAIRS)
-        all_e = tl.load(experts + js, mask=js < pairs, other=-1)
+        all_e = expert_of(experts, js, pairs, K, E, SHARED)
+        if SHARED == 0:
+            e = tl.load(experts + p)
+        else:
+            e = tl.sum(tl.where(js == p, all_e, 0), 0)
         same = all_e == e
         head = tl.sum((same & (js < p)).to(tl.int32), 0) == 0
         rank = tl.cumsum(same.to(tl.int32), 0) - 1  # among the expert's pairs, in (token, slot) order
@@ -275,33 +322,39 @@ if triton is not None:
 
     @triton.jit
     def gate_up_kernel(x, w, ws, experts, act, touched, forwards, pairs, K, H, I, sx, swe, swr, sse, ssr, sa,
-                       QUANT: tl.constexpr, GROUP: tl.constexpr,
+                       w2, swe2, swr2, up2, E, QUANT: tl.constexpr, GROUP: tl.constexpr,
                        PAIRS: tl.constexpr, BI: tl.constexpr, SPAN: tl.constexpr, BH: tl.constexpr,
-                       CHUNK: tl.constexpr, COUNT: tl.constexpr, GDC: tl.constexpr):
+                       CHUNK: tl.constexpr, COUNT: tl.constexpr, SHARED: tl.constexpr, GDC: tl.constexpr):
         if GDC:  # the down kernel may launch now; it waits for these results before reading them
             tl.extra.cuda.gdc_launch_dependents()
         p = tl.program_id(0)
-        e, head, length, same, rank = run_of(experts, p, pairs, PAIRS, CHUNK)
-        if COUNT and tl.program_id(1) == 0:  # one count an expert (its owner), one forward a call
-            if head:
+        e, head, length, same, rank = run_of(experts, p, pairs, K, E, PAIRS, CHUNK, SHARED)
+        if COUNT and tl.program_id(1) == 0:  # one count a routed expert (its owner), one forward a call
+            if head and (SHARED == 0 or e < E):
                 tl.atomic_add(touched, 1)
             if p == 0:
                 tl.atomic_add(forwards, 1)
         if head:
             e = e.to(tl.int64)
+            wb, se, sr, up = w, swe, swr, I
+            if SHARED > 0:  # a shared chunk: the shared experts' weights, gate rows e I.., up rows up2 after
+                own = e >= E
+                wb, se, sr = tl.where(own, w2, w), tl.where(own, swe2, swe), tl.where(own, swr2, swr)
+                up = tl.where(own, up2, I)
+                e = tl.where(own, e - E, e)
             cols = tl.program_id(1) * SPAN + tl.arange(0, BI)
             cm = (tl.arange(0, BI) < SPAN) & (cols < I)  # masked columns cost no bytes
             for c in range(0, length, CHUNK):
                 rows, live = member(same, rank, c, PAIRS, CHUNK)
-                tok = rows // K
+                tok = rows // (K + SHARED)
                 g = tl.zeros((CHUNK, BI), dtype=tl.float32)
                 u = tl.zeros((CHUNK, BI), dtype=tl.float32)
                 for h0 in range(0, H, BH):
                     hs = h0 + tl.arange(0, BH)
                     xt = tl.load(x + tok[:, None] * sx + hs[None, :], mask=live[:, None] & (hs[None, :] < H),
                                  other=0.0)
-                    wg = weight_tile(w, ws, e, cols, cm, h0, H, swe, swr, sse, ssr, BI, BH, QUANT, GROUP)
-                    wu = weight_tile(w, ws, e, cols + I, cm, h0, H, swe, swr, sse, ssr, BI, BH, QUANT, GROUP)
+                    wg = weight_tile(wb, ws, e, cols, cm, h0, H, se, sr, sse, ssr, BI, BH, QUANT, GROUP)
+                    wu = weight_tile(wb, ws, e, cols + up, cm, h0, H, se, sr, sse, ssr, BI, BH, QUANT, GROUP)
                     wg, wu = wg.to(xt.dtype), wu.to(xt.dtype)
                     g += tl.dot(xt, tl.trans(wg))
                     u += tl.dot(xt, tl.trans(wu))
@@ -317,22 +370,27 @@ if triton is not None:
         return acc + tl.dot(at, tl.trans(wd.to(at.dtype)))
 
     @triton.jit
-    def down_kernel(act, w, ws, experts, wt, y, pairs, H, I, sa, swe, swr, sse, ssr, sy,
+    def down_kernel(act, w, ws, experts, wt, y, pairs, K, H, I, sa, swe, swr, sse, ssr, sy, w2, swe2, swr2, E,
                     QUANT: tl.constexpr, GROUP: tl.constexpr,
                     PAIRS: tl.constexpr, BHO: tl.constexpr, SPAN: tl.constexpr, BI: tl.constexpr,
-                    CHUNK: tl.constexpr, PRE: tl.constexpr, GDC: tl.constexpr):
+                    CHUNK: tl.constexpr, PRE: tl.constexpr, SHARED: tl.constexpr, GDC: tl.constexpr):
         if GDC:
             tl.extra.cuda.gdc_launch_dependents()
         p = tl.program_id(0)
-        e, head, length, same, rank = run_of(experts, p, pairs, PAIRS, CHUNK)
+        e, head, length, same, rank = run_of(experts, p, pairs, K, E, PAIRS, CHUNK, SHARED)
         if head:
             e = e.to(tl.int64)
+            wb, se, sr = w, swe, swr
+            if SHARED > 0:  # a shared chunk: columns e I .. of the shared experts' down weight
+                own = e >= E
+                wb, se, sr = tl.where(own, w2, w), tl.where(own, swe2, swe), tl.where(own, swr2, swr)
+                e = tl.where(own, e - E, e)
             cols = tl.program_id(1) * SPAN + tl.arange(0, BHO)
             cm = (tl.arange(0, BHO) < SPAN) & (cols < H)
             if PRE >= 1:  # the first steps' weights do not depend on gate-up: read them before waiting
-                w0 = weight_tile(w, ws, e, cols, cm, 0, I, swe, swr, sse, ssr, BHO, BI, QUANT, GROUP)
+                w0 = weight_tile(wb, ws, e, cols, cm, 0, I, se, sr, sse, ssr, BHO, BI, QUANT, GROUP)
             if PRE >= 2:
-                w1 = weight_tile(w, ws, e, cols, cm, BI, I, swe, swr, sse, ssr, BHO, BI, QUANT, GROUP)
+                w1 = weight_tile(wb, ws, e, cols, cm, BI, I, se, sr, sse, ssr, BHO, BI, QUANT, GROUP)
             if GDC:  # the gate-up kernel's act, complete and visible
                 tl.extra.cuda.gdc_wait()
             for c in range(0, length, CHUNK):
@@ -343,9 +401,13 @@ if triton is not None:
                 if PRE >= 2:
                     acc = down_step(acc, act, rows, live, sa, BI, I, w1, BI)
                 for i0 in range(PRE * BI, I, BI):
-                    wd = weight_tile(w, ws, e, cols, cm, i0, I, swe, swr, sse, ssr, BHO, BI, QUANT, GROUP)
+                    wd = weight_tile(wb, ws, e, cols, cm, i0, I, se, sr, sse, ssr, BHO, BI, QUANT, GROUP)
                     acc = down_step(acc, act, rows, live, sa, i0, I, wd, BI)
-                scale = tl.load(wt + rows, mask=live, other=0.0)
+                if SHARED == 0:
+                    scale = tl.load(wt + rows, mask=live, other=0.0)
+                else:  # a routed slot's routing weight; a shared chunk's 1
+                    slot = rows % (K + SHARED)
+                    scale = tl.load(wt + (rows // (K + SHARED)) * K + slot, mask=live & (slot < K), other=1.0)
                 tl.store(y + rows[:, None] * sy + cols[None, :], acc * scale[:, None],
                          mask=live[:, None] & cm[None, :])
 

@@ -151,9 +151,12 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: 
                                          num_warps=warps, **({"launch_pdl": True} if pre else {}))
     else:
         bm, bn, bk, warps, stages = glu_tiles(m, k) if glu else dot_tiles(m, n, k)
+        pdl = dependent_launch(x)  # as one row, with the first slice read before waiting for x
+        pre = min(PRE_SLICES, 1) if pdl else 0
         gemv_dot_kernel[(triton.cdiv(out, bn),)](xr, weight, b, y, m, out, xr.stride(0), K=k, BM=bm, BN=bn, BK=bk,
                                              EVEN_K=k % bk == 0, HAS_BIAS=bias is not None, GLU=glu,
-                                             num_warps=warps, num_stages=stages)
+                                             TRIGGER=pdl, PRE=pre, num_warps=warps, num_stages=stages,
+                                             **({"launch_pdl": True} if pre else {}))
     return y.view(*x.shape[:-1], out)
 
 
@@ -245,16 +248,31 @@ if triton is not None:
 
     @triton.jit
     def gemv_dot_kernel(X, W, B, Y, M, N, sx, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr):
+                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr, TRIGGER: tl.constexpr = False,
+                    PRE: tl.constexpr = 0):
         """Y (M, N) = X (M, K) Wᵀ (+ B), rows in tiles of BM (the grid's second axis): each program
         streams BN rows of W once for its tile (with GLU also the BN rows N further on, and writes
-        silu(first) * second)."""
+        silu(first) * second). TRIGGER and PRE (0-1) as gemv_kernel's: dependents may start at once;
+        launched dependent, the first slice's weights read before waiting for X."""
+        if TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
         m = tl.program_id(1) * BM + tl.arange(0, BM)
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
         mm, cm = m < M, cols < N
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         acc2 = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
+        if PRE > 0:  # the loop's first step, its weights read before the wait
+            c0 = tl.arange(0, BK)
+            w0 = _slice(W, cols, cm, c0, K, EVEN_K)
+            if GLU:
+                u0 = _slice(W, cols + N, cm, c0, K, EVEN_K)
+            tl.extra.cuda.gdc_wait()
+            xm = mm[:, None] if EVEN_K else mm[:, None] & (c0 < K)[None, :]
+            x = tl.load(X + m[:, None] * sx + c0[None, :], mask=xm, other=0.0)
+            acc = tl.dot(x, tl.trans(w0), acc)
+            if GLU:
+                acc2 = tl.dot(x, tl.trans(u0), acc2)
+        for k0 in range(PRE * BK, K, BK):
             kk = k0 + tl.arange(0, BK)
             xm = mm[:, None] if EVEN_K else mm[:, None] & (kk < K)[None, :]
             wm = cm[:, None] if EVEN_K else cm[:, None] & (kk < K)[None, :]

@@ -30,20 +30,20 @@ class RMSNorm(nn.Module):
     """RMSNorm; given `residual`, first adds it (x + residual is the new residual stream) and returns
     (normed, new residual), so the add and the norm are one fused kernel once compiled."""
 
-    def __init__(self, dim: int, eps: float, exact: bool = False, one_row: bool = False):
+    def __init__(self, dim: int, eps: float, exact: bool = False, few_rows: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.exact = exact  # an exact model's (Kernels.exact): on the GPU each row reduced alike whatever the others
-        self.one_row = one_row  # a layer's norms where the GEMVs run (Kernels.gemv): one row on the GPU as
-        # exact.rms_norm's kernel, which chains with the GEMVs around it by dependent launch
+        self.few_rows = few_rows  # a layer's norms where the GEMVs run (Kernels.gemv): up to gemv.MAX_ROWS rows
+        # on the GPU as exact.rms_norm's kernel, which chains with the GEMVs around it by dependent launch
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if self.exact and x.is_cuda and exact.triton is not None:
             return exact.rms_norm(x, self.weight, self.eps, residual)
-        if (self.one_row and x.is_cuda and exact.triton is not None and x.numel() == x.shape[-1]
+        if (self.few_rows and x.is_cuda and exact.triton is not None and x.numel() <= gemv.MAX_ROWS * x.shape[-1]
                 and x.dtype == self.weight.dtype and not torch.is_grad_enabled()):
-            return exact.one_row_norm(x, self.weight, self.eps, residual)
+            return exact.chained_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
         out = rms_norm(x, self.weight, self.eps)

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..kernels import EAGER, Kernels, fusable
-from . import exact, mla_attention
+from . import exact, mla_attention, mla_heads
 from .linear import Linear, linear
 
 
@@ -85,15 +85,21 @@ class MLAttention(nn.Module):
                 and mla_attention.usable(x, t, m.kv_lora_rank, m.qk_rope_head_dim)):
             # a few tokens a row: norm, RoPE, store and attend in the latent space in one kernel
             w = self.kv_b_proj.weight.view(self.nh, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
-            q_lat = torch.einsum("bthn,hnc->bthc", q_nope, w[:, :m.qk_nope_head_dim])  # any strides but the last
+            heads = mla_heads.usable(x, b * t, m.qk_nope_head_dim, m.kv_lora_rank)  # one token: no cuBLAS bmm
+            q_lat = (mla_heads.absorb(q_nope.view(self.nh, -1), w, m.qk_nope_head_dim).view(b, t, self.nh, -1)
+                     if heads else  # any strides but the last
+                     torch.einsum("bthn,hnc->bthc", q_nope, w[:, :m.qk_nope_head_dim]))
             o_lat = mla_attention.mla_attention(
                 q_lat, q_pe, kv, (self.kv_a_layernorm.weight, self.kv_a_layernorm.eps), cache.k[self.layer, :b, 0],
                 meta.slots[:, 0], meta.block_mask, meta.kv_len, meta.pending, (cos, sin), m.rope_interleave, self.scale)
             # each head's value rows, written straight into o_proj's (B*T, nh * v) rows (an einsum's
             # head-major result would be copied into them)
             o = o_lat.new_empty(b * t, self.nh, m.v_head_dim)
-            torch.bmm(o_lat.view(b * t, self.nh, m.kv_lora_rank).transpose(0, 1),
-                      w[:, m.qk_nope_head_dim:].transpose(1, 2), out=o.transpose(0, 1))
+            if heads:
+                mla_heads.values(o_lat.view(self.nh, m.kv_lora_rank), w, m.qk_nope_head_dim, o.view(self.nh, -1))
+            else:
+                torch.bmm(o_lat.view(b * t, self.nh, m.kv_lora_rank).transpose(0, 1),
+                          w[:, m.qk_nope_head_dim:].transpose(1, 2), out=o.transpose(0, 1))
             return self.o_proj(o.view(b, t, -1))
         c, k_pe = kv.split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
         q_pe, entry = self.rope_entry(q_pe, k_pe, self.kv_a_layernorm(c), cos, sin, m.rope_interleave)

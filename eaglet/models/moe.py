@@ -40,6 +40,10 @@ from .linear import Linear
 # recomputes its token's statistics, and on the H100 that paid at 1 and 2 tokens (decode 1.01x on Qwen3-30B-A3B
 # and DeepSeek-V2-Lite) and lost at 16 (0.985x a Qwen3 forward); docs/notebook.md
 NORM_TOKENS = 2
+# Tokens a call from which the shared experts run inside the fused kernels: at one token their two GEMVs,
+# each reading its weights before it waits, were faster (DeepSeek-V2-Lite decode 0.98x folded, its
+# forwards of 2 / 4 / 16 tokens 1.05x / 1.04x / 1.02x on an H100); docs/notebook.md
+FOLD_TOKENS = 2
 
 # model_type -> (the feed-forward module's name in a layer, an expert's gate / up / down names)
 NAMES = {
@@ -232,16 +236,23 @@ class SparseMoE(nn.Module):
 
     def through_kernels(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The routed (and shared) experts of x (N, H) by the fused kernels (fused_moe.fused_moe),
-        counting the experts touched."""
+        counting the routed experts touched. Shared experts as wide as a whole number of routed ones
+        run inside the kernels as each token's extra pairs (`fused_moe.foldable`), others beside them."""
         gate_up, down = self.stacks()
-        shared = self.shared_experts(x) if self.cfg.shared_experts else None  # added in the kernels' final sum
+        shared = add = None
+        if self.cfg.shared_experts:
+            se = self.shared_experts
+            if se.fused and len(x) >= FOLD_TOKENS and fused_moe.foldable(gate_up, se.gate_up_weight, se.linears()[2].weight):
+                shared = (se.gate_up_weight, se.linears()[2].weight)  # run as each token's extra pairs
+            else:
+                add = se(x)  # added in the kernels' final sum
         counts = (self.touched, self.forwards)
         if self.held < self.num_experts:  # the kernels index only the experts held here: another
             # rank's pair runs on the last one with its weight 0 (a clamped index: right, if some work
             # for nothing), and the pairs are counted here, where that expert does not count
             self.count(experts)
             experts, counts = experts.clamp(max=self.held - 1), None
-        return fused_moe.fused_moe(x, experts, weights, gate_up, down, counts=counts, add=shared)
+        return fused_moe.fused_moe(x, experts, weights, gate_up, down, counts=counts, add=add, shared=shared)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
