@@ -237,13 +237,15 @@ class SparseMoE(nn.Module):
     def through_kernels(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The routed (and shared) experts of x (N, H) by the fused kernels (fused_moe.fused_moe),
         counting the routed experts touched. Shared experts as wide as a whole number of routed ones
-        run inside the kernels as each token's extra pairs (`fused_moe.foldable`), others beside them."""
+        run inside the kernels as each token's extra pairs (`fused_moe.foldable`) in a call of
+        FOLD_TOKENS tokens or more; otherwise as their own GEMVs, added in the kernels' final sum."""
         gate_up, down = self.stacks()
         shared = add = None
         if self.cfg.shared_experts:
             se = self.shared_experts
-            if se.fused and len(x) >= FOLD_TOKENS and fused_moe.foldable(gate_up, se.gate_up_weight, se.linears()[2].weight):
-                shared = (se.gate_up_weight, se.linears()[2].weight)  # run as each token's extra pairs
+            down_w = se.linears()[2].weight
+            if se.fused and len(x) >= FOLD_TOKENS and fused_moe.foldable(gate_up, se.gate_up_weight, down_w):
+                shared = (se.gate_up_weight, down_w)  # run as each token's extra pairs
             else:
                 add = se(x)  # added in the kernels' final sum
         counts = (self.touched, self.forwards)
