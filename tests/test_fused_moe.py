@@ -5,7 +5,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from eaglet.models.fused_moe import fused_moe
 from eaglet.models.moe import gathered, grouped
+
+
+def routed(n: int, e: int, k: int, h: int, g: torch.Generator):
+    """n tokens (n, h), each with k distinct experts of e and their routing weights."""
+    x = torch.randn(n, h, generator=g)
+    experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
+    return x, experts, torch.rand(n, k, generator=g)
+
+
+def assert_reads_in_place(gate_up, down, n, e, k, h, g):
+    """The fused kernels on quantized stacks equal the gathered path on the stacks as the loader
+    dequantizes them."""
+    x, experts, weights = routed(n, e, k, h, g)
+    want = gathered(x, experts, weights, gate_up.dequantized(torch.float32), down.dequantized(torch.float32))
+    assert (fused_moe(x, experts, weights, gate_up, down) - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 @pytest.mark.interpreted
@@ -19,14 +35,12 @@ def test_fused_kernels_equal_the_gathered_path(n, variant):
     covers fewer columns than its tile (10 and 12 of 16, neither dividing the width), the rest masked;
     with down_pre the down kernel's first one or two steps (of 16 of the 24 columns) use weights read
     before the loop in a one-token call (more tokens: the loop alone)."""
-    from eaglet.models.fused_moe import Tiles, fused_moe
+    from eaglet.models.fused_moe import Tiles
 
     g = torch.Generator().manual_seed(n)
     e, k, h, i = 8, 3, 40, 24
     gate_up, down = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
-    x = torch.randn(n, h, generator=g)
-    experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
-    weights = torch.rand(n, k, generator=g)
+    x, experts, weights = routed(n, e, k, h, g)
     want = gathered(x, experts, weights, gate_up, down)
     tiles = None
     if variant == "spans":
@@ -47,16 +61,14 @@ def test_shared_experts_run_inside_the_fused_kernels(n, chunks, pre):
     the routed sum plus the shared MLP, as the gathered path and the MLP give it; the touched count
     is the routed experts' alone. A shared weight passed in a layout other than gate rows then up
     rows, or a chunk read at the wrong columns, changes the result."""
-    from eaglet.models.fused_moe import Tiles, foldable, fused_moe
+    from eaglet.models.fused_moe import Tiles, foldable
 
     g = torch.Generator().manual_seed(n + chunks)
     e, k, h, i = 8, 3, 40, 24
     s = chunks * i
     gate_up, down = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
     shared_gate_up, shared_down = torch.randn(2 * s, h, generator=g), torch.randn(h, s, generator=g)
-    x = torch.randn(n, h, generator=g)
-    experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
-    weights = torch.rand(n, k, generator=g)
+    x, experts, weights = routed(n, e, k, h, g)
     mlp = F.linear(F.silu(F.linear(x, shared_gate_up[:s])) * F.linear(x, shared_gate_up[s:]), shared_down)
     want = gathered(x, experts, weights, gate_up, down) + mlp
     assert foldable(gate_up, shared_gate_up, shared_down)
@@ -77,7 +89,7 @@ def test_fused_kernels_on_the_gpu_are_row_invariant():
     """On the GPU in bfloat16: the fused kernels agree with the grouped matmul, and each token's row
     is bitwise the same computed alone, among 7 tokens or among 64, with narrower column spans, and
     with the down kernel's first steps read before its wait; so with shared experts run inside them."""
-    from eaglet.models.fused_moe import Tiles, fused_moe
+    from eaglet.models.fused_moe import Tiles
 
     g = torch.Generator(device="cuda").manual_seed(0)
     e, k, h, i = 32, 4, 256, 96
@@ -117,7 +129,7 @@ def test_fused_kernels_read_int4_packs(n):
     """Experts kept as compressed-tensors INT4 packs (eight values a int32, offset 8, a scale per 32
     columns): the fused kernels, unpacking tile by tile, equal the gathered path on the weights as the
     loader dequantizes them."""
-    from eaglet.models.fused_moe import Int4, fused_moe
+    from eaglet.models.fused_moe import Int4
 
     g = torch.Generator().manual_seed(n)
     e, k, h, i = 8, 3, 64, 32
@@ -125,11 +137,7 @@ def test_fused_kernels_read_int4_packs(n):
                    torch.rand(e, rows, cols // 32, generator=g) * 0.1)
               for rows, cols in ((2 * i, h), (h, i))]
     gate_up, down = stacks
-    x = torch.randn(n, h, generator=g)
-    experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
-    weights = torch.rand(n, k, generator=g)
-    want = gathered(x, experts, weights, gate_up.dequantized(torch.float32), down.dequantized(torch.float32))
-    assert (fused_moe(x, experts, weights, gate_up, down) - want).abs().max() <= 1e-5 * want.abs().max()
+    assert_reads_in_place(gate_up, down, n, e, k, h, g)
 
 
 @pytest.mark.interpreted
@@ -139,7 +147,7 @@ def test_fused_kernels_read_fp8_blocks(n):
     """Experts kept as float8 with a scale per 128 x 128 block (DeepSeek-V3's release format): the
     fused kernels, scaling tile by tile (blocks that cross tiles and end inside a stack included),
     equal the gathered path on the weights as the loader dequantizes them."""
-    from eaglet.models.fused_moe import Fp8Block, fused_moe
+    from eaglet.models.fused_moe import Fp8Block
 
     g = torch.Generator().manual_seed(n)
     e, k, h, i = 6, 2, 320, 160
@@ -147,8 +155,4 @@ def test_fused_kernels_read_fp8_blocks(n):
                        torch.rand(e, -(-rows // 128), -(-cols // 128), generator=g) * 0.05)
               for rows, cols in ((2 * i, h), (h, i))]
     gate_up, down = stacks
-    x = torch.randn(n, h, generator=g)
-    experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
-    weights = torch.rand(n, k, generator=g)
-    want = gathered(x, experts, weights, gate_up.dequantized(torch.float32), down.dequantized(torch.float32))
-    assert (fused_moe(x, experts, weights, gate_up, down) - want).abs().max() <= 1e-5 * want.abs().max()
+    assert_reads_in_place(gate_up, down, n, e, k, h, g)
