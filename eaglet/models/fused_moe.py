@@ -17,8 +17,8 @@ weights; the two kernels a token's shared MLP would take (and their boundaries) 
 
 A token's result depends on its own routing only: the same tiles and the same reduction order
 whatever the other tokens in the call, and one tile configuration per layer shape (`Tiles`, chosen
-by `eaglet bench-moe --tune` and kept in moe_tiles.json), whatever the token count. Dot products in the weights' dtype with float32
-accumulation, as a matmul. Under TRITON_INTERPRET=1 (the CPU tests) it runs on any device.
+by `eaglet bench-moe --tune` and kept in moe_tiles.json), whatever the token count. Dot products in
+the weights' dtype with float32 accumulation, as a matmul. Under TRITON_INTERPRET=1 (the CPU tests) it runs on any device.
 """
 from __future__ import annotations
 
@@ -199,17 +199,17 @@ def gate_up_act(x: torch.Tensor, gate_up: Stack, experts: torch.Tensor, tiles: T
 
 
 def down_weighted(act: torch.Tensor, down: Stack, experts: torch.Tensor, weights: torch.Tensor,
-                  tiles: Tiles, shared: torch.Tensor | None = None) -> torch.Tensor:
+                  tiles: Tiles, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """(act W_down^T) times each pair's routing weight (float32, (N, k); a shared chunk's: 1), with the
     shared experts' down weight (H, S) for their chunks: (N (k + X), H) float32."""
     n, k = experts.shape
     h_dim, i_dim = down.shape[1], down.shape[2]
-    extra = 0 if shared is None else shared.shape[1] // i_dim
+    extra = shared_chunks(shared, i_dim)
     pairs = n * (k + extra)
     y = torch.empty(pairs, h_dim, dtype=torch.float32, device=act.device)
     gdc = dependent_launch(act)
     w, ws, swe, swr, sse, ssr, quant, group = stack_args(down)
-    w2 = w if shared is None else shared  # chunk j: columns j I .. (j + 1) I - 1
+    w2 = w if shared is None else shared[1]  # chunk j: columns j I .. (j + 1) I - 1
     span = tiles.spans()[1]
     down_kernel[(pairs, triton.cdiv(h_dim, span))](
         act, w, ws, experts, weights, y, pairs, k, h_dim, i_dim,
@@ -235,7 +235,7 @@ def fused_moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gat
     tiles = tiles or tiles_for(gate_up.shape[0], x.shape[1], down.shape[2], k, quant_name(gate_up))
     experts = experts.contiguous()
     act = gate_up_act(x, gate_up, experts, tiles, counts, shared)
-    y = down_weighted(act, down, experts, weights.float().contiguous(), tiles, None if shared is None else shared[1])
+    y = down_weighted(act, down, experts, weights.float().contiguous(), tiles, shared)
     k += shared_chunks(shared, down.shape[2])
     out = torch.empty_like(x)
     block = 1024

@@ -151,12 +151,11 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: 
                                          num_warps=warps, **({"launch_pdl": True} if pre else {}))
     else:
         bm, bn, bk, warps, stages = glu_tiles(m, k) if glu else dot_tiles(m, n, k)
-        pdl = dependent_launch(x)  # as one row, with the first slice read before waiting for x
-        pre = min(PRE_SLICES, 1) if pdl else 0
+        pdl = dependent_launch(x)  # as one row, with the first slice (the most PRE takes here) read before waiting for x
         gemv_dot_kernel[(triton.cdiv(out, bn),)](xr, weight, b, y, m, out, xr.stride(0), K=k, BM=bm, BN=bn, BK=bk,
                                              EVEN_K=k % bk == 0, HAS_BIAS=bias is not None, GLU=glu,
-                                             TRIGGER=pdl, PRE=pre, num_warps=warps, num_stages=stages,
-                                             **({"launch_pdl": True} if pre else {}))
+                                             TRIGGER=pdl, PRE=int(pdl), num_warps=warps, num_stages=stages,
+                                             **({"launch_pdl": True} if pdl else {}))
     return y.view(*x.shape[:-1], out)
 
 
