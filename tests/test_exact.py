@@ -34,6 +34,9 @@ def configs() -> dict:
         "llama": tiny("llama-3.1-8b", num_kv_heads=2, head_dim=16),
         "qwen3-moe": tiny("qwen3-30b-a3b", num_kv_heads=2, head_dim=16,
                           moe=dataclasses.replace(qwen.moe, num_experts=8, top_k=2, expert_size=32)),
+        # shared experts two routed widths wide beside the routed ones (DeepSeek's kind, without MLA)
+        "moe-shared": tiny("qwen3-30b-a3b", num_kv_heads=2, head_dim=16,
+                           moe=dataclasses.replace(qwen.moe, num_experts=8, top_k=2, expert_size=32, shared_experts=2)),
         "mla-moe": tiny("kimi-k2", num_kv_heads=4, head_dim=8,
                         moe=dataclasses.replace(kimi.moe, num_experts=8, top_k=2, expert_size=32, n_group=1,
                                                 topk_group=1),
@@ -51,19 +54,20 @@ def forward(model, cache, ids):
 
 
 @pytest.mark.parametrize("name,dev", [(n, d) for n in ("llama", "qwen3-moe", "mla-moe") for d in ("cpu", "cuda")]
-                         + [pytest.param(n, "interpreted", marks=pytest.mark.interpreted) for n in ("llama", "qwen3-moe")])
+                         + [pytest.param(n, "interpreted", marks=pytest.mark.interpreted)
+                            for n in ("llama", "qwen3-moe", "moe-shared")])
 @torch.inference_mode()
 def test_a_verify_of_16_gives_the_logits_of_16_decode_steps_bitwise(name, dev, monkeypatch):
     """On the CPU through MKL's matmul and attention a token at a time (models/exact.py); on the GPU
     through the row-invariant matmul and norm, the fused MoE kernels and the exact attention kernel
     (models/exact_attention.py; MLA: a token at a time); "interpreted": that kernel through Triton's
-    interpreter on the CPU, in float16 (MLA does not take it; its CPU path is not row-invariant in
-    float16)."""
+    interpreter on the CPU, in float16, with the fused MoE kernels (MLA does not take it; its CPU path
+    is not row-invariant in float16): a verify's shared experts take the path a decode step's take."""
     if dev == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     monkeypatch.setitem(shapes.SHAPES, name, configs()[name])
     if dev == "interpreted":
-        kernels, dtype, dev = Kernels(exact=True, cache_attention=True), torch.float16, "cpu"
+        kernels, dtype, dev = Kernels(exact=True, cache_attention=True, moe=True), torch.float16, "cpu"
     else:
         kernels, dtype = Kernels.choose(dev, exact=True), torch.bfloat16
     model = shapes.random_model(name, dev, dtype, kernels=kernels)

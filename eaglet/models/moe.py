@@ -45,6 +45,12 @@ NORM_TOKENS = 2
 # forwards of 2 / 4 / 16 tokens 1.05x / 1.04x / 1.02x on an H100); docs/notebook.md
 FOLD_TOKENS = 2
 
+
+def fold_at(tokens: int, exact: bool) -> bool:
+    """Whether a call of `tokens` tokens runs the shared experts inside the fused kernels. An exact
+    model (Kernels.exact) never does: its verify must round them as its one-token decode does."""
+    return not exact and tokens >= FOLD_TOKENS
+
 # model_type -> (the feed-forward module's name in a layer, an expert's gate / up / down names)
 NAMES = {
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
@@ -238,13 +244,14 @@ class SparseMoE(nn.Module):
         """The routed (and shared) experts of x (N, H) by the fused kernels (fused_moe.fused_moe),
         counting the routed experts touched. Shared experts as wide as a whole number of routed ones
         run inside the kernels as each token's extra pairs (`fused_moe.foldable`) in a call of
-        FOLD_TOKENS tokens or more; otherwise as their own GEMVs, added in the kernels' final sum."""
+        FOLD_TOKENS tokens or more (`fold_at`); otherwise as their own GEMVs, added in the kernels' final sum."""
         gate_up, down = self.stacks()
         shared = add = None
         if self.cfg.shared_experts:
             se = self.shared_experts
             down_w = se.linears()[2].weight
-            if se.fused and len(x) >= FOLD_TOKENS and fused_moe.foldable(gate_up, se.gate_up_weight, down_w):
+            fold = fold_at(len(x), self.kernels.exact)
+            if se.fused and fold and fused_moe.foldable(gate_up, se.gate_up_weight, down_w):
                 shared = (se.gate_up_weight, down_w)  # run as each token's extra pairs
             else:
                 add = se(x)  # added in the kernels' final sum
