@@ -54,6 +54,7 @@ def forward(model, cache, ids):
 
 
 @pytest.mark.parametrize("name,dev", [(n, d) for n in ("llama", "qwen3-moe", "mla-moe") for d in ("cpu", "cuda")]
+                         + [("moe-shared", "cuda")]
                          + [pytest.param(n, "interpreted", marks=pytest.mark.interpreted)
                             for n in ("llama", "qwen3-moe", "moe-shared")])
 @torch.inference_mode()
