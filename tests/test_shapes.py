@@ -154,6 +154,8 @@ def test_bench_shape_of_a_sliced_moe_shape(monkeypatch, tmp_path):
     rec = json.loads(next(tmp_path.glob("bench-shape-tiny-k2-cpu-*.json")).read_text())["results"]
     assert rec["experts"]["1"] == 8 and rec["experts"]["1"] < rec["experts"]["16"] <= 16
     assert rec["decode"]["transformers"]["tok_s"] > 0 and rec["decode"]["eager"]["vs_transformers"] > 0
+    plain = rec["decode"]["eager"]  # a step without the prefill, from the same rounds
+    assert plain["step_ms"] > 0 and plain["steps_tok_s"] == pytest.approx(1e3 / plain["step_ms"])
     assert rec["bytes_ratio"]["1"] == 1 and rec["bytes_ratio"]["16"] > 1
     spec = rec["speculation"]
     assert set(spec) == {"eagle3-chain3", "eagle3-tree2,2,4"}
@@ -163,6 +165,18 @@ def test_bench_shape_of_a_sliced_moe_shape(monkeypatch, tmp_path):
     for t in ("1", "64"):  # the whole model: base + 60 MoE layers at one layer's cost
         assert abs(sl["whole_ms"][t] - (sl["base_ms"][t] + 60 * sl["moe_layer_ms"][t])) < 1e-9
         assert abs(sl["base_ms"][t] + 3 * sl["moe_layer_ms"][t] - rec["forward_ms"]["eager"][t]) < 1e-9
+
+
+def test_a_decode_step_is_the_generation_less_its_prefill_round_by_round():
+    """The step figure pairs each round's whole generation with the same round's prefill-and-first-token
+    run (a slow spell falls on both), then takes the median: here 0.1 s a step, where unpaired medians
+    would say 0.2."""
+    from eaglet.perf.bench_shape import decode_steps
+
+    d = decode_steps([1.0, 2.0, 3.0], [0.1, 1.5, 0.2], 10)
+    assert d["step_ms"] == pytest.approx(100.0) and d["steps_tok_s"] == pytest.approx(10.0)
+    assert d["first_token_s"] == pytest.approx(0.2)
+    assert decode_steps([1.0], [0.5], 1) == {}  # one token: no step after the first
 
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,

@@ -27,6 +27,17 @@ def bytes_ratios(model, context: int, experts: dict | None) -> dict[str, float]:
     return {str(t): decode_bytes(model, context, t, experts[str(t)] if experts else None) / one for t in CURVE_TOKENS}
 
 
+def decode_steps(whole: list[float], first: list[float], n_new: int) -> dict:
+    """What a decode step costs without the prefill: the generation of `n_new` tokens less the prefill
+    and its first token, timed in the same rounds (paired, the median over rounds), per step. The
+    roofline counts one step's bytes, so this is the figure to hold against it; `tok_s` (the whole
+    generation over its tokens) also carries the prefill, which reads every expert of an MoE model."""
+    if n_new < 2:
+        return {}
+    step = statistics.median((w - f) / (n_new - 1) for w, f in zip(whole, first))
+    return {"first_token_s": statistics.median(first), "step_ms": step * 1e3, "steps_tok_s": 1 / step}
+
+
 def spec_settings(args) -> dict:
     """{record name: SpecConfig} of the settings `--spec-settings` names (default: chain 3 and --tree):
     eagle3-chainS, eagle3-treeS,K,N."""
@@ -128,6 +139,7 @@ def run_shape_bench(args) -> dict:
     ctx = args.context
     prompt = torch.randint(0, model.config.vocab_size, (ctx,), generator=torch.Generator().manual_seed(1)).tolist()
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    first = GenerationConfig(max_new_tokens=1, ignore_eos=True)  # the prefill and its token, timed beside
     results: dict = {"shape": args.shape, "context": ctx, "decode": {}, "forward_ms": {}}
     modes = {"eager": False} if device.type != "cuda" or args.eager else {"eager": False, "graphed": True}
     plain_tokens: dict = {}
@@ -135,8 +147,11 @@ def run_shape_bench(args) -> dict:
         gen = Generator(model, None, graphs=graphs)
         def run(ids, gen=gen, mode=mode):
             plain_tokens[mode] = gen.generate([ids], cfg)[0].tokens
-        r = run_systems({mode: run}, [prompt], device, args.repeats)[mode]
-        results["decode"][mode] = {"tok_s": args.max_new_tokens / statistics.median(r["seconds"]), **r}
+        timed = run_systems({mode: run, "first": lambda ids, gen=gen: gen.generate([ids], first)}, [prompt],
+                            device, args.repeats)
+        r = timed[mode]
+        results["decode"][mode] = {"tok_s": args.max_new_tokens / statistics.median(r["seconds"]), **r,
+                                   **decode_steps(r["seconds"], timed["first"]["seconds"], args.max_new_tokens)}
         gen.fresh()  # free its cache before the curve allocates one
         experts: dict = {}
         results["forward_ms"][mode] = forward_curve(model, CURVE_TOKENS, ctx + args.max_new_tokens // 2, graphs,
@@ -171,6 +186,8 @@ def run_shape_bench(args) -> dict:
             if mode == "transformers":
                 continue
             d["vs_roofline"] = d["tok_s"] / results["roofline"]["ceiling_tok_s"]
+            if "steps_tok_s" in d:
+                d["steps_vs_roofline"] = d["steps_tok_s"] / results["roofline"]["ceiling_tok_s"]
             d["vs_weights_ceiling"] = d["tok_s"] / results["roofline"]["weights_ceiling_tok_s"]
             results["forward_ms"][mode + "_vs_roofline_1tok"] = (
                 1e3 / results["roofline"]["ceiling_tok_s"]) / results["forward_ms"][mode]["1"]
@@ -192,6 +209,10 @@ def print_shape(args, dtype, results: dict, modes: dict) -> None:
                 if rf else "")
         vs = f", {d['vs_transformers']:.2f}x transformers" if "vs_transformers" in d else ""
         print(f"plain decode, {mode:<12}{d['tok_s']:8.1f} tok/s{vs}{roof}")
+        if "step_ms" in d:
+            of = f", {d['steps_vs_roofline']:.1%} of the roofline" if "steps_vs_roofline" in d else ""
+            print(f"  a step after the first token {d['step_ms']:.3f} ms ({d['steps_tok_s']:.1f} tok/s{of}); "
+                  f"the prefill and its token {d['first_token_s'] * 1e3:.1f} ms")
     moe = "experts" in results
     sliced = results.get("slice")
     print(f"{'tokens':>8}" + "".join(f"{m + ' ms':>14}" for m in modes) + f"{'x decode':>10}"
