@@ -1,4 +1,4 @@
-"""eaglet: a speculative-decoding engine for Llama-family models (EAGLE-3, n-gram, draft model)."""
+"""eaglet: a speculative-decoding engine for Llama-family, MoE and MLA models (EAGLE-3, n-gram, draft model)."""
 from .config import ModelConfig
 from .errors import EagletError, InvalidInput, ModelLoadError
 from .generate import Completion, GenerationConfig, Generator, TokenEvent

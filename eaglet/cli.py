@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="eaglet", description="Speculative decoding for Llama-family models.")
+    parser = argparse.ArgumentParser(prog="eaglet",
+                                     description="Speculative decoding for Llama-family, MoE and MLA models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt, streaming it",
