@@ -8,6 +8,9 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The CPU's few-row matmul is timed per host (models/linear.py `cpu_wxt`); the suite runs W @ xᵀ, which
+# rounds a row alike at 1 to 64 rows, on every host, and its F.linear tests choose F.linear themselves.
+os.environ.setdefault("EAGLET_CPU_MATMUL", "wxt")
 if not torch.cuda.is_available():  # Triton kernels run in its interpreter (before triton is imported)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # Under pytest-xdist (`make test` runs `-n 2`) the workers share the cores: each takes its share of

@@ -188,6 +188,18 @@ def test_equals_plain_greedy(tiny, small_draft, drafter, shape):
         assert all(s[1] == spec.steps and s[2] == spec.steps for r in rows for s in r)
 
 
+def test_equals_plain_greedy_where_the_cpu_takes_f_linear(tiny, monkeypatch):
+    """On a host whose few-row matmuls take F.linear (models/linear.py `cpu_wxt`), a verify's rows are
+    not rounded as a decode step's row; greedy speculation still equals plain greedy under it."""
+    from eaglet.models import linear
+
+    monkeypatch.setattr(linear, "cpu_wxt", lambda: False)
+    model, prompts, _ = tiny
+    ref = [Generator(model, None).generate([p], GREEDY)[0].tokens for p in prompts]
+    for shape in ("chain5", "tree3x3"):
+        run_checked(model, prompts, ref, Recording(SpecConfig("eagle3", **SHAPES[shape]), head=random_head(model.config)))
+
+
 @pytest.mark.parametrize("k", [3, 5])
 def test_perfect_chain_accepts_everything(tiny, k):
     """A draft model identical to the target: every step accepts all k drafts plus the bonus."""

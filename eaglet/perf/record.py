@@ -137,6 +137,9 @@ def environment() -> dict:
         env["gpu"] = None
         env["cpu"] = platform.processor() or platform.machine()
     env["cpu_model"] = cpu_model()  # the host's too where a GPU runs: a loaded server's step is the host's work
+    from ..models.linear import cpu_matmul
+
+    env["cpu_matmul"] = cpu_matmul()  # the few-row matmul this host's CPU runs were timed with (None: none ran)
     from ..dist.workers import summary
 
     env["tensor_parallel"] = summary()  # the NCCL settings every rank held at communicator creation
