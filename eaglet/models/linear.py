@@ -5,7 +5,7 @@ models/gemv.py's Triton kernels, which stream the weights faster than cuBLAS
 (bench/gpu/layer_probe.py), and longer inputs to F.linear.
 On the CPU, which of W @ xᵀ and F.linear's x @ Wᵀ streams the weights of a decode or verify step's
 few rows faster depends on the host (bench/cpu/matmul_probe.py: W @ xᵀ 1.5x for one row, 2.3x for two,
-1.4x at 64 on one; F.linear 1.6x for one row on another), so `cpu_wxt` times both once a process. With
+1.4x at 64 on one host; F.linear 1.9x for one row on another), so `cpu_wxt` times both once a process. With
 W @ xᵀ one row is doubled, because W @ x for a single column is the slow GEMV again. Longer inputs
 (prefill) keep F.linear. Exact models (Kernels.exact), whose rows must come out alike at any row count,
 always take W @ xᵀ, in pieces of 64 rows. On the GPU an exact model's
